@@ -1,0 +1,13 @@
+"""Pipelines: ``Operation``, ``State``, ``AllocationQuery`` and the planner/compiler.
+
+Importing this package does not import numba.
+"""
+
+from __future__ import annotations
+
+from beton_serve.pipeline.allocation_query import AllocationQuery
+from beton_serve.pipeline.compiler import Compiler
+from beton_serve.pipeline.operation import Operation
+from beton_serve.pipeline.state import State
+
+__all__ = ["AllocationQuery", "Compiler", "Operation", "State"]

@@ -1,0 +1,103 @@
+"""The ``Operation`` contract (mirrors ``ffcv.pipeline.operation``).
+
+An op is planned once and compiled once:
+
+1. ``accept_field(field)`` and ``accept_globals(metadata, memory_read)`` are called on decoders
+   (and on any op that is first in a pipeline) before planning.
+2. ``declare_state_and_memory(previous_state) -> (state, allocation)`` says what comes out and what
+   per-sample memory the op needs. The planner allocates ``(batch_size, *shape)`` buffers.
+3. ``generate_code()`` returns the per-batch function (not its result). Attributes on that
+   function change how it is called:
+
+   * decoders: ``f(batch_indices, dst, metadata, storage_state[, seed_key]) -> output``;
+   * transforms: ``f(inp, dst[, batch_indices][, seed_key][, shared_memory]) -> output``;
+   * ``f.with_indices = True``: also receive ``batch_indices``, the dataset sample ids of the
+     batch (``uint64``), in batch order;
+   * ``f.with_seed = True`` (beton-serve extension): also receive ``seed_key``, a ``uint64``
+     that is a pure function of (loader seed, epoch, op position). Random draws made as a pure
+     function of ``(seed_key, sample_id, draw_number)`` are reproducible whatever the worker
+     count or thread timing (see :mod:`beton_serve.pipeline.rng`);
+   * ``f.python = True`` (beton-serve extension): the function is plain Python that releases
+     the GIL itself (e.g. JPEG decoding through libjpeg-turbo) and must not be Numba-compiled,
+     even though the op's output state is in jit mode.
+
+   An op whose output state has ``jit_mode=True`` is Numba-compiled (``nopython``, ``nogil``);
+   an op whose output state is not in jit mode runs as Python on torch tensors.
+
+beton-serve streams pipelines over the wire as data, so every built-in op also has a registered
+``spec_name`` and JSON-safe ``spec_params()``; ``beton_serve.pipeline.registry`` rebuilds ops from
+them. Custom ops run in the daemon only when loaded as plugins.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from beton_serve.pipeline.allocation_query import Allocation
+from beton_serve.pipeline.state import State
+
+__all__ = ["Operation"]
+
+
+class Operation(ABC):
+    """Base class of every pipeline op: decoders, transforms and user-defined ops.
+
+    Subclasses implement :meth:`generate_code` and :meth:`declare_state_and_memory`. Ports of FFCV
+    ops need no other change than their imports.
+    """
+
+    #: Registered wire name of a built-in or plugin op (``None`` for unregistered user ops).
+    spec_name: ClassVar[str | None] = None
+
+    def __init__(self) -> None:
+        self.metadata: Any = None
+        self.memory_read: Callable[..., Any] | None = None
+        self.field: Any = None
+
+    # -- called by the planner -------------------------------------------------------------
+    def accept_field(self, field: Any) -> None:
+        """Receive the handler of the field this pipeline reads (``self.field``)."""
+        self.field = field
+
+    def accept_globals(self, metadata: Any, memory_read: Callable[..., Any]) -> None:
+        """Receive the field's metadata column over all samples and the byte-reading function."""
+        self.metadata = metadata
+        self.memory_read = memory_read
+
+    @abstractmethod
+    def generate_code(self) -> Callable[..., Any]:
+        """Return the per-batch function (see the module docstring for its signature)."""
+
+    @abstractmethod
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, Allocation]:
+        """Return ``(output_state, allocation_query_or_queries_or_None)``."""
+
+    def declare_shared_memory(self, previous_state: State) -> Any:
+        """Optional per-op shared buffer (an ``AllocationQuery``) filled once per batch."""
+        return None
+
+    def generate_code_for_shared_state(self) -> Callable[..., Any] | None:
+        """Optional function that fills the shared buffer; called once per batch."""
+        return None
+
+    # -- wire description --------------------------------------------------------------------
+    def spec_params(self) -> dict[str, Any]:
+        """JSON-safe constructor arguments that rebuild this op through the registry.
+
+        Built-in ops override this. The default refuses, naming the op, because an
+        unregistered op cannot travel to a daemon.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no wire description; load it into the daemon with "
+            "--plugin and give it a spec_name, or run it in the client after ToDevice"
+        )
+
+    def __repr__(self) -> str:
+        try:
+            params = self.spec_params()
+        except NotImplementedError:
+            return f"{type(self).__name__}()"
+        args = ", ".join(f"{k}={v!r}" for k, v in params.items())
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,107 @@
+"""Shared test configuration.
+
+* ``gpu`` tests are skipped, with a visible reason, when CUDA is not available.
+* An autouse guard fails any test that leaves a ``beton-*`` segment in ``/dev/shm``, a live child
+  process, or a running ``beton-*`` thread behind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+SHM = Path("/dev/shm")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("gpu" in item.keywords for item in items) and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def _segments() -> set[str]:
+    if not SHM.is_dir():
+        return set()
+    return {p.name for p in SHM.iterdir() if p.name.startswith("beton-")}
+
+
+def _children() -> set[int]:
+    """Live (non-zombie) direct children of this process, from /proc."""
+    me = os.getpid()
+    out: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...; comm may contain spaces, so split after the last ')'.
+        rest = stat.rsplit(")", 1)[-1].split()
+        if len(rest) >= 2 and int(rest[1]) == me and rest[0] != "Z":
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            # multiprocessing's resource tracker and forkserver live as long as the test session.
+            if b"resource_tracker" in cmdline or b"forkserver" in cmdline:
+                continue
+            out.add(int(entry.name))
+    return out
+
+
+def _beton_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("beton-") and t.is_alive()}
+
+
+@pytest.fixture(autouse=True)
+def resource_guard(request: pytest.FixtureRequest):
+    """Fail the test if it leaks shared memory, child processes or beton threads."""
+    segs0, kids0, threads0 = _segments(), _children(), _beton_threads()
+    yield
+    deadline = time.monotonic() + 3.0
+    while True:
+        segs = _segments() - segs0
+        kids = _children() - kids0
+        threads = _beton_threads() - threads0
+        if not (segs or kids or threads) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    problems = []
+    if segs:
+        problems.append(f"shared-memory segments left in /dev/shm: {sorted(segs)}")
+        for name in segs:  # clean up so one leak does not fail every later test
+            try:
+                (SHM / name).unlink()
+            except OSError:
+                pass
+    if kids:
+        problems.append(f"child processes left running: {sorted(kids)}")
+    if threads:
+        problems.append(f"beton threads left running: {sorted(threads)}")
+    if problems:
+        pytest.fail("resource leak: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """The FFCV-written fixtures (copied from shared/fixtures/ffcv)."""
+    return ROOT / "tests" / "data" / "ffcv"
