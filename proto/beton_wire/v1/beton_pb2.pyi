@@ -1,0 +1,612 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Order(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ORDER_UNSPECIFIED: _ClassVar[Order]
+    ORDER_SEQUENTIAL: _ClassVar[Order]
+    ORDER_RANDOM: _ClassVar[Order]
+    ORDER_QUASI_RANDOM: _ClassVar[Order]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+    DTYPE_UINT16: _ClassVar[DType]
+    DTYPE_INT16: _ClassVar[DType]
+    DTYPE_UINT32: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_UINT64: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_BOOL: _ClassVar[DType]
+
+ORDER_UNSPECIFIED: Order
+ORDER_SEQUENTIAL: Order
+ORDER_RANDOM: Order
+ORDER_QUASI_RANDOM: Order
+DTYPE_UNSPECIFIED: DType
+DTYPE_UINT8: DType
+DTYPE_INT8: DType
+DTYPE_UINT16: DType
+DTYPE_INT16: DType
+DTYPE_UINT32: DType
+DTYPE_INT32: DType
+DTYPE_UINT64: DType
+DTYPE_INT64: DType
+DTYPE_FLOAT16: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT64: DType
+DTYPE_BOOL: DType
+
+class ListDatasetsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FieldInfo(_message.Message):
+    __slots__ = ("decoders", "name", "type")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    DECODERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    decoders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(
+        self, name: str | None = ..., type: str | None = ..., decoders: _Iterable[str] | None = ...
+    ) -> None: ...
+
+class DatasetInfo(_message.Message):
+    __slots__ = ("fields", "name", "num_samples", "schema_key", "shards")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_KEY_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_samples: int
+    fields: _containers.RepeatedCompositeFieldContainer[FieldInfo]
+    schema_key: str
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(
+        self,
+        name: str | None = ...,
+        num_samples: int | None = ...,
+        fields: _Iterable[FieldInfo | _Mapping] | None = ...,
+        schema_key: str | None = ...,
+        shards: _Iterable[str] | None = ...,
+    ) -> None: ...
+
+class ListDatasetsResponse(_message.Message):
+    __slots__ = ("datasets",)
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
+    def __init__(self, datasets: _Iterable[DatasetInfo | _Mapping] | None = ...) -> None: ...
+
+class DescribeDatasetRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: str | None = ...) -> None: ...
+
+class OpSpec(_message.Message):
+    __slots__ = ("name", "params_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params_json: str
+    def __init__(self, name: str | None = ..., params_json: str | None = ...) -> None: ...
+
+class PipelineSpec(_message.Message):
+    __slots__ = ("field", "name", "ops", "skip")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    field: str
+    ops: _containers.RepeatedCompositeFieldContainer[OpSpec]
+    skip: bool
+    def __init__(
+        self,
+        name: str | None = ...,
+        field: str | None = ...,
+        ops: _Iterable[OpSpec | _Mapping] | None = ...,
+        skip: bool | None = ...,
+    ) -> None: ...
+
+class HostIdentity(_message.Message):
+    __slots__ = ("boot_id", "hostname", "pid", "uid")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    hostname: str
+    uid: int
+    pid: int
+    def __init__(
+        self,
+        boot_id: str | None = ...,
+        hostname: str | None = ...,
+        uid: int | None = ...,
+        pid: int | None = ...,
+    ) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("compressions", "cuda", "cupy", "torch", "transports")
+    TORCH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    CUPY_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSIONS_FIELD_NUMBER: _ClassVar[int]
+    torch: bool
+    cuda: bool
+    cupy: bool
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    compressions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(
+        self,
+        torch: bool | None = ...,
+        cuda: bool | None = ...,
+        cupy: bool | None = ...,
+        transports: _Iterable[str] | None = ...,
+        compressions: _Iterable[str] | None = ...,
+    ) -> None: ...
+
+class OpenStreamRequest(_message.Message):
+    __slots__ = (
+        "batch_size",
+        "batches_ahead",
+        "capabilities",
+        "client_name",
+        "compression",
+        "dataset",
+        "device",
+        "distributed",
+        "drop_last",
+        "has_indices",
+        "host",
+        "indices",
+        "order",
+        "pipelines",
+        "rank",
+        "seed",
+        "transport",
+        "world_size",
+    )
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    HAS_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    pipelines: _containers.RepeatedCompositeFieldContainer[PipelineSpec]
+    batch_size: int
+    order: Order
+    seed: int
+    drop_last: bool
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    has_indices: bool
+    distributed: bool
+    rank: int
+    world_size: int
+    batches_ahead: int
+    transport: str
+    device: str
+    host: HostIdentity
+    capabilities: Capabilities
+    client_name: str
+    compression: str
+    def __init__(
+        self,
+        dataset: str | None = ...,
+        pipelines: _Iterable[PipelineSpec | _Mapping] | None = ...,
+        batch_size: int | None = ...,
+        order: Order | str | None = ...,
+        seed: int | None = ...,
+        drop_last: bool | None = ...,
+        indices: _Iterable[int] | None = ...,
+        has_indices: bool | None = ...,
+        distributed: bool | None = ...,
+        rank: int | None = ...,
+        world_size: int | None = ...,
+        batches_ahead: int | None = ...,
+        transport: str | None = ...,
+        device: str | None = ...,
+        host: HostIdentity | _Mapping | None = ...,
+        capabilities: Capabilities | _Mapping | None = ...,
+        client_name: str | None = ...,
+        compression: str | None = ...,
+    ) -> None: ...
+
+class OutputSpec(_message.Message):
+    __slots__ = ("dtype", "name", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(
+        self,
+        name: str | None = ...,
+        shape: _Iterable[int] | None = ...,
+        dtype: DType | str | None = ...,
+    ) -> None: ...
+
+class TransportRejection(_message.Message):
+    __slots__ = ("reason", "transport")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    reason: str
+    def __init__(self, transport: str | None = ..., reason: str | None = ...) -> None: ...
+
+class ShmSetup(_message.Message):
+    __slots__ = ("segment", "segment_bytes", "slot_bytes", "slot_count")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    slot_count: int
+    slot_bytes: int
+    segment_bytes: int
+    def __init__(
+        self,
+        segment: str | None = ...,
+        slot_count: int | None = ...,
+        slot_bytes: int | None = ...,
+        segment_bytes: int | None = ...,
+    ) -> None: ...
+
+class CudaIpcSetup(_message.Message):
+    __slots__ = ("device", "event_handles", "slab_handles", "slot_bytes", "slot_count")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLAB_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    slot_count: int
+    slot_bytes: int
+    slab_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    event_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(
+        self,
+        device: int | None = ...,
+        slot_count: int | None = ...,
+        slot_bytes: int | None = ...,
+        slab_handles: _Iterable[bytes] | None = ...,
+        event_handles: _Iterable[bytes] | None = ...,
+    ) -> None: ...
+
+class GrpcSetup(_message.Message):
+    __slots__ = ("chunk_bytes", "compression")
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    compression: str
+    chunk_bytes: int
+    def __init__(self, compression: str | None = ..., chunk_bytes: int | None = ...) -> None: ...
+
+class TransportSetup(_message.Message):
+    __slots__ = ("cuda_ipc", "grpc", "kind", "shm")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    GRPC_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    shm: ShmSetup
+    cuda_ipc: CudaIpcSetup
+    grpc: GrpcSetup
+    def __init__(
+        self,
+        kind: str | None = ...,
+        shm: ShmSetup | _Mapping | None = ...,
+        cuda_ipc: CudaIpcSetup | _Mapping | None = ...,
+        grpc: GrpcSetup | _Mapping | None = ...,
+    ) -> None: ...
+
+class OpenStreamResponse(_message.Message):
+    __slots__ = (
+        "batch_size",
+        "max_credits",
+        "num_batches",
+        "num_samples",
+        "outputs",
+        "plan_cached",
+        "rejected",
+        "stream_id",
+        "transport",
+    )
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_CACHED_FIELD_NUMBER: _ClassVar[int]
+    MAX_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    outputs: _containers.RepeatedCompositeFieldContainer[OutputSpec]
+    transport: TransportSetup
+    rejected: _containers.RepeatedCompositeFieldContainer[TransportRejection]
+    num_batches: int
+    batch_size: int
+    num_samples: int
+    plan_cached: bool
+    max_credits: int
+    def __init__(
+        self,
+        stream_id: str | None = ...,
+        outputs: _Iterable[OutputSpec | _Mapping] | None = ...,
+        transport: TransportSetup | _Mapping | None = ...,
+        rejected: _Iterable[TransportRejection | _Mapping] | None = ...,
+        num_batches: int | None = ...,
+        batch_size: int | None = ...,
+        num_samples: int | None = ...,
+        plan_cached: bool | None = ...,
+        max_credits: int | None = ...,
+    ) -> None: ...
+
+class Start(_message.Message):
+    __slots__ = ("credits", "epoch", "next_batch", "stream_id")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BATCH_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    epoch: int
+    next_batch: int
+    credits: int
+    def __init__(
+        self,
+        stream_id: str | None = ...,
+        epoch: int | None = ...,
+        next_batch: int | None = ...,
+        credits: int | None = ...,
+    ) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("batch_index", "slot", "wait_us")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    batch_index: int
+    wait_us: int
+    def __init__(
+        self, slot: int | None = ..., batch_index: int | None = ..., wait_us: int | None = ...
+    ) -> None: ...
+
+class Credit(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: int | None = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("batch_index", "wait_us")
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    batch_index: int
+    wait_us: int
+    def __init__(self, batch_index: int | None = ..., wait_us: int | None = ...) -> None: ...
+
+class ClientMessage(_message.Message):
+    __slots__ = ("ack", "credit", "release", "start")
+    START_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    start: Start
+    release: Release
+    credit: Credit
+    ack: Ack
+    def __init__(
+        self,
+        start: Start | _Mapping | None = ...,
+        release: Release | _Mapping | None = ...,
+        credit: Credit | _Mapping | None = ...,
+        ack: Ack | _Mapping | None = ...,
+    ) -> None: ...
+
+class TensorDesc(_message.Message):
+    __slots__ = ("dtype", "name", "nbytes", "offset", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    offset: int
+    nbytes: int
+    def __init__(
+        self,
+        name: str | None = ...,
+        shape: _Iterable[int] | None = ...,
+        dtype: DType | str | None = ...,
+        offset: int | None = ...,
+        nbytes: int | None = ...,
+    ) -> None: ...
+
+class BatchReady(_message.Message):
+    __slots__ = ("batch_index", "data", "epoch", "length", "sample_ids", "slot", "tensors")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    batch_index: int
+    slot: int
+    length: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDesc]
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    data: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(
+        self,
+        epoch: int | None = ...,
+        batch_index: int | None = ...,
+        slot: int | None = ...,
+        length: int | None = ...,
+        tensors: _Iterable[TensorDesc | _Mapping] | None = ...,
+        sample_ids: _Iterable[int] | None = ...,
+        data: _Iterable[bytes] | None = ...,
+    ) -> None: ...
+
+class EndOfEpoch(_message.Message):
+    __slots__ = ("batches", "epoch")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    batches: int
+    def __init__(self, epoch: int | None = ..., batches: int | None = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("batch", "end")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    batch: BatchReady
+    end: EndOfEpoch
+    def __init__(
+        self, batch: BatchReady | _Mapping | None = ..., end: EndOfEpoch | _Mapping | None = ...
+    ) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamStats(_message.Message):
+    __slots__ = (
+        "age_s",
+        "batches_sent",
+        "client_name",
+        "client_pid",
+        "client_wait_us",
+        "dataset",
+        "samples_sent",
+        "slot_count",
+        "slots_leased",
+        "stream_id",
+        "transport",
+    )
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_LEASED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    dataset: str
+    client_name: str
+    client_pid: int
+    transport: str
+    batches_sent: int
+    samples_sent: int
+    slots_leased: int
+    slot_count: int
+    client_wait_us: int
+    age_s: float
+    def __init__(
+        self,
+        stream_id: str | None = ...,
+        dataset: str | None = ...,
+        client_name: str | None = ...,
+        client_pid: int | None = ...,
+        transport: str | None = ...,
+        batches_sent: int | None = ...,
+        samples_sent: int | None = ...,
+        slots_leased: int | None = ...,
+        slot_count: int | None = ...,
+        client_wait_us: int | None = ...,
+        age_s: float | None = ...,
+    ) -> None: ...
+
+class DatasetStats(_message.Message):
+    __slots__ = ("batches_decoded", "name", "samples_decoded")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_DECODED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DECODED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    samples_decoded: int
+    batches_decoded: int
+    def __init__(
+        self,
+        name: str | None = ...,
+        samples_decoded: int | None = ...,
+        batches_decoded: int | None = ...,
+    ) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = (
+        "compiled_plans",
+        "datasets",
+        "pid",
+        "shm_bytes",
+        "streams",
+        "streams_opened",
+        "uptime_s",
+        "workers",
+    )
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_PLANS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_OPENED_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    uptime_s: float
+    workers: int
+    streams: _containers.RepeatedCompositeFieldContainer[StreamStats]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetStats]
+    shm_bytes: int
+    compiled_plans: int
+    streams_opened: int
+    def __init__(
+        self,
+        pid: int | None = ...,
+        uptime_s: float | None = ...,
+        workers: int | None = ...,
+        streams: _Iterable[StreamStats | _Mapping] | None = ...,
+        datasets: _Iterable[DatasetStats | _Mapping] | None = ...,
+        shm_bytes: int | None = ...,
+        compiled_plans: int | None = ...,
+        streams_opened: int | None = ...,
+    ) -> None: ...

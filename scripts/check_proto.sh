@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# CI check: regenerate proto/beton_wire/v1 into a temp dir and diff it against the committed files.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+bash "$root/scripts/gen_proto.sh" "$tmp"
+status=0
+for f in "$tmp"/beton_wire/v1/*_pb2*.py "$tmp"/beton_wire/v1/*.pyi; do
+  name="$(basename "$f")"
+  if ! diff -u "$root/proto/beton_wire/v1/$name" "$f"; then
+    echo "proto/beton_wire/v1/$name is stale: run scripts/gen_proto.sh" >&2
+    status=1
+  fi
+done
+exit $status
