@@ -1,0 +1,500 @@
+"""The daemon's metrics: one Prometheus registry, an HTTP exporter, and a snapshot for the Stats RPC.
+
+Data model. A :class:`Metrics` owns a private ``prometheus_client.CollectorRegistry`` (never the
+process-global one, so two daemons or two tests in one process never collide) holding:
+
+=====================================  =========  ==================  ==================================
+name                                   kind       labels              set by
+=====================================  =========  ==================  ==================================
+``beton_stream_batches_total``         counter    stream, dataset     :meth:`batch_delivered`
+``beton_stream_images_total``          counter    stream, dataset     :meth:`batch_delivered`
+``beton_op_seconds``                   histogram  op                  :meth:`observe_op`
+``beton_queue_depth``                  gauge      -                   :meth:`set_queue_depth`
+``beton_workers``                      gauge      -                   :meth:`set_workers`
+``beton_worker_utilisation``           gauge      -                   :meth:`set_worker_utilisation`
+``beton_slots_in_use``                 gauge      stream              :meth:`set_slots`
+``beton_slots_total``                  gauge      stream              :meth:`set_slots`
+``beton_client_stall_ratio``           gauge      client              :meth:`report_stall`
+``beton_client_wait_seconds_total``    counter    client              :meth:`report_stall`
+``beton_client_wall_seconds_total``    counter    client              :meth:`report_stall`
+``beton_samples_decoded_total``        counter    dataset             :meth:`samples_decoded`
+``beton_bad_samples_total``            counter    dataset             :meth:`bad_samples`
+``beton_streams_active``               gauge      -                   :meth:`open_stream`/:meth:`close_stream`
+=====================================  =========  ==================  ==================================
+
+Rates (batches/s, images/s) are what Prometheus computes from the counters. The terminal view
+(``beton-serve stats``) has no Prometheus, so :meth:`snapshot` also reports per-stream rates over
+a short sliding window (``rate_window_s``, 5 s by default).
+
+Data-stall time is measured by the *client*: it alone knows how long its training loop waited
+inside ``next(loader)``. The client sends deltas ``(wait_s, wall_s)`` since its previous report
+(``wall_s`` is the wall time that elapsed over the same interval); the daemon calls
+:meth:`report_stall`, which adds them to the two counters and sets the gauge to the share of the
+last interval spent waiting, ``wait_s / wall_s``. ``rate(wait) / rate(wall)`` in PromQL gives the
+same share over any window, and :meth:`snapshot` also gives the share since the client connected.
+
+Cardinality. Streams and clients come and go in a daemon that runs for weeks: call
+:meth:`close_stream` / :meth:`forget_client` when they leave, which removes their label sets, so
+memory stays flat. Datasets and ops are fixed for the daemon's life and are never removed.
+
+Threading. Every method is thread-safe: ``prometheus_client`` metrics are, and the bookkeeping
+here is under one lock held only for dictionary updates. The recorders are cheap (a lock and a
+few additions) and may be called from worker threads for every batch.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from beton_serve.errors import ConfigError
+
+__all__ = ["OP_SECONDS_BUCKETS", "Metrics"]
+
+#: Histogram buckets of ``beton_op_seconds``: an op's time for one batch, 10 µs to 10 s.
+OP_SECONDS_BUCKETS: tuple[float, ...] = (
+    1e-5,
+    3e-5,
+    1e-4,
+    3e-4,
+    1e-3,
+    3e-3,
+    1e-2,
+    3e-2,
+    0.1,
+    0.3,
+    1.0,
+    3.0,
+    10.0,
+)
+
+# Rate points are appended at most this often per stream, so a stream delivering 10k batches/s
+# keeps a bounded window (rate_window_s / _RATE_POINT_S points).
+_RATE_POINT_S = 0.1
+
+
+@dataclass(slots=True)
+class _StreamInfo:
+    dataset: str
+    client: str | None
+    opened: float
+    batches: int = 0
+    images: int = 0
+    slots_in_use: int = 0
+    slots_total: int = 0
+    # (monotonic time, cumulative batches, cumulative images), oldest first.
+    points: deque[tuple[float, int, int]] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class _ClientInfo:
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    last_ratio: float = 0.0
+    reports: int = 0
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Request handler that does not write an access log line to stderr for every scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    # Request threads are joined by server_close(), so stop() leaves nothing running.
+    daemon_threads = True
+    block_on_close = True
+
+
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
+class Metrics:
+    """The daemon's metrics registry, its HTTP exporter and its Stats snapshot.
+
+    Args:
+        rate_window_s: the sliding window over which :meth:`snapshot` computes per-stream rates.
+        clock: a monotonic clock in seconds; injectable so tests control the rates.
+
+    Raises:
+        ConfigError: ``rate_window_s`` is not positive.
+    """
+
+    def __init__(
+        self, *, rate_window_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not rate_window_s > 0:
+            raise ConfigError(f"rate_window_s must be > 0 seconds, got {rate_window_s!r}")
+        self._window = float(rate_window_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._streams: dict[str, _StreamInfo] = {}
+        self._clients: dict[str, _ClientInfo] = {}
+        self._samples: dict[str, int] = {}
+        self._bad: dict[str, int] = {}
+        self._ops: dict[str, list[float]] = {}  # op -> [count, total seconds]
+        self._queue_depth = 0
+        self._workers = 0
+        self._utilisation = 0.0
+        self._http: _ThreadingServer | None = None
+        self._http_thread: threading.Thread | None = None
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._m_batches = Counter(
+            "beton_stream_batches",
+            "Batches delivered to the client of a stream.",
+            ["stream", "dataset"],
+            registry=r,
+        )
+        self._m_images = Counter(
+            "beton_stream_images",
+            "Samples (images) delivered to the client of a stream.",
+            ["stream", "dataset"],
+            registry=r,
+        )
+        self._m_op = Histogram(
+            "beton_op_seconds",
+            "Time one op (decode or augmentation) spent on one batch, in seconds.",
+            ["op"],
+            buckets=OP_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self._m_queue = Gauge(
+            "beton_queue_depth", "Batches submitted to the worker pool, not yet done.", registry=r
+        )
+        self._m_workers = Gauge("beton_workers", "Workers in the shared pool.", registry=r)
+        self._m_util = Gauge(
+            "beton_worker_utilisation",
+            "Share of the pool's worker time spent running batches (0 to 1).",
+            registry=r,
+        )
+        self._m_slots_used = Gauge(
+            "beton_slots_in_use", "Slots of a stream's ring holding a batch.", ["stream"], registry=r
+        )
+        self._m_slots_total = Gauge(
+            "beton_slots_total", "Slots in a stream's ring.", ["stream"], registry=r
+        )
+        self._m_stall = Gauge(
+            "beton_client_stall_ratio",
+            "Share of the client's wall time spent waiting for the next batch, over its last "
+            "report interval (reported by the client).",
+            ["client"],
+            registry=r,
+        )
+        self._m_wait = Counter(
+            "beton_client_wait_seconds",
+            "Seconds the client spent waiting for the next batch (reported by the client).",
+            ["client"],
+            registry=r,
+        )
+        self._m_wall = Counter(
+            "beton_client_wall_seconds",
+            "Wall seconds covered by the client's stall reports.",
+            ["client"],
+            registry=r,
+        )
+        self._m_samples = Counter(
+            "beton_samples_decoded",
+            "Samples decoded by the worker pool, per dataset (shared streams count once).",
+            ["dataset"],
+            registry=r,
+        )
+        self._m_bad = Counter(
+            "beton_bad_samples",
+            "Samples skipped by the bad-sample policy, per dataset.",
+            ["dataset"],
+            registry=r,
+        )
+        self._m_streams = Gauge("beton_streams_active", "Open streams.", registry=r)
+
+    # ----------------------------------------------------------------------------- streams
+    def open_stream(self, stream: str, *, dataset: str, client: str | None = None) -> None:
+        """Register a stream; its counters start at zero.
+
+        Args:
+            stream: the stream id, unique among open streams.
+            dataset: the dataset it reads.
+            client: the id of the client that opened it (for the Stats view), if known.
+
+        Raises:
+            ConfigError: a stream with this id is already open.
+        """
+        with self._lock:
+            if stream in self._streams:
+                raise ConfigError(f"stream {stream!r} is already registered in the metrics")
+            info = _StreamInfo(dataset=dataset, client=client, opened=self._clock())
+            info.points.append((info.opened, 0, 0))
+            self._streams[stream] = info
+            self._m_streams.set(len(self._streams))
+        # Create the label sets now so a scrape shows the stream at 0 before its first batch.
+        self._m_batches.labels(stream, dataset)
+        self._m_images.labels(stream, dataset)
+
+    def close_stream(self, stream: str) -> None:
+        """Forget a stream and remove its label sets. Closing an unknown stream is a no-op."""
+        with self._lock:
+            info = self._streams.pop(stream, None)
+            self._m_streams.set(len(self._streams))
+        if info is None:
+            return
+        for metric, labels in (
+            (self._m_batches, (stream, info.dataset)),
+            (self._m_images, (stream, info.dataset)),
+            (self._m_slots_used, (stream,)),
+            (self._m_slots_total, (stream,)),
+        ):
+            try:
+                metric.remove(*labels)
+            except KeyError:
+                pass
+
+    def batch_delivered(self, stream: str, images: int) -> None:
+        """Count one batch of ``images`` samples handed to the stream's client.
+
+        Raises:
+            ConfigError: the stream was not opened with :meth:`open_stream`.
+        """
+        now = self._clock()
+        with self._lock:
+            info = self._streams.get(stream)
+            if info is None:
+                raise ConfigError(f"stream {stream!r} is not registered; call open_stream first")
+            info.batches += 1
+            info.images += int(images)
+            pts = info.points
+            if now - pts[-1][0] >= _RATE_POINT_S:
+                pts.append((now, info.batches, info.images))
+                self._trim(pts, now)
+            dataset = info.dataset
+        self._m_batches.labels(stream, dataset).inc()
+        self._m_images.labels(stream, dataset).inc(int(images))
+
+    def set_slots(self, stream: str, in_use: int, total: int) -> None:
+        """Set how many of the stream's ring slots hold a batch (leased or being filled)."""
+        with self._lock:
+            info = self._streams.get(stream)
+            if info is not None:
+                info.slots_in_use, info.slots_total = int(in_use), int(total)
+        self._m_slots_used.labels(stream).set(in_use)
+        self._m_slots_total.labels(stream).set(total)
+
+    # ----------------------------------------------------------------------------- clients
+    def report_stall(self, client: str, wait_s: float, wall_s: float) -> None:
+        """Record a client's stall report: ``wait_s`` of the last ``wall_s`` seconds were waiting.
+
+        Args:
+            client: the client's id.
+            wait_s: seconds the client's loop spent waiting for batches since its last report.
+            wall_s: wall seconds since its last report (``0 <= wait_s <= wall_s``).
+
+        Raises:
+            ConfigError: negative values, or ``wait_s > wall_s`` (a client bug; reject it rather
+                than publish a share above 100 %).
+        """
+        if not (wait_s >= 0 and wall_s >= 0):
+            raise ConfigError(f"stall report needs wait_s, wall_s >= 0, got {wait_s!r}, {wall_s!r}")
+        if wait_s > wall_s * (1 + 1e-9) + 1e-9:
+            raise ConfigError(f"stall report has wait_s={wait_s!r} > wall_s={wall_s!r}")
+        wait_s = min(float(wait_s), float(wall_s))
+        ratio = wait_s / wall_s if wall_s > 0 else 0.0
+        with self._lock:
+            info = self._clients.setdefault(client, _ClientInfo())
+            info.wait_s += wait_s
+            info.wall_s += wall_s
+            info.last_ratio = ratio
+            info.reports += 1
+        self._m_wait.labels(client).inc(wait_s)
+        self._m_wall.labels(client).inc(wall_s)
+        self._m_stall.labels(client).set(ratio)
+
+    def forget_client(self, client: str) -> None:
+        """Remove a departed client's label sets. Unknown clients are a no-op."""
+        with self._lock:
+            known = self._clients.pop(client, None) is not None
+        if not known:
+            return
+        for metric in (self._m_stall, self._m_wait, self._m_wall):
+            try:
+                metric.remove(client)
+            except KeyError:
+                pass
+
+    # ----------------------------------------------------------------------------- engine
+    def observe_op(self, op: str, seconds: float) -> None:
+        """Record that ``op`` spent ``seconds`` on one batch (decode or augmentation)."""
+        with self._lock:
+            acc = self._ops.setdefault(op, [0.0, 0.0])
+            acc[0] += 1
+            acc[1] += float(seconds)
+        self._m_op.labels(op).observe(seconds)
+
+    def samples_decoded(self, dataset: str, n: int) -> None:
+        """Count ``n`` samples decoded for ``dataset``: once per batch produced, however many
+        streams share it."""
+        with self._lock:
+            self._samples[dataset] = self._samples.get(dataset, 0) + int(n)
+        self._m_samples.labels(dataset).inc(int(n))
+
+    def bad_samples(self, dataset: str, n: int = 1) -> None:
+        """Count ``n`` samples of ``dataset`` skipped by the bad-sample policy."""
+        with self._lock:
+            self._bad[dataset] = self._bad.get(dataset, 0) + int(n)
+        self._m_bad.labels(dataset).inc(int(n))
+
+    def register_dataset(self, dataset: str) -> None:
+        """Make ``dataset`` appear (at 0) in the per-dataset counters before anything is decoded."""
+        with self._lock:
+            self._samples.setdefault(dataset, 0)
+            self._bad.setdefault(dataset, 0)
+        self._m_samples.labels(dataset)
+        self._m_bad.labels(dataset)
+
+    def set_queue_depth(self, n: int) -> None:
+        """Set the number of batches submitted to the pool and not yet done."""
+        with self._lock:
+            self._queue_depth = int(n)
+        self._m_queue.set(n)
+
+    def set_workers(self, n: int) -> None:
+        """Set the number of workers in the pool."""
+        with self._lock:
+            self._workers = int(n)
+        self._m_workers.set(n)
+
+    def set_worker_utilisation(self, share: float) -> None:
+        """Set the share (0 to 1) of worker time spent running batches, e.g. over the last second.
+
+        Raises:
+            ConfigError: ``share`` is outside [0, 1].
+        """
+        if not 0.0 <= share <= 1.0:
+            raise ConfigError(f"worker utilisation is a share in [0, 1], got {share!r}")
+        with self._lock:
+            self._utilisation = float(share)
+        self._m_util.set(share)
+
+    # ----------------------------------------------------------------------------- views
+    def _trim(self, pts: deque[tuple[float, int, int]], now: float) -> None:
+        # Keep the newest point at or before the window's start, so the rate spans the window.
+        while len(pts) >= 2 and pts[1][0] <= now - self._window:
+            pts.popleft()
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-safe view of every metric, for the Stats RPC and ``beton-serve stats --json``.
+
+        Returns:
+            ``{"time": unix seconds, "workers", "worker_utilisation", "queue_depth",
+            "streams": {id: {"dataset", "client", "batches", "images", "batches_per_s",
+            "images_per_s", "slots_in_use", "slots_total", "age_s"}},
+            "clients": {id: {"stall_ratio", "stall_ratio_total", "wait_s", "wall_s"}},
+            "datasets": {name: {"samples_decoded", "bad_samples"}},
+            "ops": {name: {"count", "total_s", "mean_s"}}}``. Rates are over the last
+            ``rate_window_s`` seconds (0 for a stream that delivered nothing in that window).
+        """
+        now = self._clock()
+        with self._lock:
+            streams: dict[str, Any] = {}
+            for sid, info in self._streams.items():
+                self._trim(info.points, now)
+                t0, b0, i0 = info.points[0]
+                span = now - t0
+                streams[sid] = {
+                    "dataset": info.dataset,
+                    "client": info.client,
+                    "batches": info.batches,
+                    "images": info.images,
+                    "batches_per_s": (info.batches - b0) / span if span > 0 else 0.0,
+                    "images_per_s": (info.images - i0) / span if span > 0 else 0.0,
+                    "slots_in_use": info.slots_in_use,
+                    "slots_total": info.slots_total,
+                    "age_s": now - info.opened,
+                }
+            clients = {
+                cid: {
+                    "stall_ratio": c.last_ratio,
+                    "stall_ratio_total": c.wait_s / c.wall_s if c.wall_s > 0 else 0.0,
+                    "wait_s": c.wait_s,
+                    "wall_s": c.wall_s,
+                }
+                for cid, c in self._clients.items()
+            }
+            names = sorted(set(self._samples) | set(self._bad))
+            datasets = {
+                d: {"samples_decoded": self._samples.get(d, 0), "bad_samples": self._bad.get(d, 0)}
+                for d in names
+            }
+            ops = {
+                op: {"count": int(c), "total_s": s, "mean_s": s / c if c else 0.0}
+                for op, (c, s) in sorted(self._ops.items())
+            }
+            return {
+                "time": time.time(),
+                "workers": self._workers,
+                "worker_utilisation": self._utilisation,
+                "queue_depth": self._queue_depth,
+                "streams": streams,
+                "clients": clients,
+                "datasets": datasets,
+                "ops": ops,
+            }
+
+    # ----------------------------------------------------------------------------- HTTP
+    def start_http(self, port: int, host: str = "127.0.0.1") -> tuple[WSGIServer, int]:
+        """Serve ``/metrics`` (Prometheus text format) on ``host:port`` from a background thread.
+
+        The thread is named ``beton-metrics-http``; :meth:`stop` shuts it down and joins it.
+
+        Args:
+            port: the TCP port; 0 picks a free one (the bound port is returned).
+            host: the address to bind; loopback by default. An address containing ``:`` is
+                bound as IPv6.
+
+        Returns:
+            ``(server, port)``: the WSGI server and the port it listens on.
+
+        Raises:
+            ConfigError: the exporter is already running, or the address cannot be bound.
+        """
+        if self._http is not None:
+            raise ConfigError("the metrics HTTP server is already running; call stop() first")
+        cls = _ThreadingServer6 if ":" in host else _ThreadingServer
+        try:
+            server = make_server(
+                host, port, make_wsgi_app(self.registry), cls, handler_class=_QuietHandler
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {host}:{port}: {exc}; pick another --metrics-port"
+            ) from exc
+        thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="beton-metrics-http",
+            daemon=True,
+        )
+        thread.start()
+        self._http, self._http_thread = server, thread
+        return server, int(server.server_address[1])
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the HTTP exporter, if running, and join its thread. Idempotent."""
+        server, thread = self._http, self._http_thread
+        self._http = self._http_thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout)
