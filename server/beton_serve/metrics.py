@@ -181,7 +181,10 @@ class Metrics:
             registry=r,
         )
         self._m_slots_used = Gauge(
-            "beton_slots_in_use", "Slots of a stream's ring holding a batch.", ["stream"], registry=r
+            "beton_slots_in_use",
+            "Slots of a stream's ring holding a batch.",
+            ["stream"],
+            registry=r,
         )
         self._m_slots_total = Gauge(
             "beton_slots_total", "Slots in a stream's ring.", ["stream"], registry=r

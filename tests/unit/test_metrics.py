@@ -7,11 +7,10 @@ import threading
 import urllib.request
 
 import pytest
-from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
-
 from beton_serve.errors import ConfigError
 from beton_serve.metrics import Metrics
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class FakeClock:
