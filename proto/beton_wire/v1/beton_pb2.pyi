@@ -126,35 +126,51 @@ class PipelineSpec(_message.Message):
     ) -> None: ...
 
 class HostIdentity(_message.Message):
-    __slots__ = ("boot_id", "hostname", "pid", "uid")
+    __slots__ = ("boot_id", "has_ipc_ns", "hostname", "ipc_ns", "pid", "uid")
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    IPC_NS_FIELD_NUMBER: _ClassVar[int]
+    HAS_IPC_NS_FIELD_NUMBER: _ClassVar[int]
     boot_id: str
     hostname: str
     uid: int
     pid: int
+    ipc_ns: int
+    has_ipc_ns: bool
     def __init__(
         self,
         boot_id: str | None = ...,
         hostname: str | None = ...,
         uid: int | None = ...,
         pid: int | None = ...,
+        ipc_ns: int | None = ...,
+        has_ipc_ns: bool | None = ...,
     ) -> None: ...
 
+class CudaDevice(_message.Message):
+    __slots__ = ("index", "uuid")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    def __init__(self, index: int | None = ..., uuid: str | None = ...) -> None: ...
+
 class Capabilities(_message.Message):
-    __slots__ = ("compressions", "cuda", "cupy", "torch", "transports")
+    __slots__ = ("compressions", "cuda", "cuda_devices", "cupy", "torch", "transports")
     TORCH_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
     CUPY_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICES_FIELD_NUMBER: _ClassVar[int]
     torch: bool
     cuda: bool
     cupy: bool
     transports: _containers.RepeatedScalarFieldContainer[str]
     compressions: _containers.RepeatedScalarFieldContainer[str]
+    cuda_devices: _containers.RepeatedCompositeFieldContainer[CudaDevice]
     def __init__(
         self,
         torch: bool | None = ...,
@@ -162,6 +178,7 @@ class Capabilities(_message.Message):
         cupy: bool | None = ...,
         transports: _Iterable[str] | None = ...,
         compressions: _Iterable[str] | None = ...,
+        cuda_devices: _Iterable[CudaDevice | _Mapping] | None = ...,
     ) -> None: ...
 
 class OpenStreamRequest(_message.Message):
@@ -171,6 +188,7 @@ class OpenStreamRequest(_message.Message):
         "capabilities",
         "client_name",
         "compression",
+        "custom_fields",
         "dataset",
         "device",
         "distributed",
@@ -203,6 +221,7 @@ class OpenStreamRequest(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_FIELDS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     pipelines: _containers.RepeatedCompositeFieldContainer[PipelineSpec]
     batch_size: int
@@ -221,6 +240,7 @@ class OpenStreamRequest(_message.Message):
     capabilities: Capabilities
     client_name: str
     compression: str
+    custom_fields: _containers.RepeatedScalarFieldContainer[str]
     def __init__(
         self,
         dataset: str | None = ...,
@@ -241,6 +261,7 @@ class OpenStreamRequest(_message.Message):
         capabilities: Capabilities | _Mapping | None = ...,
         client_name: str | None = ...,
         compression: str | None = ...,
+        custom_fields: _Iterable[str] | None = ...,
     ) -> None: ...
 
 class OutputSpec(_message.Message):
@@ -259,12 +280,22 @@ class OutputSpec(_message.Message):
     ) -> None: ...
 
 class TransportRejection(_message.Message):
-    __slots__ = ("reason", "transport")
+    __slots__ = ("code", "hint", "reason", "transport")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     transport: str
     reason: str
-    def __init__(self, transport: str | None = ..., reason: str | None = ...) -> None: ...
+    code: str
+    hint: str
+    def __init__(
+        self,
+        transport: str | None = ...,
+        reason: str | None = ...,
+        code: str | None = ...,
+        hint: str | None = ...,
+    ) -> None: ...
 
 class ShmSetup(_message.Message):
     __slots__ = ("segment", "segment_bytes", "slot_bytes", "slot_count")

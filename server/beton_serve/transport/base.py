@@ -1,0 +1,124 @@
+"""The transport seam: protocols and plain data shared by every transport (see the package)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from beton_wire.slots import SlotLayout
+
+__all__ = [
+    "Published",
+    "SlotTransport",
+    "TransportFactory",
+    "TransportSetup",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransportSetup:
+    """What a client needs to attach to a ring; ``kind`` selects which fields are meaningful.
+
+    Attributes:
+        kind: the transport name.
+        slot_count: number of slots.
+        slot_bytes: bytes per slot.
+        segment: shm segment name under /dev/shm (shm).
+        segment_bytes: size of that segment (shm).
+        extra: transport-specific values (e.g. cuda_ipc handles as bytes); plain data only.
+    """
+
+    kind: str
+    slot_count: int
+    slot_bytes: int
+    segment: str = ""
+    segment_bytes: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Published:
+    """What the client needs to read one published slot, beyond the slot layout.
+
+    Attributes:
+        data: the slot's bytes for transports that carry them in the message (grpc), else empty.
+        extra: transport-specific plain data (e.g. an event handle).
+    """
+
+    data: Sequence[bytes] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class SlotTransport(Protocol):
+    """A ring of batch slots owned by one stream (see the module docstring for the contract)."""
+
+    kind: str
+    layout: SlotLayout
+    slot_count: int
+
+    def setup(self) -> TransportSetup:
+        """Describe the ring for the client (sent once, in the OpenStream reply)."""
+        ...
+
+    def acquire(self) -> int | None:
+        """Take a FREE slot and mark it FILLING; ``None`` when every slot is in use."""
+        ...
+
+    def host_views(self, slot: int) -> list[np.ndarray]:
+        """The ``(batch_size, *shape)`` arrays of ``slot``, in output order, for the engine to fill.
+
+        The memory belongs to the transport and stays valid until :meth:`close`.
+        """
+        ...
+
+    def publish(self, slot: int, length: int) -> Published:
+        """The engine finished writing ``length`` rows of ``slot``: mark it LEASED."""
+        ...
+
+    def release(self, slot: int) -> bool:
+        """The client is done with ``slot``; return ``False`` if it was not leased (ignored)."""
+        ...
+
+    def abandon(self, slot: int) -> None:
+        """Return a FILLING slot to FREE without publishing it (the batch failed or was cancelled)."""
+        ...
+
+    def leased(self) -> int:
+        """Number of slots currently FILLING or LEASED."""
+        ...
+
+    def nbytes(self) -> int:
+        """Bytes of memory the ring holds."""
+        ...
+
+    def close(self) -> None:
+        """Free every slot and the ring's memory (idempotent); leased slots are reclaimed."""
+        ...
+
+
+class TransportFactory(Protocol):
+    """Builds rings of one transport kind for the daemon.
+
+    Which kind a stream uses is decided first by :func:`beton_serve.transport.negotiate.negotiate`;
+    the daemon then calls ``create`` of that kind's factory on its event-loop thread.
+    """
+
+    kind: str
+
+    def create(
+        self, layout: SlotLayout, slot_count: int, *, device_index: int = -1
+    ) -> SlotTransport:
+        """Create a ring of ``slot_count`` slots of ``layout``.
+
+        Args:
+            layout: the slot layout (host side: what the engine writes).
+            slot_count: number of slots.
+            device_index: for cuda_ipc, the GPU in the daemon's numbering; -1 otherwise.
+
+        Raises:
+            TransportError: the ring cannot be created (the message says why and what to do).
+        """
+        ...

@@ -1,0 +1,244 @@
+"""The shared-memory transport: a slot ring in one POSIX shared-memory segment (DESIGN.md §6).
+
+Data structure: a segment ``/dev/shm/beton-<daemon pid>-ring-<n>`` of ``slot_count`` slots laid
+out by :func:`beton_wire.slots.slot_layout`. The daemon creates it with mode 0600 (``O_EXCL``, so
+a name is never reused), maps it once, and hands the engine numpy views of a slot to write into;
+the client maps the same segment once and wraps slot views as tensors without copying.
+
+Ownership: the daemon (the creator) unlinks the segment in :meth:`ShmRing.close`, which the stream
+calls in a ``finally``. If the daemon is killed before it can, the PID in the name lets the next
+daemon remove the segment (:func:`sweep_stale_segments`). Clients never unlink.
+
+Leases: each slot is FREE, FILLING (the engine writes into it) or LEASED (the client reads it).
+Only the event-loop thread of the daemon changes slot states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+from beton_wire.slots import SlotLayout
+
+from beton_serve.errors import TransportError
+from beton_serve.transport.base import Published, TransportSetup
+
+__all__ = ["SHM_DIR", "ShmFactory", "ShmNamer", "ShmRing", "sweep_stale_segments"]
+
+log = logging.getLogger("beton_serve.transport.shm")
+
+#: Where Linux exposes POSIX shared memory as files.
+SHM_DIR = Path("/dev/shm")
+
+_NAME = re.compile(r"^beton-(\d+)-")
+
+_FREE, _FILLING, _LEASED = 0, 1, 2
+
+
+class ShmNamer:
+    """Hands out segment names ``beton-<pid>-<purpose>-<n>``, unique within this daemon."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = os.getpid() if pid is None else pid
+        self._counter = itertools.count()
+
+    def next(self, purpose: str) -> str:
+        """A fresh name for a segment used for ``purpose`` (letters only, e.g. ``"ring"``)."""
+        return f"beton-{self.pid}-{purpose}-{next(self._counter)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink this user's ``beton-<pid>-*`` segments whose creating process is gone.
+
+    Called by the daemon at start. Segments of live processes and of other users are left alone.
+
+    Returns:
+        The names removed.
+    """
+    removed: list[str] = []
+    if not shm_dir.is_dir():
+        return removed
+    uid = os.getuid()
+    for entry in shm_dir.iterdir():
+        m = _NAME.match(entry.name)
+        if m is None:
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+        except OSError:
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            entry.unlink()
+        except OSError as exc:
+            log.warning("could not remove stale segment %s: %s", entry.name, exc)
+            continue
+        removed.append(entry.name)
+    if removed:
+        log.info("swept %d stale shared-memory segment(s): %s", len(removed), ", ".join(removed))
+    return removed
+
+
+class ShmRing:
+    """A ring of batch slots in a POSIX shared-memory segment created by this process.
+
+    Args:
+        layout: the slot layout of the stream.
+        slot_count: number of slots (at least 1).
+        name: the segment name (from :class:`ShmNamer`).
+        shm_dir: where segments live (``/dev/shm``).
+
+    Raises:
+        TransportError: the segment cannot be created (e.g. ``/dev/shm`` is full), naming it.
+    """
+
+    kind = "shm"
+
+    def __init__(
+        self, layout: SlotLayout, slot_count: int, name: str, shm_dir: Path = SHM_DIR
+    ) -> None:
+        if slot_count < 1:
+            raise TransportError(f"a ring needs at least one slot, not {slot_count}")
+        self.layout = layout
+        self.slot_count = slot_count
+        self.name = name
+        self.path = shm_dir / name
+        self.size = layout.slot_bytes * slot_count
+        self._state = [_FREE] * slot_count
+        self._closed = False
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create shared-memory segment {self.path}: {exc}") from exc
+        try:
+            try:
+                os.fchmod(fd, 0o600)  # the umask may have narrowed it; never widen beyond 0600
+                os.posix_fallocate(fd, 0, self.size)
+                self._mmap = mmap.mmap(fd, self.size, mmap.MAP_SHARED)
+            except OSError as exc:
+                self.path.unlink(missing_ok=True)
+                raise TransportError(
+                    f"cannot allocate {self.size} bytes of shared memory for {self.path} "
+                    f"({exc}); free space in /dev/shm or lower batches_ahead"
+                ) from exc
+        finally:
+            os.close(fd)
+        self._base = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._views = [self._make_views(s) for s in range(slot_count)]
+
+    def _make_views(self, slot: int) -> list[np.ndarray]:
+        start = self.layout.slot_offset(slot)
+        views = []
+        for t in self.layout.tensors:
+            nbytes = t.sample_bytes * self.layout.batch_size
+            raw = self._base[start + t.offset : start + t.offset + nbytes]
+            views.append(raw.view(np.dtype(t.dtype)).reshape((self.layout.batch_size, *t.shape)))
+        return views
+
+    # -- SlotTransport -----------------------------------------------------------------------
+    def setup(self) -> TransportSetup:
+        """Describe the ring for the client: segment name, slot count and sizes."""
+        return TransportSetup(
+            kind="shm",
+            slot_count=self.slot_count,
+            slot_bytes=self.layout.slot_bytes,
+            segment=self.name,
+            segment_bytes=self.size,
+        )
+
+    def acquire(self) -> int | None:
+        """Take a FREE slot (lowest index first) and mark it FILLING; ``None`` if none is free."""
+        if self._closed:
+            return None
+        for i, st in enumerate(self._state):
+            if st == _FREE:
+                self._state[i] = _FILLING
+                return i
+        return None
+
+    def host_views(self, slot: int) -> list[np.ndarray]:
+        """The writable ``(batch_size, *shape)`` views of ``slot``, in output order."""
+        return self._views[slot]
+
+    def publish(self, slot: int, length: int) -> Published:
+        """Mark a FILLING slot LEASED; the client reads it through its own mapping."""
+        if self._state[slot] != _FILLING:
+            raise TransportError(f"slot {slot} of {self.name} was published without being filled")
+        self._state[slot] = _LEASED
+        return Published()
+
+    def release(self, slot: int) -> bool:
+        """Return a LEASED slot to FREE; ``False`` (and nothing changes) if it was not leased."""
+        if not 0 <= slot < self.slot_count or self._state[slot] != _LEASED:
+            return False
+        self._state[slot] = _FREE
+        return True
+
+    def abandon(self, slot: int) -> None:
+        """Return a FILLING slot to FREE without publishing it."""
+        if 0 <= slot < self.slot_count and self._state[slot] == _FILLING:
+            self._state[slot] = _FREE
+
+    def leased(self) -> int:
+        """Slots that are FILLING or LEASED."""
+        return sum(1 for st in self._state if st != _FREE)
+
+    def nbytes(self) -> int:
+        """Size of the segment."""
+        return self.size
+
+    def close(self) -> None:
+        """Reclaim every slot and unlink the segment (idempotent).
+
+        The mapping itself is closed when nothing references it any more: numpy views handed to
+        engine workers keep it alive until they are dropped, which is harmless once unlinked.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._state = [_FREE] * self.slot_count
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            self._views = []
+            self._base = np.empty(0, np.uint8)
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+
+    def __enter__(self) -> ShmRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShmFactory:
+    """Builds :class:`ShmRing` s with names from one :class:`ShmNamer` (one per daemon)."""
+
+    kind = "shm"
+
+    def __init__(self, namer: ShmNamer) -> None:
+        self.namer = namer
+
+    def create(self, layout: SlotLayout, slot_count: int, *, device_index: int = -1) -> ShmRing:
+        """A new ring in a fresh segment (``device_index`` is ignored)."""
+        return ShmRing(layout, slot_count, self.namer.next("ring"))

@@ -1,0 +1,94 @@
+"""The shm slot ring: layout, leases, permissions, unlink and the stale-segment sweep."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from beton_serve.errors import TransportError
+from beton_serve.transport import ShmFactory, ShmNamer, ShmRing, sweep_stale_segments
+from beton_wire.slots import ALIGN, slot_layout
+
+SHM = Path("/dev/shm")
+
+
+def _layout():
+    return slot_layout([("image", (4, 5, 3), "uint8"), ("label", (), "int64")], batch_size=8)
+
+
+def test_layout_is_aligned_and_deterministic() -> None:
+    lay = _layout()
+    assert lay == _layout()
+    img, lab = lay.tensors
+    assert img.offset == 0 and img.sample_bytes == 60
+    assert lab.offset % ALIGN == 0 and lab.offset >= 60 * 8
+    assert lay.slot_bytes % ALIGN == 0 and lay.slot_bytes >= lab.offset + 8 * 8
+    with pytest.raises(ValueError, match="wire cannot carry"):
+        slot_layout([("x", (1,), "complex64")], 2)
+    with pytest.raises(ValueError, match="batch_size"):
+        slot_layout([("x", (1,), "uint8")], 0)
+
+
+def test_ring_leases_and_views_share_memory() -> None:
+    namer = ShmNamer()
+    ring = ShmFactory(namer).create(_layout(), 3)
+    try:
+        path = SHM / ring.name
+        assert ring.name.startswith(f"beton-{os.getpid()}-ring-")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        slots = [ring.acquire() for _ in range(3)]
+        assert slots == [0, 1, 2] and ring.acquire() is None
+        img, lab = ring.host_views(1)
+        assert img.shape == (8, 4, 5, 3) and lab.shape == (8,) and lab.dtype == np.int64
+        img[:] = 7
+        lab[:] = np.arange(8)
+        # a second, independent mapping (what the client does) sees the bytes
+        with open(path, "rb") as f:
+            f.seek(ring.layout.slot_offset(1) + ring.layout.tensors[1].offset)
+            assert np.array_equal(np.frombuffer(f.read(64), np.int64), np.arange(8))
+        assert ring.release(1) is False  # FILLING, not yet leased
+        ring.publish(1, 8)
+        assert ring.leased() == 3
+        assert ring.release(1) is True and ring.release(1) is False
+        ring.abandon(0)
+        assert ring.leased() == 1
+        assert ring.acquire() == 0
+        with pytest.raises(TransportError, match="without being filled"):
+            ring.publish(1, 8)
+    finally:
+        ring.close()
+    assert not (SHM / ring.name).exists()
+    ring.close()  # idempotent
+    assert ring.acquire() is None
+
+
+def test_ring_refuses_an_existing_name() -> None:
+    ring = ShmRing(_layout(), 1, "beton-0-test-dup")
+    try:
+        with pytest.raises(TransportError, match="cannot create"):
+            ShmRing(_layout(), 1, "beton-0-test-dup")
+    finally:
+        ring.close()
+
+
+def test_sweep_removes_only_dead_pids(tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"beton-{dead_pid}-ring-0"
+    live = tmp_path / f"beton-{os.getpid()}-ring-0"
+    other = tmp_path / "not-beton"
+    for p in (stale, live, other):
+        p.write_bytes(b"x")
+    removed = sweep_stale_segments(tmp_path)
+    assert removed == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()
