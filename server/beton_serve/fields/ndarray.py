@@ -1,0 +1,145 @@
+"""Fixed-shape arrays (type 4; mirrors ``ffcv.fields.ndarray.NDArrayField``).
+
+Metadata is the data pointer (``<u8``); each sample is one allocation of
+``element_size = dtype.itemsize * prod(shape)`` bytes in C order. The argument blob (1024 bytes)
+holds the shape as 32 ``<u8`` (unused entries 0), then ``type_length`` (``<u8``), then the ASCII
+text ``json.dumps(dtype.descr)``, e.g. ``[["", "<f4"]]``; the rest is zero.
+
+FFCV strips trailing zero dimensions when reading, crashes on a 0-d shape and cannot read
+structured dtypes back, so the constructor rejects all three: FFCV must read what we write.
+Values are converted to the field's dtype when numpy can do so safely (``same_kind``); FFCV
+instead reinterprets the bytes of any array with the same byte size.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from beton_serve.fields.base import AllocationCheck, Field, Malloc
+from beton_serve.format._layout import ARGS_SIZE, NDARRAY_ARGS_DTYPE
+
+__all__ = ["NDArrayField"]
+
+_MAX_DIMS = 32
+_TEXT_OFFSET = NDARRAY_ARGS_DTYPE.itemsize  # 264
+
+
+class NDArrayField(Field):
+    """An array of fixed ``shape`` and ``dtype`` per sample (decoded by ``NDArrayDecoder``).
+
+    Args:
+        dtype: a numpy dtype with a single, non-object member (e.g. ``np.dtype('float32')``).
+        shape: the per-sample shape; at least one dimension, no trailing zero dimension, at most
+            32 dimensions.
+
+    Raises:
+        ValueError: for a dtype or shape that FFCV could not read back.
+    """
+
+    def __init__(self, dtype: Any, shape: tuple[int, ...]) -> None:
+        dt = np.dtype(dtype)
+        shp = tuple(int(s) for s in shape)
+        if dt.fields is not None or dt.subdtype is not None or dt.hasobject:
+            raise ValueError(f"NDArrayField needs a plain scalar dtype, got {dt!r}")
+        if not shp or len(shp) > _MAX_DIMS:
+            raise ValueError(f"NDArrayField shape needs 1 to 32 dimensions, got {shp!r}")
+        if any(s < 0 for s in shp) or shp[-1] == 0:
+            raise ValueError(
+                f"NDArrayField shape {shp!r} is invalid: dimensions must be >= 0 and the last "
+                "one non-zero (FFCV drops trailing zero dimensions when reading)"
+            )
+        self.dtype = dt
+        self.shape = shp
+        self.element_size = int(dt.itemsize * int(np.prod(shp, dtype=np.int64)))
+
+    @property
+    def metadata_type(self) -> np.dtype:
+        return np.dtype("<u8")
+
+    @staticmethod
+    def from_binary(binary: NDArray[np.uint8]) -> NDArrayField:
+        blob = np.asarray(binary, dtype=np.uint8).reshape(-1)
+        if blob.size != ARGS_SIZE:
+            raise ValueError(f"argument blob has {blob.size} bytes, expected {ARGS_SIZE}")
+        header = blob[:_TEXT_OFFSET].view(NDARRAY_ARGS_DTYPE)[0]
+        dims = [int(d) for d in header["shape"]]
+        while dims and dims[-1] == 0:
+            dims.pop()
+        if not dims:
+            raise ValueError("NDArrayField arguments hold an empty shape")
+        length = int(header["type_length"])
+        if length == 0 or length > ARGS_SIZE - _TEXT_OFFSET:
+            raise ValueError(f"NDArrayField dtype text length {length} is out of range")
+        if np.any(blob[_TEXT_OFFSET + length :]):
+            raise ValueError("NDArrayField arguments have non-zero bytes after the dtype text")
+        try:
+            text = blob[_TEXT_OFFSET : _TEXT_OFFSET + length].tobytes().decode("ascii")
+            descr = json.loads(text)
+            if not isinstance(descr, list) or len(descr) != 1:
+                raise ValueError("expected exactly one dtype entry")
+            dt = np.dtype([tuple(e) for e in descr])["f0"]
+            if int(np.prod(dims, dtype=np.float64)) * dt.itemsize > 2**62:
+                raise ValueError(f"shape {dims} is too large")
+            return NDArrayField(dt, tuple(dims))
+        except (UnicodeDecodeError, TypeError, KeyError, IndexError) as exc:
+            raise ValueError(f"NDArrayField dtype text is not a valid dtype: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"NDArrayField arguments are invalid: {exc}") from None
+
+    def to_binary(self) -> NDArray[np.uint8]:
+        blob = np.zeros(ARGS_SIZE, dtype=np.uint8)
+        header = np.zeros(1, dtype=NDARRAY_ARGS_DTYPE)
+        header["shape"][0, : len(self.shape)] = self.shape
+        text = json.dumps(self.dtype.descr).encode("ascii")
+        if len(text) > ARGS_SIZE - _TEXT_OFFSET:
+            raise ValueError(f"dtype text of {self.dtype!r} does not fit the argument blob")
+        header["type_length"] = len(text)
+        blob[:_TEXT_OFFSET] = header.view(np.uint8)
+        blob[_TEXT_OFFSET : _TEXT_OFFSET + len(text)] = np.frombuffer(text, dtype=np.uint8)
+        return blob
+
+    def _as_array(self, value: Any) -> NDArray[np.uint8]:
+        if hasattr(value, "detach") and hasattr(value, "numpy"):  # a CPU torch tensor
+            value = value.detach().numpy()
+        arr = np.asarray(value)
+        if arr.shape != self.shape:
+            raise ValueError(f"expected an array of shape {self.shape}, got {arr.shape}")
+        if arr.dtype != self.dtype:
+            if not np.can_cast(arr.dtype, self.dtype, casting="same_kind"):
+                raise ValueError(f"cannot store a {arr.dtype} array in a {self.dtype} field")
+            arr = arr.astype(self.dtype)
+        return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+    def prepare(self, value: Any, rng: np.random.Generator | None = None) -> Any:
+        return self._as_array(value)
+
+    def encode(self, destination: np.ndarray, field: Any, malloc: Malloc) -> None:
+        data = field
+        if not (
+            isinstance(field, np.ndarray)
+            and field.dtype == np.uint8
+            and field.ndim == 1
+            and field.size == self.element_size
+            and self.dtype != np.uint8
+        ):
+            data = self._as_array(field)
+        ptr, buf = malloc(self.element_size)
+        buf[:] = data
+        destination[0] = ptr
+
+    def get_decoder_class(self) -> type:
+        from beton_serve.fields.decoders import NDArrayDecoder
+
+        return NDArrayDecoder
+
+    def allocation_checks(self, column: np.ndarray) -> list[AllocationCheck]:
+        ptrs = np.ascontiguousarray(column, dtype=np.uint64)
+        sizes = np.full(ptrs.shape, self.element_size, dtype=np.int64)
+        return [AllocationCheck("NDArrayField ptr", ptrs, sizes)]
+
+    def describe(self) -> dict[str, Any]:
+        return {"dtype": self.dtype.str, "shape": list(self.shape)}

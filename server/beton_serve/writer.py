@@ -1,0 +1,390 @@
+"""``DatasetWriter``: write a ``.beton`` that FFCV 1.0.2 reads (mirrors ``ffcv.writer``).
+
+How a file is produced (ffcv-format.md §1.8 and §1.10):
+
+1. The output goes to ``<fname>.<pid>.tmp`` in the same directory: header (with
+   ``alloc_table_ptr = 0``), then the field descriptors.
+2. Worker threads (``beton-writer-N``) load samples (``dataset[i]``) and run each field's
+   ``prepare`` (conversion, resize, JPEG encode: OpenCV releases the GIL there). Chunks of
+   ``chunksize`` samples are submitted in write order, with a bounded number in flight.
+3. The calling thread packs the prepared samples strictly in write order, exactly like one FFCV
+   worker: greedy byte-granular packing into pages; if a sample's allocation does not fit, a new
+   page is started and, when the sample already had allocations on the old page, they are
+   abandoned and the whole sample is re-encoded on the new page (so a sample never spans pages).
+   Every page is written in full (zero tail); the gap between the metadata and the first page is
+   zero.
+4. The metadata table, then the allocation table (last, one entry per allocation), then the header
+   with ``alloc_table_ptr``; the file is fsync'd and atomically renamed to ``fname``.
+
+Because packing is sequential, the file's bytes do not depend on ``num_workers``: it is laid out
+as FFCV lays it out with ``num_workers=1``. With ``seed`` set, random choices (``proportion``
+mode, ``shuffle_indices``) are drawn from generators seeded with ``(seed, index[, field])``, so
+the content is identical for any ``num_workers`` too. Without a seed, FFCV's global
+``np.random`` is used.
+
+Failure: any exception while loading, preparing or encoding sample ``k`` raises
+:class:`~beton_serve.errors.WriterError` naming ``k`` (the write position) and its dataset index;
+the workers are stopped and joined, the temporary file is removed, ``fname`` is untouched. The
+writer never hangs on a failing sample (FFCV does).
+
+Beyond FFCV, a sample must be a tuple or list with at least one element per field (extra trailing
+elements are ignored, as in FFCV); field names must be 1-16 ASCII characters; zero-size
+allocations are never made (an empty ``BytesField`` value takes 1 byte).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from beton_serve.errors import WriterError
+from beton_serve.fields._registry import type_id_of
+from beton_serve.format._layout import (
+    ALLOC_ENTRY_DTYPE,
+    ARGS_SIZE,
+    FIELD_DESC_DTYPE,
+    FORMAT_VERSION,
+    HEADER_DTYPE,
+    MAX_NAME_BYTES,
+    MIN_WRITE_PAGE_SIZE,
+    align_up,
+    metadata_offset,
+    record_dtype,
+)
+
+__all__ = ["DatasetWriter"]
+
+_DEFAULT_PAGE_SIZE = 1 << 23
+
+
+def _usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _as_blob(binary: Any, name: str) -> NDArray[np.uint8]:
+    raw = binary.tobytes() if hasattr(binary, "tobytes") else bytes(binary)
+    if len(raw) != ARGS_SIZE:
+        raise WriterError(f"field {name!r}: to_binary() returned {len(raw)} bytes, expected 1024")
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+class _Spill(MemoryError):
+    """A sample's allocation did not fit: it must be re-encoded on the fresh page."""
+
+
+class _Packer:
+    """Sequential page packer (one FFCV worker's allocator) writing pages to ``f`` in order."""
+
+    def __init__(self, f: Any, data_start: int, page_size: int) -> None:
+        self.f = f
+        self.data_start = data_start
+        self.page_size = page_size
+        self.page = np.zeros(page_size, dtype=np.uint8)
+        self.page_no = -1
+        self.used = 0
+        self.current = -1
+        self.entries: list[tuple[int, int, int]] = []
+
+    def malloc(self, size: int) -> tuple[int, NDArray[np.uint8]]:
+        size = int(size)
+        if size > self.page_size:
+            raise WriterError(
+                f"an allocation of {size} bytes exceeds the page size {self.page_size}; "
+                "raise page_size",
+                self.current,
+            )
+        if self.page_no < 0 or size > self.page_size - self.used:
+            self.flush()
+            self.page_no += 1
+            self.used = 0
+            self.page[:] = 0
+            if self.entries and self.entries[-1][0] == self.current:
+                while self.entries and self.entries[-1][0] == self.current:
+                    self.entries.pop()
+                raise _Spill
+        ptr = self.data_start + self.page_no * self.page_size + self.used
+        self.entries.append((self.current, ptr, size))
+        view = self.page[self.used : self.used + size]
+        self.used += size
+        return ptr, view
+
+    def flush(self) -> None:
+        if self.page_no < 0:
+            return
+        if self.page_no == 0:
+            here = self.f.tell()
+            if here < self.data_start:
+                self.f.write(bytes(self.data_start - here))
+        self.f.write(self.page.data)
+
+
+class DatasetWriter:
+    """Write an indexed dataset to a ``.beton`` (FFCV's API and file layout).
+
+    Args:
+        fname: output path; written atomically (temporary file + rename).
+        fields: field name -> field instance, in file order (the sample tuple's order).
+        page_size: power of two, ``2 MiB <= page_size < 4 GiB`` (FFCV's limits).
+        num_workers: worker threads that load and prepare samples; ``< 1`` means all usable
+            CPUs.
+        seed: if set, random write choices are derived from ``(seed, index)`` and the output is
+            identical for any ``num_workers``.
+        progress: show a tqdm progress bar; default: only when stderr is a terminal.
+
+    Raises:
+        WriterError: invalid fields (names must be 1-16 ASCII characters) or page size.
+    """
+
+    def __init__(
+        self,
+        fname: str | os.PathLike[str],
+        fields: Mapping[str, Any],
+        page_size: int = _DEFAULT_PAGE_SIZE,
+        num_workers: int = -1,
+        *,
+        seed: int | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        if not isinstance(fields, Mapping) or not fields:
+            raise WriterError("fields must be a non-empty mapping of name -> field")
+        for name, field in fields.items():
+            if not isinstance(name, str) or not name:
+                raise WriterError(f"field names must be non-empty strings, got {name!r}")
+            raw = name.encode("ascii", errors="replace")
+            if not name.isascii() or any(b < 0x20 or b >= 0x7F for b in raw):
+                raise WriterError(f"field name {name!r} must be printable ASCII")
+            if len(raw) > MAX_NAME_BYTES:
+                raise WriterError(
+                    f"field name {name!r} is {len(raw)} characters; the format stores 16, and "
+                    "FFCV would truncate it silently: use a name of at most 16 characters"
+                )
+            for attr in ("metadata_type", "to_binary", "encode"):
+                if not hasattr(field, attr):
+                    raise WriterError(f"field {name!r} ({type(field).__name__}) has no {attr}")
+        page_size = int(page_size)
+        if page_size & (page_size - 1) or not MIN_WRITE_PAGE_SIZE <= page_size < 1 << 32:
+            raise WriterError(
+                f"page_size must be a power of two with 2 MiB <= page_size < 4 GiB, got {page_size}"
+            )
+        self.fname = os.fspath(fname)
+        self.fields = dict(fields)
+        self.page_size = page_size
+        self.num_workers = _usable_cpus() if num_workers < 1 else int(num_workers)
+        self.seed = seed
+        self.progress = sys.stderr.isatty() if progress is None else bool(progress)
+
+    # -- public API -------------------------------------------------------------------------
+    def from_indexed_dataset(
+        self,
+        dataset: Any,
+        indices: Sequence[int] | NDArray[np.integer] | None = None,
+        chunksize: int = 100,
+        shuffle_indices: bool = False,
+    ) -> None:
+        """Write ``dataset[indices[k]]`` at position ``k`` for every ``k``.
+
+        Args:
+            dataset: supports ``len()`` and ``__getitem__`` returning a tuple/list in field order.
+            indices: source indices (default ``range(len(dataset))``).
+            chunksize: samples per work item.
+            shuffle_indices: shuffle ``indices`` first (in place for an ndarray, as FFCV does);
+                with ``seed``, from ``np.random.default_rng(seed)``.
+
+        Raises:
+            WriterError: with the failing sample's index; the output file is not created.
+        """
+        if indices is None:
+            idx: np.ndarray = np.arange(len(dataset), dtype=np.int64)
+        else:
+            idx = indices if isinstance(indices, np.ndarray) else np.asarray(indices)
+            if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+                raise WriterError(f"indices must be a 1-D sequence of ints, got {idx.dtype}")
+        if shuffle_indices:
+            if self.seed is None:
+                np.random.shuffle(idx)
+            else:
+                np.random.default_rng(self.seed).shuffle(idx)
+        if idx.size == 0:
+            raise WriterError("the dataset (or indices) is empty: a .beton needs >= 1 sample")
+        if chunksize < 1:
+            raise WriterError(f"chunksize must be >= 1, got {chunksize}")
+        self._write(dataset, np.asarray(idx, dtype=np.int64), int(chunksize))
+
+    # -- implementation ---------------------------------------------------------------------
+    def _prepare_chunk(
+        self, dataset: Any, dests: NDArray[np.int64], srcs: NDArray[np.int64]
+    ) -> list:
+        out = []
+        nf = len(self.fields)
+        fields = list(self.fields.items())
+        for dest, src in zip(dests.tolist(), srcs.tolist(), strict=True):
+            try:
+                sample = dataset[src]
+                if not isinstance(sample, (tuple, list)):
+                    raise WriterError(
+                        f"dataset[{src}] returned a {type(sample).__name__}; it must return a "
+                        f"tuple with one value per field ({', '.join(self.fields)})",
+                        dest,
+                    )
+                if len(sample) < nf:
+                    raise WriterError(
+                        f"dataset[{src}] returned {len(sample)} values for {nf} fields "
+                        f"({', '.join(self.fields)})",
+                        dest,
+                    )
+                prepared = []
+                for fi, (_name, field) in enumerate(fields):
+                    rng = (
+                        np.random.default_rng([self.seed, dest, fi])
+                        if self.seed is not None
+                        else None
+                    )
+                    prep = getattr(field, "prepare", None)
+                    prepared.append(prep(sample[fi], rng) if prep is not None else sample[fi])
+            except WriterError:
+                raise
+            except Exception as exc:
+                raise WriterError(
+                    f"(dataset index {src}, field {fields[min(len(prepared), nf - 1)][0]!r}) "
+                    f"{type(exc).__name__}: {exc}",
+                    dest,
+                ) from exc
+            out.append((dest, prepared))
+        return out
+
+    def _write(self, dataset: Any, indices: NDArray[np.int64], chunksize: int) -> None:
+        names = list(self.fields)
+        fields = [self.fields[n] for n in names]
+        n = int(indices.size)
+        rec = record_dtype([np.dtype(f.metadata_type) for f in fields])
+        metadata = np.zeros(n, dtype=rec)
+        columns = [metadata[f"f{i}"] for i in range(len(fields))]
+        m_off = metadata_offset(len(fields))
+        data_start = align_up(m_off + n * rec.itemsize, self.page_size)
+        descs = np.zeros(len(fields), dtype=FIELD_DESC_DTYPE)
+        for i, (name, field) in enumerate(zip(names, fields, strict=True)):
+            descs["type_id"][i] = type_id_of(field)
+            raw = name.encode("ascii")
+            descs["name"][i, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+            descs["arguments"][i] = _as_blob(field.to_binary(), name)
+
+        directory = os.path.dirname(os.path.abspath(self.fname))
+        tmp = os.path.join(directory, f".{os.path.basename(self.fname)}.{os.getpid()}.tmp")
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=n, desc=os.path.basename(self.fname), unit="sample")
+        pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="beton-writer")
+        pending: deque[Future] = deque()
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self._header(n, 0).tobytes())
+                f.write(descs.tobytes())
+                packer = _Packer(f, data_start, self.page_size)
+                starts = range(0, n, chunksize)
+                window = 2 * self.num_workers + 1
+                it = iter(starts)
+                for s in it:
+                    pending.append(self._submit(pool, dataset, indices, s, chunksize))
+                    if len(pending) >= window:
+                        break
+                while pending:
+                    chunk = pending.popleft().result()
+                    nxt = next(it, None)
+                    if nxt is not None:
+                        pending.append(self._submit(pool, dataset, indices, nxt, chunksize))
+                    for dest, prepared in chunk:
+                        self._pack(packer, fields, names, columns, dest, prepared)
+                    if bar is not None:
+                        bar.update(len(chunk))
+                packer.flush()
+                if packer.page_no < 0:  # no field allocates: table directly after metadata
+                    f.seek(m_off)
+                    f.write(metadata.tobytes())
+                    table_ptr = f.tell()
+                else:
+                    table_ptr = f.tell()
+                    f.seek(m_off)
+                    f.write(metadata.tobytes())
+                    f.seek(table_ptr)
+                table = np.array(packer.entries, dtype=np.uint64).reshape(-1, 3)
+                f.write(np.ascontiguousarray(table).view(ALLOC_ENTRY_DTYPE).tobytes())
+                f.seek(0)
+                f.write(self._header(n, table_ptr).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.fname)
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            if bar is not None:
+                bar.close()
+
+    def _submit(
+        self,
+        pool: ThreadPoolExecutor,
+        dataset: Any,
+        indices: NDArray[np.int64],
+        start: int,
+        chunksize: int,
+    ) -> Future:
+        stop = min(start + chunksize, indices.size)
+        dests = np.arange(start, stop, dtype=np.int64)
+        return pool.submit(self._prepare_chunk, dataset, dests, indices[start:stop])
+
+    def _pack(
+        self,
+        packer: _Packer,
+        fields: list[Any],
+        names: list[str],
+        columns: list[np.ndarray],
+        dest: int,
+        prepared: list[Any],
+    ) -> None:
+        packer.current = dest
+        for attempt in (0, 1):
+            try:
+                for i, field in enumerate(fields):
+                    destination = columns[i][dest : dest + 1]
+                    enc = getattr(field, "encode_prepared", None)
+                    if enc is not None:
+                        enc(destination, prepared[i], packer.malloc)
+                    else:
+                        field.encode(destination, prepared[i], packer.malloc)
+                return
+            except _Spill:
+                if attempt == 1:
+                    raise WriterError(
+                        f"the sample's data does not fit in one page of {self.page_size} bytes; "
+                        "raise page_size",
+                        dest,
+                    ) from None
+            except WriterError:
+                raise
+            except Exception as exc:
+                raise WriterError(f"encoding failed: {type(exc).__name__}: {exc}", dest) from exc
+
+    def _header(self, n: int, table_ptr: int) -> np.ndarray:
+        h = np.zeros(1, dtype=HEADER_DTYPE)
+        h["version"] = FORMAT_VERSION
+        h["num_fields"] = len(self.fields)
+        h["page_size"] = self.page_size
+        h["num_samples"] = n
+        h["alloc_table_ptr"] = table_ptr
+        return h
