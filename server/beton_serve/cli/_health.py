@@ -1,0 +1,123 @@
+"""``beton-serve health``: ask a running daemon whether it is serving.
+
+The daemon serves the standard gRPC health service (``grpc.health.v1.Health``). This subcommand
+sends one ``Check`` request and maps the answer to an exit status, which is what container health
+checks, Kubernetes probes and systemd ``ExecStartPost`` lines understand:
+
+=====  ======================================================================
+exit   meaning
+=====  ======================================================================
+0      the daemon answered ``SERVING``
+1      it answered, but not ``SERVING`` (e.g. ``NOT_SERVING`` while draining)
+2      no answer: nothing listens at the address, or the deadline passed
+=====  ======================================================================
+
+The address uses gRPC target syntax (``unix:///path/to.sock`` or ``host:port``). Without
+``--server`` it comes from ``BETON_SERVE_ADDRESS``; the caller passes the environment in, so this
+module reads no environment variable itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+
+from beton_serve.errors import ConfigError
+
+__all__ = ["EXIT_NOT_SERVING", "EXIT_SERVING", "EXIT_UNREACHABLE", "add_parser", "check", "run"]
+
+EXIT_SERVING = 0
+EXIT_NOT_SERVING = 1
+EXIT_UNREACHABLE = 2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``health`` on the ``beton-serve`` subcommand parser.
+
+    Args:
+        subparsers: the object ``ArgumentParser.add_subparsers()`` returned.
+
+    Returns:
+        The new subparser; its ``func`` default is :func:`run`.
+    """
+    p = subparsers.add_parser(
+        "health",
+        help="check that a daemon answers the gRPC health service (exit 0 when SERVING)",
+        description=__doc__.split("\n\n", 1)[0] if __doc__ else None,
+    )
+    p.add_argument(
+        "--server",
+        default=None,
+        help="gRPC target: unix:///path/to.sock or host:port (default: $BETON_SERVE_ADDRESS)",
+    )
+    p.add_argument(
+        "--service",
+        default="",
+        help="health service name to check; '' (the default) means the whole server",
+    )
+    p.add_argument("--timeout", type=float, default=3.0, help="deadline in seconds (default 3)")
+    p.set_defaults(func=run)
+    return p
+
+
+def check(target: str, *, service: str = "", timeout: float = 3.0) -> str:
+    """Send one health ``Check`` to ``target``.
+
+    Args:
+        target: gRPC target syntax, e.g. ``unix:///run/beton-serve/beton-serve.sock``.
+        service: the health service name; ``""`` asks about the server as a whole.
+        timeout: deadline for connecting and answering, in seconds.
+
+    Returns:
+        The serving status name: ``"SERVING"``, ``"NOT_SERVING"``, ``"SERVICE_UNKNOWN"`` or
+        ``"UNKNOWN"``; ``"UNREACHABLE"`` when no daemon answered before the deadline.
+    """
+    # Lazy imports: the grpc stubs are only needed by this subcommand.
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            return "UNREACHABLE"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def resolve_target(explicit: str | None, environ: Mapping[str, str]) -> str:
+    """Pick the address: ``--server``, else ``BETON_SERVE_ADDRESS``.
+
+    Raises:
+        ConfigError: when neither is set.
+    """
+    if explicit:
+        return explicit
+    env = environ.get("BETON_SERVE_ADDRESS", "")
+    if env:
+        return env
+    raise ConfigError(
+        "no daemon address: pass --server unix:///path/to.sock (or host:port), "
+        "or set BETON_SERVE_ADDRESS"
+    )
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """Run the subcommand; returns the exit status described in the module docstring."""
+    import os
+
+    target = resolve_target(args.server, os.environ if environ is None else environ)
+    status = check(target, service=args.service, timeout=args.timeout)
+    sys.stdout.write(f"{target}: {status}\n")
+    if status == "SERVING":
+        return EXIT_SERVING
+    if status == "UNREACHABLE":
+        return EXIT_UNREACHABLE
+    return EXIT_NOT_SERVING
