@@ -195,7 +195,7 @@ def test_validation(metrics: Metrics) -> None:
     with pytest.raises(ConfigError, match="already registered"):
         m.open_stream("s", dataset="d")
     with pytest.raises(ConfigError):
-        m.report_stall("c", 2.0, 1.0)
+        m.report_stall("c", float("nan"), 1.0)
     with pytest.raises(ConfigError):
         m.report_stall("c", -1.0, 1.0)
     with pytest.raises(ConfigError):
@@ -204,6 +204,9 @@ def test_validation(metrics: Metrics) -> None:
         Metrics(rate_window_s=0)
     m.report_stall("c", 0.0, 0.0)  # an empty interval is fine: share 0
     assert m.snapshot()["clients"]["c"]["stall_ratio"] == 0.0
+    m.report_stall("c", 2.0, 1.0)  # jitter: wait is capped at wall, never above 100 %
+    c = m.snapshot()["clients"]["c"]
+    assert c["stall_ratio"] == 1.0 and c["wait_s"] == 1.0 and c["wall_s"] == 1.0
 
 
 def test_recorders_are_thread_safe(metrics: Metrics) -> None:
