@@ -1,0 +1,76 @@
+"""``beton-serve health`` against a real gRPC health server (in-process, loopback, port 0)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from beton_serve.cli import _health
+from beton_serve.errors import ConfigError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+
+@pytest.fixture
+def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
+    servicer = health.HealthServicer()
+    pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-health")
+    server = grpc.server(pool)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(grace=None).wait(5)
+        pool.shutdown(wait=True)
+
+
+def _args(server: str | None, timeout: float = 2.0, service: str = "") -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    _health.add_parser(sub)
+    argv = ["health", "--timeout", str(timeout), "--service", service]
+    if server is not None:
+        argv += ["--server", server]
+    return parser.parse_args(argv)
+
+
+def test_serving_exits_zero(health_server, capsys) -> None:
+    target, servicer = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert _health.run(_args(target), environ={}) == _health.EXIT_SERVING
+    assert capsys.readouterr().out.strip() == f"{target}: SERVING"
+
+
+def test_not_serving_exits_one(health_server) -> None:
+    target, servicer = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert _health.run(_args(target), environ={}) == _health.EXIT_NOT_SERVING
+
+
+def test_unknown_service_exits_one(health_server) -> None:
+    target, _ = health_server
+    assert _health.check(target, service="no.such.Service", timeout=2) == "SERVICE_UNKNOWN"
+    assert _health.run(_args(target, service="no.such.Service"), environ={}) == 1
+
+
+def test_address_from_environment(health_server) -> None:
+    target, servicer = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert _health.run(_args(None), environ={"BETON_SERVE_ADDRESS": target}) == 0
+
+
+def test_nothing_listening_exits_two() -> None:
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert _health.run(_args(f"127.0.0.1:{port}", timeout=0.5), environ={}) == 2
+
+
+def test_no_address_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="BETON_SERVE_ADDRESS"):
+        _health.run(_args(None), environ={})
