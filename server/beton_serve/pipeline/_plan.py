@@ -1,0 +1,607 @@
+"""Planning and compiling pipelines: states, buffers, compiled functions, the per-batch runner.
+
+A :class:`Plan` is built once per (dataset, pipelines, batch size):
+
+1. :func:`build_graph` turns FFCV's ``pipelines`` dict into a forest of op nodes.
+2. Declaration walks every node depth-first: ``accept_field``/``accept_globals`` on decoders,
+   then ``declare_state_and_memory``. An op whose output state has ``jit_mode=True`` belongs to the
+   **jit prefix** (runs on numpy arrays in a worker thread, Numba-compiled unless its function
+   has ``python = True``); the ops from the first non-jit one onwards (``ToTensor`` and after) are
+   the **client tail**, run as Python on torch tensors by the consumer.
+3. Each op's function is generated and compiled once; ``refresh(epoch)`` re-declares states
+   between epochs (FFCV does this every epoch, so ``output_size`` changes take effect) and
+   re-allocates only when a shape or dtype changed.
+
+Buffers. Running a batch needs every op's scratch/output memory. Several workers may run
+batches of one plan at once, so buffers live in a :class:`Workspace` (one per concurrently
+running batch, recycled through the plan's free list); an op receives ``buffer[:n]`` for a batch
+of ``n`` samples. The jit outputs are written into caller-owned destination arrays (a shm slot,
+a Loader slot), copied there unless the last op could write there directly.
+
+Call signatures (see ``operation.py``): decoders ``f(batch_indices, dst, metadata,
+storage_state[, seed_key])``; transforms ``f(inp, dst[, batch_indices][, seed_key][, shared])``.
+``seed_key`` is ``derive_seed_key(seed, epoch, op.position)``; ``batch_indices`` is ``uint64``.
+
+Shared state: ``declare_shared_memory(state)`` may return an ``AllocationQuery`` (its shape is
+taken as is, without a batch dimension); ``generate_code_for_shared_state()`` returns
+``init(shared[, batch_indices])``, called once per batch before the op; the buffer is passed to
+the op as its last argument.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from beton_serve.errors import PipelineError, SpecError
+from beton_serve.pipeline._graph import Node, OutputPath, build_graph
+from beton_serve.pipeline.allocation_query import AllocationQuery
+from beton_serve.pipeline.compiler import Compiler
+from beton_serve.pipeline.pipeline_spec import PipelineSpec
+from beton_serve.pipeline.state import State, is_torch_dtype
+
+__all__ = ["OutputSpec", "Plan", "PlanCache", "Workspace", "compile_pipelines", "OpFailure"]
+
+#: Ops that work on torch tensors only (by class name, so user code needs no marker).
+_TORCH_OPS = frozenset(
+    {"Convert", "Squeeze", "ModuleWrapper", "ToDevice", "ToTorchImage", "MixupToOneHot"}
+)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One daemon-side (jit) output: per-sample ``shape`` and numpy ``dtype``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+
+class OpFailure(Exception):
+    """Internal: the op of ``node`` raised ``cause`` while running a batch."""
+
+    def __init__(self, node: Node, cause: BaseException) -> None:
+        super().__init__(f"{node.name}: {type(cause).__name__}: {cause}")
+        self.node = node
+        self.cause = cause
+
+
+def _queries(alloc: Any, node: Node) -> list[AllocationQuery] | AllocationQuery | None:
+    if not alloc:  # None, or a falsy non-query such as the 0 some FFCV user ops return
+        return None
+    if isinstance(alloc, AllocationQuery):
+        return alloc
+    if isinstance(alloc, tuple | list) and all(isinstance(q, AllocationQuery) for q in alloc):
+        return list(alloc)
+    raise SpecError(
+        f"{node.name}: declare_state_and_memory returned {alloc!r} as its allocation; "
+        "return an AllocationQuery, a tuple of them, or None"
+    )
+
+
+def _alloc_key(q: Any) -> Any:
+    if q is None:
+        return None
+    if isinstance(q, list):
+        return tuple(_alloc_key(x) for x in q)
+    return (q.shape, str(q.dtype), str(q.device))
+
+
+def _empty(q: AllocationQuery, batch: int | None) -> Any:
+    shape = q.shape if batch is None else (batch, *q.shape)
+    if is_torch_dtype(q.dtype):
+        import torch
+
+        return torch.empty(shape, dtype=q.dtype, device=q.device or "cpu")
+    return np.empty(shape, dtype=q.dtype)
+
+
+def _slice(buf: Any, n: int) -> Any:
+    if buf is None:
+        return None
+    if isinstance(buf, list):
+        return tuple(_slice(b, n) for b in buf)
+    return buf[:n]
+
+
+class PlanCache:
+    """Compiled op functions shared between plans of the same (file, schema, pipelines).
+
+    Thread-safe. The daemon keeps one for its lifetime; a Loader may be given one so that a
+    second Loader over the same file and pipelines starts without compiling. Only pipelines
+    whose ops all have a wire description (``spec_params``) are cached.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fns: dict[Any, dict[int, Callable[..., Any]]] = {}
+
+    def get(self, key: Any) -> dict[int, Callable[..., Any]] | None:
+        with self._lock:
+            return self._fns.get(key)
+
+    def put(self, key: Any, fns: dict[int, Callable[..., Any]]) -> None:
+        with self._lock:
+            self._fns[key] = dict(fns)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._fns)
+
+
+class Workspace:
+    """The buffers one running batch needs (see the module docstring). Owned by one worker at a time."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.generation = plan.generation
+        self.buffers: dict[int, Any] = {}
+        self.shared: dict[int, Any] = {}
+        for node in plan.jit_nodes:
+            q = plan._alloc[node.position]
+            if isinstance(q, list):
+                self.buffers[node.position] = [_empty(x, plan.batch_size) for x in q]
+            elif q is not None:
+                self.buffers[node.position] = _empty(q, plan.batch_size)
+            sq = plan._shared_alloc.get(node.position)
+            if sq is not None:
+                self.shared[node.position] = _empty(sq, None)
+
+
+class Plan:
+    """A planned and compiled set of pipelines over one reader (see the module docstring).
+
+    Attributes:
+        outputs: the jit outputs in FFCV output order.
+        client_tail: ``{output name: [ops]}``, the ops from ``ToTensor`` onwards.
+        batch_size: the largest batch the buffers hold.
+        generation: bumped whenever ``refresh`` changes a state or an allocation.
+        sliceable: ``True`` when every op works per sample, so a batch may be split into slices
+            that run on different workers (ops that mix samples, such as mixup, prevent it).
+    """
+
+    def __init__(
+        self,
+        reader: Any,
+        paths: list[OutputPath],
+        nodes: list[Node],
+        *,
+        batch_size: int,
+        cache: PlanCache | None,
+        cache_key: Any,
+    ) -> None:
+        if batch_size < 1:
+            raise SpecError(f"batch_size must be >= 1, got {batch_size}")
+        self.reader = reader
+        self.batch_size = int(batch_size)
+        self.paths = paths
+        self.nodes = nodes
+        self.generation = 0
+        self._cache = cache
+        self._cache_key = cache_key
+        self._lock = threading.Lock()
+        self._free: list[Workspace] = []
+        self._states: dict[int, State] = {}
+        self._alloc: dict[int, Any] = {}
+        self._shared_alloc: dict[int, AllocationQuery | None] = {}
+        self._fns: dict[int, Callable[..., Any]] = {}
+        self._shared_fns: dict[int, Callable[..., Any] | None] = {}
+        self._jit: dict[int, bool] = {}
+        self._signature: Any = None
+        self._storage_state = reader.storage_state
+        self._metadata = {n: reader.field_metadata(n) for n in {nd.field_name for nd in nodes}}
+        self._declare()
+        self._generate(use_cache=True)
+
+    # -- planning ------------------------------------------------------------------------
+    def _declare(self) -> bool:
+        memory_read: Callable[..., Any] | None = getattr(self.reader, "memory_read", None)
+        if memory_read is None:
+            from beton_serve.format import memory_read as _module_read
+
+            memory_read = _module_read
+
+        states: dict[int, State] = {}
+        alloc: dict[int, Any] = {}
+        shared: dict[int, AllocationQuery | None] = {}
+        jit: dict[int, bool] = {}
+        for node in self.nodes:  # positions are depth-first, so parents come first
+            op = node.op
+            if node.parent is None:
+                prev = State(jit_mode=True, device="cpu", shape=None, dtype=np.dtype(np.uint8))
+                op.accept_field(self.reader.handlers[node.field_name])
+                op.accept_globals(self._metadata[node.field_name], memory_read)
+            else:
+                prev = states[node.parent.position]
+            if prev.jit_mode and type(op).__name__ in _TORCH_OPS | {"ToDevice"}:
+                raise SpecError(
+                    f"{node.name} runs on torch tensors but its input is a numpy array; "
+                    "move it after ToTensor()"
+                )
+            try:
+                state, query = op.declare_state_and_memory(prev)
+                shared_q = op.declare_shared_memory(prev)
+            except SpecError:
+                raise
+            except (ValueError, TypeError) as exc:
+                hint = " (a torch op must come after ToTensor())" if prev.jit_mode else ""
+                raise SpecError(f"{node.name} rejected its input {prev}: {exc}{hint}") from exc
+            if not isinstance(state, State):
+                raise SpecError(
+                    f"{node.name}: declare_state_and_memory must return (State, allocation)"
+                )
+            is_jit = bool(state.jit_mode)
+            if is_jit and not prev.jit_mode:
+                is_jit = False  # back to numpy after ToTensor: stays in the Python tail
+            states[node.position] = state
+            jit[node.position] = is_jit
+            q = _queries(query, node)
+            if is_jit:
+                for x in q if isinstance(q, list) else [q]:
+                    if x is not None and is_torch_dtype(x.dtype):
+                        raise SpecError(
+                            f"{node.name} asks for torch memory ({x.dtype}) before ToTensor(); "
+                            "use a numpy dtype or move the op after ToTensor()"
+                        )
+                if state.shape is None:
+                    raise SpecError(f"{node.name} declared an output state without a shape")
+            alloc[node.position] = q
+            shared[node.position] = shared_q if isinstance(shared_q, AllocationQuery) else None
+        for path in self.paths:
+            leaf = self._jit_leaf(path, jit)
+            if leaf is None:
+                raise SpecError(
+                    f"pipeline '{path.name}' has no numpy stage; start it with a decoder"
+                )
+            first_tail = next((i for i, nd in enumerate(path.nodes) if not jit[nd.position]), None)
+            if first_tail is not None and first_tail < path.own_start:
+                raise SpecError(
+                    f"pipeline '{path.name}' branches from {path.nodes[path.own_start - 1].name}, "
+                    "which runs after ToTensor(); branch from an op before ToTensor()"
+                )
+        signature = (
+            {k: (s.shape, str(s.dtype)) for k, s in states.items()},
+            {k: _alloc_key(v) for k, v in alloc.items()},
+            {k: _alloc_key(v) for k, v in shared.items()},
+        )
+        changed = signature != self._signature
+        self._states, self._alloc, self._shared_alloc, self._jit = states, alloc, shared, jit
+        if changed:
+            with self._lock:
+                self._signature = signature
+                self.generation += 1
+                self._free.clear()
+        return changed
+
+    def _jit_leaf(self, path: OutputPath, jit: dict[int, bool] | None = None) -> Node | None:
+        jit = self._jit if jit is None else jit
+        leaf = None
+        for nd in path.nodes:
+            if not jit[nd.position]:
+                break
+            leaf = nd
+        return leaf
+
+    def _generate(self, use_cache: bool) -> None:
+        cached = (
+            self._cache.get(self._cache_key)
+            if (use_cache and self._cache and self._cache_key)
+            else None
+        )
+        fns: dict[int, Callable[..., Any]] = {}
+        for node in self.nodes:
+            pos = node.position
+            self._shared_fns[pos] = node.op.generate_code_for_shared_state()
+            if cached is not None and pos in cached:
+                fns[pos] = cached[pos]
+                continue
+            fn = node.op.generate_code()
+            if not callable(fn):
+                raise SpecError(f"{node.name}: generate_code() must return a function, got {fn!r}")
+            if self._jit[pos] and not getattr(fn, "python", False):
+                flags = {
+                    k: getattr(fn, k)
+                    for k in ("with_indices", "with_seed", "python")
+                    if hasattr(fn, k)
+                }
+                try:
+                    fn2 = Compiler.compile(fn)
+                except Exception as exc:
+                    raise SpecError(f"{node.name}: numba could not compile it: {exc}") from exc
+                for k, v in flags.items():
+                    try:
+                        setattr(fn2, k, v)
+                    except AttributeError:
+                        pass
+                fn = fn2
+            fns[pos] = fn
+        self._fns = fns
+        if self._cache is not None and self._cache_key is not None and cached is None:
+            self._cache.put(self._cache_key, fns)
+
+    def refresh(self, epoch: int, *, recompile: bool = False) -> bool:
+        """Re-declare every op's state before ``epoch`` (FFCV does this each epoch).
+
+        Returns ``True`` when an output shape or a buffer changed (old workspaces are dropped and
+        callers must re-allocate destinations from :attr:`outputs`). ``recompile`` regenerates and
+        recompiles every op (FFCV's ``recompile=True``).
+        """
+        changed = self._declare()
+        if recompile:
+            self._generate(use_cache=False)
+        return changed
+
+    # -- description ---------------------------------------------------------------------
+    @property
+    def jit_nodes(self) -> list[Node]:
+        return [nd for nd in self.nodes if self._jit[nd.position]]
+
+    @property
+    def outputs(self) -> list[OutputSpec]:
+        specs = []
+        for path in self.paths:
+            leaf = self._jit_leaf(path)
+            assert leaf is not None  # checked in _declare
+            st = self._states[leaf.position]
+            specs.append(OutputSpec(path.name, tuple(st.shape or ()), np.dtype(st.dtype)))
+        return specs
+
+    @property
+    def client_tail(self) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for path in self.paths:
+            out[path.name] = [nd.op for nd in path.nodes if not self._jit[nd.position]]
+        return out
+
+    @property
+    def sliceable(self) -> bool:
+        return not any(
+            getattr(nd.op, "batch_wide", False)
+            or type(nd.op).__name__ in ("ImageMixup", "LabelMixup")
+            for nd in self.jit_nodes
+        )
+
+    def state_of(self, op: Any) -> State:
+        """The declared output state of ``op`` (for tests and diagnostics)."""
+        for nd in self.nodes:
+            if nd.op is op:
+                return self._states[nd.position]
+        raise KeyError(op)
+
+    def fn_of(self, op: Any) -> Callable[..., Any]:
+        """The function (compiled or not) that runs ``op``."""
+        for nd in self.nodes:
+            if nd.op is op:
+                return self._fns[nd.position]
+        raise KeyError(op)
+
+    def seed_keys(self, seed: int, epoch: int) -> NDArray[np.uint64]:
+        """``derive_seed_key(seed, epoch, position)`` for every op position, as ``uint64``.
+
+        All zeros when no op asks for a seed (``with_seed``), so plans without random ops do not
+        depend on the rng module.
+        """
+        if not any(getattr(f, "with_seed", False) for f in self._fns.values()):
+            return np.zeros(len(self.nodes), dtype=np.uint64)
+        from beton_serve.pipeline.rng import derive_seed_key
+
+        return np.array(
+            [int(derive_seed_key(seed, epoch, nd.position)) for nd in self.nodes], dtype=np.uint64
+        )
+
+    # -- running -------------------------------------------------------------------------
+    def acquire_workspace(self) -> Workspace:
+        """A workspace for one batch; give it back with :meth:`release_workspace`."""
+        with self._lock:
+            while self._free:
+                ws = self._free.pop()
+                if ws.generation == self.generation:
+                    return ws
+        return Workspace(self)
+
+    def release_workspace(self, ws: Workspace) -> None:
+        with self._lock:
+            if ws.generation == self.generation:
+                self._free.append(ws)
+
+    def run(
+        self,
+        ws: Workspace,
+        batch_indices: NDArray[np.uint64],
+        seed_keys: NDArray[np.uint64],
+        outs: Sequence[np.ndarray] | None = None,
+    ) -> list[np.ndarray]:
+        """Run the jit prefix for ``batch_indices`` (at most ``batch_size`` of them).
+
+        Args:
+            ws: a workspace of the current generation, owned by the caller.
+            batch_indices: the sample ids of the batch (``uint64``, C-contiguous).
+            seed_keys: from :meth:`seed_keys` for this epoch.
+            outs: destinations, one per output, each at least ``(len(batch_indices), *shape)``;
+                ``None`` returns views of workspace buffers (valid until ``ws`` is reused).
+
+        Returns:
+            One array per output: ``outs[i][:n]`` (or a workspace view).
+
+        Raises:
+            OpFailure: an op raised; ``node`` says which (the engine adds the sample).
+        """
+        n = len(batch_indices)
+        if n > self.batch_size:
+            raise PipelineError(
+                f"a batch of {n} samples exceeds the plan's batch_size {self.batch_size}"
+            )
+        results: dict[int, Any] = {}
+        direct = self._direct_outputs(outs)
+        for node in self.jit_nodes:
+            pos = node.position
+            fn = self._fns[pos]
+            buf = direct.get(pos)
+            dst = buf[:n] if buf is not None else _slice(ws.buffers.get(pos), n)
+            try:
+                if node.parent is None:
+                    args: list[Any] = [
+                        batch_indices,
+                        dst,
+                        self._metadata[node.field_name],
+                        self._storage_state,
+                    ]
+                else:
+                    args = [results[node.parent.position], dst]
+                    if getattr(fn, "with_indices", False):
+                        args.append(batch_indices)
+                if getattr(fn, "with_seed", False):
+                    args.append(seed_keys[pos])
+                if pos in ws.shared:
+                    init = self._shared_fns.get(pos)
+                    if init is not None:
+                        if getattr(init, "with_indices", False):
+                            init(ws.shared[pos], batch_indices)
+                        else:
+                            init(ws.shared[pos])
+                    args.append(ws.shared[pos])
+                results[pos] = fn(*args)
+            except Exception as exc:
+                raise OpFailure(node, exc) from exc
+        out_arrays = []
+        for i, path in enumerate(self.paths):
+            leaf = self._jit_leaf(path)
+            assert leaf is not None
+            res = results[leaf.position]
+            if outs is None:
+                out_arrays.append(res)
+                continue
+            dst = outs[i][:n]
+            same = (
+                isinstance(res, np.ndarray)
+                and res.shape == dst.shape
+                and res.strides == dst.strides
+                and res.ctypes.data == dst.ctypes.data
+            )
+            if not same:
+                np.copyto(dst, res, casting="no")
+            out_arrays.append(dst)
+        return out_arrays
+
+    def _direct_outputs(self, outs: Sequence[np.ndarray] | None) -> dict[int, np.ndarray]:
+        """Leaf ops that may write straight into the caller's destination."""
+        if outs is None:
+            return {}
+        direct: dict[int, np.ndarray] = {}
+        for i, path in enumerate(self.paths):
+            leaf = self._jit_leaf(path)
+            if leaf is None or leaf.children:
+                continue
+            q = self._alloc[leaf.position]
+            st = self._states[leaf.position]
+            if (
+                isinstance(q, AllocationQuery)
+                and q.shape == st.shape
+                and np.dtype(q.dtype) == np.dtype(st.dtype)
+                and outs[i].dtype == q.dtype
+                and outs[i].shape[1:] == q.shape
+                and outs[i].flags.c_contiguous
+            ):
+                direct[leaf.position] = outs[i]
+        return direct
+
+    def make_tail(self) -> TailRunner:
+        """A runner for the client tail with its own buffers (one per consumer)."""
+        return TailRunner(self)
+
+
+class TailRunner:
+    """Runs the client tail (``ToTensor`` onwards) of every output, in the consumer's thread.
+
+    Its buffers are reused for every batch: the tensors it returns are valid until the next call.
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.generation = plan.generation
+        self._steps: list[list[tuple[Node, Callable[..., Any], Any]]] = []
+        for path in plan.paths:
+            steps = []
+            for nd in path.nodes:
+                if plan._jit[nd.position]:
+                    continue
+                q = plan._alloc[nd.position]
+                if isinstance(q, list):
+                    buf: Any = [_empty(x, plan.batch_size) for x in q]
+                else:
+                    buf = None if q is None else _empty(q, plan.batch_size)
+                steps.append((nd, plan._fns[nd.position], buf))
+            self._steps.append(steps)
+
+    def __call__(
+        self,
+        arrays: Sequence[Any],
+        batch_indices: NDArray[np.uint64],
+        seed_keys: NDArray[np.uint64],
+    ) -> tuple[Any, ...]:
+        n = len(batch_indices)
+        outs = []
+        for x, steps in zip(arrays, self._steps, strict=True):
+            for nd, fn, buf in steps:
+                args = [x, _slice(buf, n)]
+                if getattr(fn, "with_indices", False):
+                    args.append(batch_indices)
+                if getattr(fn, "with_seed", False):
+                    args.append(seed_keys[nd.position])
+                try:
+                    x = fn(*args)
+                except Exception as exc:
+                    raise PipelineError(f"{type(exc).__name__}: {exc}", op=nd.name) from exc
+            outs.append(x)
+        return tuple(outs)
+
+
+def _spec_key(paths: list[OutputPath]) -> Any:
+    parts = []
+    for path in paths:
+        ops = []
+        for nd in path.nodes:
+            try:
+                params = json.dumps(nd.op.spec_params(), sort_keys=True, default=str)
+            except NotImplementedError:
+                return None
+            ops.append((type(nd.op).__module__, type(nd.op).__qualname__, nd.field_name, params))
+        parts.append((path.name, path.own_start, tuple(ops)))
+    return tuple(parts)
+
+
+def compile_pipelines(
+    reader: Any,
+    pipelines: Mapping[str, Sequence[Any] | PipelineSpec | None],
+    *,
+    batch_size: int,
+    custom_fields: Mapping[str, Any] | None = None,
+    cache: PlanCache | None = None,
+) -> Plan:
+    """Plan and compile FFCV-style ``pipelines`` over ``reader``.
+
+    Args:
+        reader: a ``BetonReader`` (see CONTRACTS.md).
+        pipelines: ``{output name: [ops] | PipelineSpec | None}`` with FFCV's semantics.
+        batch_size: the largest batch the plan's buffers hold.
+        custom_fields: the ``custom_fields`` the reader was opened with; their names must exist.
+        cache: share compiled functions with other plans of the same file and pipelines.
+
+    Raises:
+        SpecError: the pipelines are invalid; the message names the op and what to change.
+    """
+    for name in custom_fields or {}:
+        if name not in reader.handlers:
+            raise SpecError(f"custom_fields[{name!r}]: the file has no field {name!r}")
+    paths, nodes = build_graph(list(reader.field_names), reader.handlers, pipelines)
+    key = None
+    if cache is not None:
+        spec = _spec_key(paths)
+        if spec is not None:
+            key = (str(getattr(reader, "path", "")), reader.schema_key(), spec)
+    return Plan(reader, paths, nodes, batch_size=batch_size, cache=cache, cache_key=key)
