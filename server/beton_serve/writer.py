@@ -145,6 +145,10 @@ class DatasetWriter:
         WriterError: invalid fields (names must be 1-16 ASCII characters) or page size.
     """
 
+    #: FFCV's lower page-size limit (2 MiB). Tests lower it in a subclass to write tiny files,
+    #: which beton-serve reads (from 4 KiB) but FFCV's writer would not produce.
+    _MIN_PAGE_SIZE: int = MIN_WRITE_PAGE_SIZE
+
     def __init__(
         self,
         fname: str | os.PathLike[str],
