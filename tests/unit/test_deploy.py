@@ -189,7 +189,11 @@ def test_dockerfile_is_slim_nonroot_with_health_check() -> None:
     assert re.search(r"--uid \$\{UID\}", text) and f"ARG UID={UID}" in text
     health = re.search(r"^HEALTHCHECK .*\n\s+CMD (\[.*\])$", text, flags=re.M)
     assert health is not None
-    assert json.loads(health.group(1))[:2] == ["beton-serve", "health"]
+    health_cmd = json.loads(health.group(1))
+    assert health_cmd[:2] == ["beton-serve", "health"]
+    from beton_serve.cli import build_parser
+
+    assert build_parser().parse_args(health_cmd[1:]).command == "health"
     assert f"BETON_SERVE_ADDRESS={SOCKET}" in text
     # Everything COPY'd from the build context exists and is not excluded by the ignore file.
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()

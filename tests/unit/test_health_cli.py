@@ -32,7 +32,7 @@ def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
 def _args(server: str | None, timeout: float = 2.0, service: str = "") -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
-    _health.add_parser(sub)
+    _health.register(sub)
     argv = ["health", "--timeout", str(timeout), "--service", service]
     if server is not None:
         argv += ["--server", server]
@@ -74,3 +74,13 @@ def test_nothing_listening_exits_two() -> None:
 def test_no_address_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="BETON_SERVE_ADDRESS"):
         _health.run(_args(None), environ={})
+
+
+def test_registered_in_the_cli(health_server) -> None:
+    from beton_serve.cli import build_parser, main
+
+    target, servicer = health_server
+    args = build_parser().parse_args(["health", "--server", target])
+    assert args.func is _health.run
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert main(["health", "--server", target, "--timeout", "2"]) == 0

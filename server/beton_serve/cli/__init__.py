@@ -33,6 +33,7 @@ __all__ = ["DEFAULT_SUBCOMMAND", "SUBCOMMANDS", "build_parser", "main"]
 SUBCOMMANDS: list[str] = [
     "beton_serve.cli._inspect",
     "beton_serve.cli._convert",
+    "beton_serve.cli._health",
 ]
 #: Used when the first argument is not a subcommand name (only if it is registered).
 DEFAULT_SUBCOMMAND = "serve"

@@ -25,14 +25,22 @@ from collections.abc import Mapping
 
 from beton_serve.errors import ConfigError
 
-__all__ = ["EXIT_NOT_SERVING", "EXIT_SERVING", "EXIT_UNREACHABLE", "add_parser", "check", "run"]
+__all__ = [
+    "EXIT_NOT_SERVING",
+    "EXIT_SERVING",
+    "EXIT_UNREACHABLE",
+    "check",
+    "register",
+    "resolve_target",
+    "run",
+]
 
 EXIT_SERVING = 0
 EXIT_NOT_SERVING = 1
 EXIT_UNREACHABLE = 2
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``health`` on the ``beton-serve`` subcommand parser.
 
     Args:
