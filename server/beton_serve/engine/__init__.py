@@ -7,6 +7,26 @@ daemon and the in-process Loader.
 
 from __future__ import annotations
 
-from beton_serve.engine.orders import OrderConfig, OrderOption, TraversalOrder, make_order
+from beton_serve.engine._pool import Engine, Task
+from beton_serve.engine._source import BadSample, BatchSource
+from beton_serve.engine.orders import (
+    OrderConfig,
+    OrderOption,
+    TraversalOrder,
+    distributed_rank_world,
+    epoch_length,
+    make_order,
+)
 
-__all__ = ["OrderConfig", "OrderOption", "TraversalOrder", "make_order"]
+__all__ = [
+    "BadSample",
+    "BatchSource",
+    "Engine",
+    "OrderConfig",
+    "OrderOption",
+    "Task",
+    "TraversalOrder",
+    "distributed_rank_world",
+    "epoch_length",
+    "make_order",
+]

@@ -1,0 +1,194 @@
+"""The shared worker pool: nogil threads fed by one priority queue.
+
+Data structure: a ``queue.PriorityQueue`` of ``(priority, sequence, task)``. Lower priorities run
+first; ``sequence`` keeps FIFO order within a priority. Priority 0 means a consumer is blocked on
+this task right now; prefetch work uses 1. A queued task can be promoted to 0
+(:meth:`Task.promote`): a second entry is queued and whichever entry a worker pops first runs
+the task, the other is skipped.
+
+Why threads, not processes (DESIGN.md §5.1, measured in ``benchmarks/bench_engine_scaling.py``
+and recorded in ``benchmarks/RESULTS.md``): every op runs either as Numba ``nogil`` code or as a
+decoder call that releases the GIL (simplejpeg, cv2), so threads scale like processes while
+writing straight into the destination buffers, with no pickling and no second copy.
+
+Lifecycle: workers are named ``beton-worker-N``. A task that raises an ``Exception`` fails its
+future only. A task that raises a ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``)
+ends its worker thread; the pool logs it and starts a replacement. :meth:`Engine.close` cancels
+queued tasks, wakes every worker, joins each with a timeout and logs any that did not stop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from beton_serve.errors import BetonError
+
+__all__ = ["Engine", "Task"]
+
+_log = logging.getLogger(__name__)
+
+#: Sorts after every real priority; tells a worker to exit.
+_STOP_PRIORITY = float("inf")
+
+
+class Task:
+    """One unit of work. ``future`` completes with the function's result or exception."""
+
+    __slots__ = ("_claimed", "_engine", "args", "fn", "future", "seq")
+
+    def __init__(
+        self, engine: Engine, seq: int, fn: Callable[..., Any], args: tuple[Any, ...]
+    ) -> None:
+        self._engine = engine
+        self.seq = seq
+        self.fn = fn
+        self.args = args
+        self.future: Future[Any] = Future()
+        self._claimed = False
+
+    def claim(self) -> bool:
+        """True exactly once, for the worker that runs the task (False if cancelled)."""
+        with self._engine._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+        return self.future.set_running_or_notify_cancel()
+
+    def promote(self) -> None:
+        """Run this task before prefetch work if it has not started (a consumer is waiting)."""
+        with self._engine._lock:
+            if self._claimed or self._engine._closed:
+                return
+        self._engine._queue.put((0, self.seq, self))
+
+    def __lt__(self, other: Task) -> bool:  # only reached on equal (priority, seq): never
+        return self.seq < other.seq
+
+
+class Engine:
+    """One pool of worker threads shared by every stream (and by Loaders given it).
+
+    Args:
+        num_workers: number of threads; ``None`` or ``< 1`` means the CPUs this process may use.
+        join_timeout: seconds :meth:`close` waits for each worker.
+
+    Thread safety: every method may be called from any thread.
+    """
+
+    def __init__(self, num_workers: int | None = None, *, join_timeout: float = 10.0) -> None:
+        if num_workers is None or num_workers < 1:
+            num_workers = (
+                len(os.sched_getaffinity(0))
+                if hasattr(os, "sched_getaffinity")
+                else (os.cpu_count() or 1)
+            )
+        self.num_workers = int(num_workers)
+        self.join_timeout = float(join_timeout)
+        self._queue: queue.PriorityQueue[tuple[float, int, Any]] = queue.PriorityQueue()
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._names = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self.tasks_done = 0
+        self.workers_replaced = 0
+        for _ in range(self.num_workers):
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        t = threading.Thread(
+            target=self._work, name=f"beton-worker-{next(self._names)}", daemon=True
+        )
+        self._threads.append(t)
+        t.start()
+
+    def _work(self) -> None:
+        while True:
+            priority, _, task = self._queue.get()
+            if priority == _STOP_PRIORITY:
+                return
+            if not task.claim():
+                continue
+            try:
+                result = task.fn(*task.args)
+            except Exception as exc:
+                task.future.set_exception(exc)
+            except BaseException as exc:
+                # The worker dies with the task; the pool keeps its size.
+                task.future.set_exception(exc)
+                _log.error(
+                    "worker %s died (%r); starting a replacement",
+                    threading.current_thread().name,
+                    exc,
+                )
+                with self._lock:
+                    if self._closed:
+                        return
+                    self.workers_replaced += 1
+                    self._threads = [
+                        t for t in self._threads if t is not threading.current_thread()
+                    ]
+                    self._start_worker()
+                return
+            else:
+                task.future.set_result(result)
+            finally:
+                with self._lock:
+                    self.tasks_done += 1
+
+    def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 1) -> Task:
+        """Queue ``fn(*args)``; returns the :class:`Task` (its ``future`` holds the result).
+
+        Raises:
+            BetonError: the engine is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise BetonError("the engine is closed; create a new Engine")
+            task = Task(self, next(self._seq), fn, args)
+        self._queue.put((int(priority), task.seq, task))
+        return task
+
+    @property
+    def alive_workers(self) -> int:
+        with self._lock:
+            return sum(t.is_alive() for t in self._threads)
+
+    def close(self) -> None:
+        """Cancel queued tasks, stop and join every worker (idempotent).
+
+        Tasks already running finish first; each join waits at most ``join_timeout`` seconds,
+        and a worker still alive after it is logged (it is a daemon thread and cannot block
+        interpreter exit).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads = list(self._threads)
+        while True:
+            try:
+                priority, _, task = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if priority != _STOP_PRIORITY:
+                task.future.cancel()
+        for _ in threads:
+            self._queue.put((_STOP_PRIORITY, next(self._seq), None))
+        for t in threads:
+            t.join(self.join_timeout)
+            if t.is_alive():
+                _log.warning("worker %s did not stop within %.1f s", t.name, self.join_timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

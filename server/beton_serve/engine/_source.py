@@ -1,0 +1,304 @@
+"""``BatchSource``: one stream's batches as units of work on the shared :class:`Engine`.
+
+A source knows its order (sample ids of batch ``b`` of epoch ``e`` are a pure function of its
+configuration, see :mod:`beton_serve.engine.orders`), its plan, and how many batches it may have
+in flight (its credit, ``batches_ahead``). ``submit(epoch, b, out)`` runs the plan's jit prefix
+for that batch on a worker and writes the outputs into ``out``.
+
+Units of work: a whole batch, or, when ``slices > 1`` and every op works per sample
+(``plan.sliceable``), that many contiguous slices run by different workers. Every random draw is
+a function of (seed, epoch, sample id, op position), so results do not depend on the split.
+
+Bad samples. When a batch fails, each of its samples is re-run alone to find the culprits. With
+``bad_sample_budget = 0`` (default) the first one raises :class:`PipelineError` naming the sample
+id and the op. Otherwise failing samples are *skipped*: each is replaced, in place, by the next
+good sample of the same batch (cyclically), so the batch keeps its size and layout; the batch is
+then re-run and the skipped ids are recorded in :attr:`BatchSource.bad_samples`. Once more
+samples than the budget have failed, or when every sample of a batch fails, the error is raised.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from beton_serve.engine._pool import Engine
+from beton_serve.engine.orders import (
+    OrderConfig,
+    OrderOption,
+    TraversalOrder,
+    epoch_length,
+    make_order,
+)
+from beton_serve.errors import PipelineError, SpecError
+from beton_serve.pipeline._plan import OpFailure, Plan
+
+__all__ = ["BatchSource", "BadSample"]
+
+
+class BadSample(tuple[int, int, str]):
+    """``(epoch, sample_id, op)`` of a skipped sample."""
+
+    __slots__ = ()
+
+
+class BatchSource:
+    """One stream: order + plan + credit over a shared engine (see the module docstring).
+
+    Args:
+        engine: the worker pool.
+        plan: from ``compile_pipelines``; its ``batch_size`` must be at least ``batch_size``.
+        order: an :class:`OrderOption` or a :class:`TraversalOrder` instance.
+        batch_size, seed, indices, drop_last, distributed, rank, world_size: as in FFCV's Loader
+            (``indices=None`` means every sample of the plan's reader).
+        batches_ahead: the credit; :meth:`submit` blocks while this many batches are in flight.
+        bad_sample_budget: how many failing samples may be skipped over the source's life.
+        slices: split each batch into this many units of work when the plan allows it.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        plan: Plan,
+        order: OrderOption | TraversalOrder = OrderOption.SEQUENTIAL,
+        batch_size: int,
+        seed: int = 0,
+        indices: Sequence[int] | NDArray[Any] | None = None,
+        drop_last: bool = True,
+        distributed: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        batches_ahead: int = 3,
+        bad_sample_budget: int = 0,
+        slices: int = 1,
+    ) -> None:
+        if batch_size > plan.batch_size:
+            raise SpecError(
+                f"batch_size {batch_size} exceeds the plan's batch_size {plan.batch_size}"
+            )
+        if batches_ahead < 1:
+            raise SpecError(f"batches_ahead must be >= 1, got {batches_ahead}")
+        if bad_sample_budget < 0 or slices < 1:
+            raise SpecError("bad_sample_budget must be >= 0 and slices >= 1")
+        reader = plan.reader
+        if indices is None:
+            idx = np.arange(reader.num_samples, dtype=np.uint64)
+        else:
+            idx = np.asarray(indices)
+            if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= reader.num_samples)):
+                raise SpecError(
+                    f"indices must be a 1-D list of sample ids in [0, {reader.num_samples})"
+                )
+            idx = idx.astype(np.uint64)
+        if order is OrderOption.QUASI_RANDOM and not len(idx):
+            raise SpecError("QUASI_RANDOM needs at least one sample")
+        self.engine = engine
+        self.plan = plan
+        self.order = order
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.batches_ahead = int(batches_ahead)
+        self.bad_sample_budget = int(bad_sample_budget)
+        self.slices = int(slices)
+        self.config = OrderConfig(
+            indices=idx,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            distributed=distributed,
+            rank=rank,
+            world_size=world_size,
+            sample_pages=getattr(reader, "sample_pages", None)
+            if order is OrderOption.QUASI_RANDOM
+            else None,
+        )
+        self.bad_samples: list[BadSample] = []
+        self._lock = threading.Lock()
+        self._credit = threading.BoundedSemaphore(self.batches_ahead)
+        self._orders: OrderedDict[int, NDArray[np.uint64]] = OrderedDict()
+        self._keys: OrderedDict[int, NDArray[np.uint64]] = OrderedDict()
+        self._len = epoch_length(len(self.sample_order(0)), self.batch_size, self.drop_last)
+
+    # -- order ---------------------------------------------------------------------------
+    def sample_order(self, epoch: int) -> NDArray[np.uint64]:
+        """The sample ids this rank visits in ``epoch`` (cached for the two latest epochs)."""
+        with self._lock:
+            hit = self._orders.get(epoch)
+        if hit is not None:
+            return hit
+        ids = make_order(self.order, self.config, epoch)
+        with self._lock:
+            self._orders[epoch] = ids
+            while len(self._orders) > 2:
+                self._orders.popitem(last=False)
+        return ids
+
+    def __len__(self) -> int:
+        """Batches per epoch (FFCV: computed from epoch 0's order)."""
+        return self._len
+
+    def batch_ids(self, epoch: int, b: int) -> NDArray[np.uint64]:
+        """Sample ids of batch ``b`` of ``epoch`` (``uint64``, C-contiguous)."""
+        if not 0 <= b < self._len:
+            raise IndexError(f"batch {b} out of range: the epoch has {self._len} batches")
+        order = self.sample_order(epoch)
+        return np.ascontiguousarray(order[b * self.batch_size : (b + 1) * self.batch_size])
+
+    def seed_keys(self, epoch: int) -> NDArray[np.uint64]:
+        with self._lock:
+            hit = self._keys.get(epoch)
+        if hit is not None:
+            return hit
+        keys = self.plan.seed_keys(self.seed, epoch)
+        with self._lock:
+            self._keys[epoch] = keys
+            while len(self._keys) > 2:
+                self._keys.popitem(last=False)
+        return keys
+
+    # -- running -------------------------------------------------------------------------
+    def submit(
+        self,
+        epoch: int,
+        b: int,
+        out: list[np.ndarray] | None = None,
+        priority: int = 1,
+        *,
+        timeout: float | None = None,
+    ) -> Future[list[np.ndarray]]:
+        """Run batch ``b`` of ``epoch`` on the engine.
+
+        Blocks while ``batches_ahead`` batches of this source are in flight (the credit comes
+        back when a batch completes); ``timeout`` bounds the wait (``TimeoutError``).
+
+        Args:
+            out: one destination per plan output, each ``(>= n, *shape)`` of the output's dtype;
+                the caller owns them and must not touch them until the future completes.
+                ``None`` allocates new arrays.
+            priority: 0 when a consumer is waiting for this batch, else 1.
+
+        Returns:
+            A future of ``[out[i][:n] for each output]``; its exception is a
+            :class:`PipelineError` (with ``sample_index`` and ``op`` when known).
+        """
+        ids = self.batch_ids(epoch, b)
+        n = len(ids)
+        if out is None:
+            out = [np.empty((n, *o.shape), o.dtype) for o in self.plan.outputs]
+        if not self._credit.acquire(timeout=timeout):
+            raise TimeoutError(
+                f"no credit within {timeout} s: {self.batches_ahead} batches in flight"
+            )
+        keys = self.seed_keys(epoch)
+        result: Future[list[np.ndarray]] = Future()
+        result.set_running_or_notify_cancel()
+        result.add_done_callback(lambda _f: self._credit.release())
+        parts = (
+            self.slices if (self.slices > 1 and self.plan.sliceable and n >= 2 * self.slices) else 1
+        )
+        bounds = np.linspace(0, n, parts + 1).astype(int)
+        pending = [parts]
+        errors: list[BaseException] = []
+        tasks = []
+
+        def done(f: Future[Any]) -> None:
+            exc = f.exception() if not f.cancelled() else PipelineError("batch cancelled")
+            with self._lock:
+                if exc is not None:
+                    errors.append(exc)
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                if errors:
+                    result.set_exception(errors[0])
+                else:
+                    result.set_result([o[:n] for o in out])
+
+        for s in range(parts):
+            lo, hi = int(bounds[s]), int(bounds[s + 1])
+            task = self.engine.submit(
+                self._run, epoch, ids[lo:hi], [o[lo:hi] for o in out], keys, priority=priority
+            )
+            tasks.append(task)
+            task.future.add_done_callback(done)
+        result.tasks = tasks  # type: ignore[attr-defined]
+        return result
+
+    @staticmethod
+    def promote(fut: Future[Any]) -> None:
+        """Move a submitted batch ahead of prefetch work (its consumer is now waiting)."""
+        for task in getattr(fut, "tasks", ()):
+            task.promote()
+
+    def _run(
+        self, epoch: int, ids: NDArray[np.uint64], outs: list[np.ndarray], keys: NDArray[np.uint64]
+    ) -> list[np.ndarray]:
+        plan = self.plan
+        ws = plan.acquire_workspace()
+        try:
+            try:
+                return plan.run(ws, ids, keys, outs)
+            except OpFailure as failure:
+                fixed = self._skip_bad(epoch, ws, ids, keys, failure)
+                try:
+                    return plan.run(ws, fixed, keys, outs)
+                except OpFailure as again:
+                    raise PipelineError(
+                        f"batch failed after skipping bad samples: {again.cause!r}",
+                        op=again.node.name,
+                    ) from again.cause
+        finally:
+            plan.release_workspace(ws)
+
+    def _skip_bad(
+        self,
+        epoch: int,
+        ws: Any,
+        ids: NDArray[np.uint64],
+        keys: NDArray[np.uint64],
+        failure: OpFailure,
+    ) -> NDArray[np.uint64]:
+        bad: list[tuple[int, OpFailure]] = []
+        for i in range(len(ids)):
+            try:
+                self.plan.run(ws, ids[i : i + 1], keys, None)
+            except OpFailure as f:
+                bad.append((i, f))
+        if not bad:  # only the whole batch fails: not a sample's fault
+            raise PipelineError(f"{failure.cause!r}", op=failure.node.name) from failure.cause
+        first_i, first = bad[0]
+        with self._lock:
+            over = len(self.bad_samples) + len(bad) > self.bad_sample_budget
+            if not over and len(bad) < len(ids):
+                self.bad_samples.extend(
+                    BadSample((epoch, int(ids[i]), f.node.name)) for i, f in bad
+                )
+        if over or len(bad) == len(ids):
+            why = (
+                "every sample of the batch failed"
+                if len(bad) == len(ids)
+                else (
+                    f"bad-sample budget {self.bad_sample_budget} exhausted"
+                    if self.bad_sample_budget
+                    else "raise bad_sample_budget to skip failing samples"
+                )
+            )
+            raise PipelineError(
+                f"{type(first.cause).__name__}: {first.cause} ({why})",
+                sample_index=int(ids[first_i]),
+                op=first.node.name,
+            ) from first.cause
+        bad_pos = {i for i, _ in bad}
+        good = [i for i in range(len(ids)) if i not in bad_pos]
+        fixed = ids.copy()
+        for i in bad_pos:
+            repl = next((g for g in good if g > i), good[0])
+            fixed[i] = ids[repl]
+        return fixed

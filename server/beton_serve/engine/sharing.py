@@ -1,0 +1,683 @@
+"""Work sharing between identical streams (DESIGN.md §5.4).
+
+Streams that would produce exactly the same batches (same dataset, pipeline spec, seed, order,
+batch size, ``drop_last``, distributed split and index subset: a :class:`ShareKey`) attach to one
+:class:`SharedProducer`. Each batch is produced once into a slot; every attached consumer reads
+that slot; the slot is freed when the last consumer that needs it releases it.
+
+Data structure. A stream's batches form one line of *positions*, ``pos = epoch * B + index``
+with ``B`` batches per epoch (the same for every member, since the key fixes it). The producer
+keeps a table of *live entries*, ``pos -> (slot handle, holders)``, where ``holders`` is the set
+of attached consumers that still have to take or release that batch. Each consumer has a
+position (the next batch it will take) and an optional exclusive ``stop``.
+
+- ``Consumer.next()`` at position ``p``: if ``p`` is live, take it; otherwise this consumer
+  produces it by calling ``produce(epoch, index)``, and the entry's holders are every attached
+  consumer whose range covers ``p``. The consumer that first reaches a batch produces it: production
+  is pulled by the fastest consumer's credits; nobody waits for anybody.
+- ``Consumer.release(batch)`` drops the consumer from the entry's holders; when none are left
+  ``free(handle)`` is called, exactly once per produced batch.
+- **Detaching.** After every ``next()``, any attached consumer more than ``max_lag`` positions
+  behind the leader (the furthest position of any attached consumer) is detached: it leaves the
+  holders of every batch it has not taken yet (freeing those nobody else needs) and continues on a
+  *private* stream from its exact position, calling ``produce``/``free`` for itself. Batches it
+  took before being detached stay valid until it releases them. So the group's live entries are
+  bounded by ``max_lag + 1`` plus what consumers have taken and not released, and the fast
+  consumers never wait for the slow one.
+- **Late joiners** share from their own position when that position is within ``max_lag`` of
+  every attached consumer (``leader - max_lag <= p <= slowest + max_lag``), i.e. when joining
+  detaches nobody. Batches in ``[p, leader)`` that the group has already freed are produced again
+  for the joiner (and for anyone else still needing them), which costs extra decodes but keeps
+  every stream's order exact. A joiner outside that window gets a private stream from its own
+  position: it neither stalls the group nor drags it forward.
+
+Callables and threads. ``produce(epoch, index) -> handle`` and ``free(handle)`` are supplied by the
+owner (the daemon: acquire a slot of the group's ring, submit the batch to the engine, return a
+handle carrying the slot and its future; free returns the slot to the ring). The handle must be
+readable by every consumer's transport: one ring per group, mapped by each client. Both are called
+*without* the producer's lock held, from the thread calling ``next()``/``release()``/``close()``,
+so they may block (e.g. waiting for a free slot) without deadlocking releases on other threads.
+``produce`` should only *start* the work; readiness is the handle's business. A consumer asking
+for a batch another thread is still inside ``produce`` for waits (bounded by ``timeout``) for that
+call to return. Everything here is thread-safe; with a single-threaded asyncio caller nothing ever
+waits.
+
+Failures. If ``produce`` raises, the exception propagates from ``next()`` of every consumer that
+reaches that batch while the failed entry is live; their positions do not advance, and once no
+holder is left the entry is dropped, so a later ``next()`` retries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from beton_serve.errors import BetonError, SpecError
+
+__all__ = [
+    "BatchTimeoutError",
+    "Consumer",
+    "ShareKey",
+    "SharedBatch",
+    "SharedProducer",
+    "SharingRegistry",
+    "SharingStats",
+]
+
+S = TypeVar("S")
+
+_PENDING, _READY, _FAILED = 0, 1, 2
+
+
+class BatchTimeoutError(BetonError, TimeoutError):
+    """``Consumer.next`` waited longer than its timeout for another thread's ``produce`` call."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShareKey:
+    """What makes two streams identical, so that they may share batches.
+
+    Build it with :meth:`build`, which canonicalises the pipeline spec and digests the indices.
+
+    Attributes:
+        dataset: the dataset name.
+        pipeline: the pipeline spec as canonical JSON (sorted keys, no spaces).
+        seed: the resolved seed (a stream opened without a seed gets a fresh one from the daemon,
+            so it never matches another).
+        order: the order's name (``"RANDOM"``, ``"SEQUENTIAL"``, ``"QUASI_RANDOM"``).
+        batch_size: samples per batch.
+        drop_last: whether the last partial batch is dropped.
+        distributed: whether the stream reads one rank's split.
+        rank: the rank (0 when not distributed).
+        world_size: the world size (1 when not distributed).
+        indices: a SHA-256 hex digest of the index subset as int64, or ``""`` for all samples.
+    """
+
+    dataset: str
+    pipeline: str
+    seed: int
+    order: str
+    batch_size: int
+    drop_last: bool
+    distributed: bool
+    rank: int
+    world_size: int
+    indices: str = ""
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        dataset: str,
+        pipeline: Mapping[str, Any] | str,
+        seed: int,
+        order: str,
+        batch_size: int,
+        drop_last: bool,
+        distributed: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        indices: Iterable[int] | np.ndarray | None = None,
+    ) -> ShareKey:
+        """Build a key; equal keys mean bit-identical batch streams.
+
+        Args:
+            pipeline: the JSON-safe spec (``{field: [{"op": name, "params": {...}}, ...]}``), or a
+                string already in canonical form.
+            indices: the stream's index subset, or ``None`` for every sample.
+
+        Raises:
+            SpecError: the pipeline is not JSON-serialisable.
+        """
+        if isinstance(pipeline, str):
+            canon = pipeline
+        else:
+            try:
+                canon = json.dumps(pipeline, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise SpecError(f"pipeline spec must be JSON-safe to share work: {exc}") from None
+        digest = ""
+        if indices is not None:
+            arr = np.ascontiguousarray(np.asarray(indices, dtype=np.int64))
+            digest = hashlib.sha256(arr.tobytes()).hexdigest()
+        if not distributed:
+            rank, world_size = 0, 1
+        return cls(
+            dataset=dataset,
+            pipeline=canon,
+            seed=int(seed),
+            order=str(order),
+            batch_size=int(batch_size),
+            drop_last=bool(drop_last),
+            distributed=bool(distributed),
+            rank=int(rank),
+            world_size=int(world_size),
+            indices=digest,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBatch(Generic[S]):
+    """One batch handed to a consumer. Give it back with :meth:`Consumer.release`.
+
+    Attributes:
+        epoch: the epoch.
+        index: the batch index within the epoch.
+        handle: what ``produce`` returned; shared read-only with the other consumers when
+            ``shared`` is true.
+        shared: true when the batch came from the group, false when the consumer produced it
+            privately (after being detached, or when it never joined).
+    """
+
+    epoch: int
+    index: int
+    handle: S
+    shared: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SharingStats:
+    """Counters of one producer (a snapshot).
+
+    Attributes:
+        consumers: consumers attached to the group now.
+        produced: batches produced for the group (shared).
+        produced_private: batches produced by private or detached consumers.
+        freed: group batches freed.
+        detached: consumers detached for lagging.
+        joined_private: consumers that asked to attach but got a private stream.
+        live: group batches produced and not yet freed.
+        peak_live: the largest ``live`` seen.
+    """
+
+    consumers: int
+    produced: int
+    produced_private: int
+    freed: int
+    detached: int
+    joined_private: int
+    live: int
+    peak_live: int
+
+
+class _Entry:
+    __slots__ = ("error", "handle", "holders", "pos", "state")
+
+    def __init__(self, pos: int, holders: set[Consumer[Any]]) -> None:
+        self.pos = pos
+        self.holders = holders
+        self.state = _PENDING
+        self.handle: Any = None
+        self.error: BaseException | None = None
+
+
+class Consumer(Generic[S]):
+    """One stream's view of a :class:`SharedProducer`. Created by :meth:`SharedProducer.attach`.
+
+    A consumer is meant to be driven by one stream (one thread or task at a time); different
+    consumers may run on different threads. Use it as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self, group: SharedProducer[S], pos: int, stop: int | None, *, shared: bool
+    ) -> None:
+        self._group = group
+        self._pos = pos
+        self._stop = stop
+        self._shared = shared
+        self._was_shared = shared
+        self._closed = False
+        # pos -> group entry, for shared batches taken and not yet released.
+        self._taken: dict[int, _Entry] = {}
+        # private batches handed out and not yet released: id(handle) -> (pos, handle)
+        self._private: dict[int, tuple[int, S]] = {}
+
+    # ---------------------------------------------------------------------- properties
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, index)`` of the next batch :meth:`next` returns."""
+        return divmod(self._pos, self._group.batches_per_epoch)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the consumer reads the group's batches now."""
+        return self._shared
+
+    @property
+    def detached(self) -> bool:
+        """Whether it was attached to the group and has been moved to a private stream."""
+        return self._was_shared and not self._shared
+
+    @property
+    def finished(self) -> bool:
+        """Whether it has reached its ``stop`` position."""
+        return self._stop is not None and self._pos >= self._stop
+
+    @property
+    def held(self) -> int:
+        """Batches handed out by :meth:`next` and not yet released."""
+        return len(self._taken) + len(self._private)
+
+    # ---------------------------------------------------------------------- operations
+    def next(self, timeout: float | None = 30.0) -> SharedBatch[S] | None:
+        """The next batch, in order, or ``None`` at ``stop``.
+
+        Args:
+            timeout: how long to wait, at most, for another thread's ``produce`` of this batch.
+
+        Raises:
+            BetonError: the consumer is closed.
+            BatchTimeoutError: the wait exceeded ``timeout``; the position is unchanged.
+            Exception: whatever ``produce`` raised for this batch; the position is unchanged.
+        """
+        if self._closed:
+            raise BetonError("this sharing consumer is closed; attach a new one")
+        if self.finished:
+            return None
+        if self._shared:
+            batch = self._group._next_shared(self, timeout)
+            if batch is not None:
+                return batch
+        return self._next_private()
+
+    def _next_private(self) -> SharedBatch[S]:
+        pos = self._pos
+        epoch, index = divmod(pos, self._group.batches_per_epoch)
+        handle = self._group._produce(epoch, index)
+        self._group._count_private()
+        self._pos = pos + 1
+        self._private[id(handle)] = (pos, handle)
+        return SharedBatch(epoch, index, handle, False)
+
+    def release(self, batch: SharedBatch[S]) -> None:
+        """Give back a batch from :meth:`next`; frees its slot if nobody else needs it.
+
+        Releasing after :meth:`close` is a no-op (close released everything).
+
+        Raises:
+            BetonError: the batch was not handed to this consumer, or was released already.
+        """
+        if self._closed:
+            return
+        pos = batch.epoch * self._group.batches_per_epoch + batch.index
+        if batch.shared:
+            self._group._release_shared(self, pos)
+            return
+        got = self._private.pop(id(batch.handle), None)
+        if got is None or got[0] != pos:
+            if got is not None:
+                self._private[id(batch.handle)] = got
+            raise BetonError(
+                f"batch (epoch {batch.epoch}, index {batch.index}) is not held by this consumer"
+            )
+        self._group._free(batch.handle)
+
+    def close(self) -> None:
+        """Detach from the group and release every batch still held. Idempotent."""
+        if self._closed:
+            return
+        self._group._close_consumer(self)
+        private = list(self._private.values())
+        self._private.clear()
+        self._closed = True
+        for _, handle in sorted(private, key=lambda x: x[0]):
+            self._group._free(handle)
+
+    def __enter__(self) -> Consumer[S]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SharedProducer(Generic[S]):
+    """Produces each batch of one :class:`ShareKey` once for every attached :class:`Consumer`.
+
+    Args:
+        produce: ``produce(epoch, index) -> handle``: start producing that batch into a slot
+            that every consumer can read, and return a handle to it. Called once per batch for
+            the group (again only for late joiners needing freed batches), and once per batch for
+            each private consumer. Called without the lock held.
+        free: ``free(handle)``: the last holder released the batch; return its slot. Called
+            exactly once per handle ``produce`` returned, without the lock held.
+        batches_per_epoch: batches in one epoch (``len(BatchSource)``), > 0.
+        max_lag: how many batches a consumer may fall behind the leader before it is detached
+            onto a private stream, >= 0. Size it with the ring: the group holds at most
+            ``max_lag + 1`` batches plus those its consumers have taken and not released.
+        on_empty: called (without the lock) when the last attached consumer leaves; used by
+            :class:`SharingRegistry` to drop the group.
+
+    Raises:
+        SpecError: ``batches_per_epoch`` or ``max_lag`` out of range.
+    """
+
+    def __init__(
+        self,
+        produce: Callable[[int, int], S],
+        free: Callable[[S], None],
+        *,
+        batches_per_epoch: int,
+        max_lag: int,
+        on_empty: Callable[[SharedProducer[S]], None] | None = None,
+    ) -> None:
+        if batches_per_epoch <= 0:
+            raise SpecError(f"batches_per_epoch must be > 0, got {batches_per_epoch}")
+        if max_lag < 0:
+            raise SpecError(f"max_lag must be >= 0 batches, got {max_lag}")
+        self._produce = produce
+        self._free = free
+        self.batches_per_epoch = int(batches_per_epoch)
+        self.max_lag = int(max_lag)
+        self._on_empty = on_empty
+        self._cond = threading.Condition(threading.Lock())
+        self._consumers: set[Consumer[S]] = set()
+        self._entries: dict[int, _Entry] = {}
+        self._closed = False  # set by the registry once the group is dropped
+        self._produced = self._produced_private = self._freed = 0
+        self._detached = self._joined_private = self._peak_live = 0
+
+    # ---------------------------------------------------------------------- public
+    def attach(
+        self, epoch: int = 0, index: int = 0, *, stop: tuple[int, int] | None = None
+    ) -> Consumer[S]:
+        """Attach a consumer that starts at ``(epoch, index)`` and stops before ``stop``.
+
+        It shares with the group when joining detaches nobody (see the module docstring);
+        otherwise it gets a private stream from the same position (``consumer.shared`` says
+        which).
+
+        Args:
+            epoch: the first batch's epoch, >= 0.
+            index: the first batch's index in that epoch, in ``[0, batches_per_epoch)``.
+            stop: the exclusive end position ``(epoch, index)``, or ``None`` for no end; e.g.
+                ``(epoch + 1, 0)`` for the rest of one epoch.
+
+        Raises:
+            SpecError: a position out of range, or ``stop`` before the start.
+        """
+        pos = self._linear(epoch, index, "start")
+        end = None if stop is None else self._linear(stop[0], stop[1], "stop", allow_end=True)
+        if end is not None and end < pos:
+            raise SpecError(f"stop {stop} is before the start ({epoch}, {index})")
+        with self._cond:
+            shared = not self._closed and self._may_join(pos, end)
+            c: Consumer[S] = Consumer(self, pos, end, shared=shared)
+            if shared:
+                self._consumers.add(c)
+                for k, e in self._entries.items():
+                    if k >= pos and (end is None or k < end):
+                        e.holders.add(c)
+            else:
+                self._joined_private += 1
+        return c
+
+    def stats(self) -> SharingStats:
+        """A snapshot of the producer's counters."""
+        with self._cond:
+            return SharingStats(
+                consumers=len(self._consumers),
+                produced=self._produced,
+                produced_private=self._produced_private,
+                freed=self._freed,
+                detached=self._detached,
+                joined_private=self._joined_private,
+                live=len(self._entries),
+                peak_live=self._peak_live,
+            )
+
+    # ---------------------------------------------------------------------- internals
+    def _linear(self, epoch: int, index: int, what: str, *, allow_end: bool = False) -> int:
+        if epoch < 0 or not 0 <= index < self.batches_per_epoch:
+            if not (allow_end and index == 0 and epoch >= 0):
+                raise SpecError(
+                    f"{what} position (epoch {epoch}, index {index}) is out of range: epochs "
+                    f"start at 0 and indices lie in [0, {self.batches_per_epoch})"
+                )
+        return epoch * self.batches_per_epoch + index
+
+    def _may_join(self, pos: int, end: int | None) -> bool:
+        if end is not None and pos >= end:
+            return False  # nothing to read: a private, finished consumer
+        if not self._consumers:
+            return True
+        leader = max(c._pos for c in self._consumers)
+        active = [c._pos for c in self._consumers if not c.finished]
+        slowest = min(active) if active else leader
+        return leader - self.max_lag <= pos <= slowest + self.max_lag
+
+    def _count_private(self) -> None:
+        with self._cond:
+            self._produced_private += 1
+
+    def _next_shared(self, c: Consumer[S], timeout: float | None) -> SharedBatch[S] | None:
+        """Take position ``c._pos`` from the group; ``None`` if ``c`` was detached meanwhile."""
+        to_free: list[Any] = []
+        produce_it = False
+        with self._cond:
+            if not c._shared:
+                return None
+            pos = c._pos
+            entry = self._entries.get(pos)
+            if entry is None:
+                holders = {
+                    o
+                    for o in self._consumers
+                    if o._pos <= pos and (o._stop is None or pos < o._stop)
+                }
+                entry = _Entry(pos, holders)
+                self._entries[pos] = entry
+                self._peak_live = max(self._peak_live, len(self._entries))
+                produce_it = True
+            entry.holders.add(c)
+            c._taken[pos] = entry
+            c._pos = pos + 1
+            to_free = self._detach_laggards_locked()
+        for h in to_free:
+            self._free(h)
+        epoch, index = divmod(pos, self.batches_per_epoch)
+        if produce_it:
+            try:
+                handle = self._produce(epoch, index)
+            except BaseException as exc:
+                with self._cond:
+                    entry.state, entry.error = _FAILED, exc
+                    self._cond.notify_all()
+                self._undo_take(c, entry)
+                raise
+            free_now = False
+            with self._cond:
+                entry.handle, entry.state = handle, _READY
+                self._produced += 1
+                if not entry.holders:  # everyone left while we produced
+                    self._entries.pop(pos, None)
+                    self._freed += 1
+                    free_now = True
+                self._cond.notify_all()
+            if free_now:
+                self._free(handle)
+            return SharedBatch(epoch, index, handle, True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while entry.state == _PENDING:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+            state, handle, error = entry.state, entry.handle, entry.error
+        if state == _READY:
+            return SharedBatch(epoch, index, handle, True)
+        self._undo_take(c, entry)
+        if state == _FAILED:
+            assert error is not None
+            raise error
+        raise BatchTimeoutError(
+            f"waited {timeout} s for batch (epoch {epoch}, index {index}) being produced by "
+            "another stream of the same sharing group"
+        )
+
+    def _undo_take(self, c: Consumer[S], entry: _Entry) -> None:
+        """Give back a batch ``c`` took but could not use; its position goes back to it."""
+        with self._cond:
+            c._taken.pop(entry.pos, None)
+            if c._pos == entry.pos + 1:
+                c._pos = entry.pos
+            entry.holders.discard(c)
+            if not entry.holders and entry.state != _READY:
+                if self._entries.get(entry.pos) is entry:
+                    del self._entries[entry.pos]
+            # A READY entry that lost its last holder here is freed below. Only the timeout
+            # path leaves a READY entry (it became ready just after the deadline).
+            free = entry.state == _READY and not entry.holders and entry.pos in self._entries
+            if free:
+                del self._entries[entry.pos]
+                self._freed += 1
+        if free:
+            self._free(entry.handle)
+
+    def _detach_laggards_locked(self) -> list[Any]:
+        """Move consumers more than ``max_lag`` behind the leader to private streams.
+
+        Returns the handles that lost their last holder, to be freed once the lock is dropped.
+        """
+        if len(self._consumers) < 2:
+            return []
+        leader = max(o._pos for o in self._consumers)
+        lagging = [o for o in self._consumers if not o.finished and leader - o._pos > self.max_lag]
+        to_free: list[Any] = []
+        for o in lagging:
+            self._detached += 1
+            to_free.extend(self._leave_locked(o, untaken_only=True))
+        return to_free
+
+    def _leave_locked(self, c: Consumer[S], *, untaken_only: bool) -> list[Any]:
+        """Remove ``c`` from the group; drop it from the holders of the batches it has not
+        taken (and, unless ``untaken_only``, of those it has). Returns handles to free."""
+        self._consumers.discard(c)
+        c._shared = False
+        to_free: list[Any] = []
+        for pos in sorted(self._entries):
+            e = self._entries[pos]
+            if c not in e.holders:
+                continue
+            if untaken_only and pos in c._taken:
+                continue
+            e.holders.discard(c)
+            c._taken.pop(pos, None)
+            if not e.holders and e.state != _PENDING:
+                del self._entries[pos]
+                if e.state == _READY:
+                    self._freed += 1
+                    to_free.append(e.handle)
+        return to_free
+
+    def _release_shared(self, c: Consumer[S], pos: int) -> None:
+        handle = None
+        with self._cond:
+            entry = c._taken.pop(pos, None)
+            if entry is None:
+                epoch, index = divmod(pos, self.batches_per_epoch)
+                raise BetonError(
+                    f"batch (epoch {epoch}, index {index}) is not held by this consumer"
+                )
+            entry.holders.discard(c)
+            if not entry.holders and entry.state == _READY and self._entries.get(pos) is entry:
+                del self._entries[pos]
+                self._freed += 1
+                handle = entry.handle
+        if handle is not None:
+            self._free(handle)
+
+    def _close_consumer(self, c: Consumer[S]) -> None:
+        with self._cond:
+            was_member = c in self._consumers
+            to_free = self._leave_locked(c, untaken_only=False)
+            # Shared batches taken before a detach are still held by c: let them go too.
+            for pos, e in sorted(c._taken.items()):
+                e.holders.discard(c)
+                if not e.holders and e.state == _READY and self._entries.get(pos) is e:
+                    del self._entries[pos]
+                    self._freed += 1
+                    to_free.append(e.handle)
+            c._taken.clear()
+            empty = was_member and not self._consumers
+        for h in to_free:
+            self._free(h)
+        if empty and self._on_empty is not None:
+            self._on_empty(self)
+
+
+class SharingRegistry(Generic[S]):
+    """The daemon's table of sharing groups, one :class:`SharedProducer` per :class:`ShareKey`.
+
+    A group is created by the first :meth:`attach` for its key (with that caller's
+    ``produce``/``free``, which therefore must not depend on which stream asked) and dropped when
+    its last consumer closes or is detached; a later attach for the key starts a fresh group.
+
+    Args:
+        max_lag: see :class:`SharedProducer`.
+    """
+
+    def __init__(self, *, max_lag: int) -> None:
+        if max_lag < 0:
+            raise SpecError(f"max_lag must be >= 0 batches, got {max_lag}")
+        self.max_lag = int(max_lag)
+        self._lock = threading.Lock()
+        self._groups: dict[ShareKey, SharedProducer[S]] = {}
+
+    def attach(
+        self,
+        key: ShareKey,
+        *,
+        produce: Callable[[int, int], S],
+        free: Callable[[S], None],
+        batches_per_epoch: int,
+        epoch: int = 0,
+        index: int = 0,
+        stop: tuple[int, int] | None = None,
+    ) -> Consumer[S]:
+        """Attach a stream to its key's group (creating it if needed).
+
+        Raises:
+            SpecError: bad positions, or ``batches_per_epoch`` differs from the group's (a key
+                that does not capture everything that shapes the stream).
+        """
+        with self._lock:
+            group = self._groups.get(key)
+            if group is None:
+                group = SharedProducer(
+                    produce,
+                    free,
+                    batches_per_epoch=batches_per_epoch,
+                    max_lag=self.max_lag,
+                    on_empty=lambda g, k=key: self._drop(k, g),  # type: ignore[misc]
+                )
+                self._groups[key] = group
+            elif group.batches_per_epoch != batches_per_epoch:
+                raise SpecError(
+                    f"stream has {batches_per_epoch} batches per epoch but its sharing group "
+                    f"has {group.batches_per_epoch}; the share key misses a setting"
+                )
+            return group.attach(epoch, index, stop=stop)
+
+    def _drop(self, key: ShareKey, group: SharedProducer[S]) -> None:
+        with self._lock:
+            if self._groups.get(key) is not group:
+                return
+            with group._cond:
+                if group._consumers:
+                    return  # someone attached after it emptied
+                group._closed = True
+            del self._groups[key]
+
+    def groups(self) -> dict[ShareKey, SharingStats]:
+        """Stats of every live group."""
+        with self._lock:
+            items = list(self._groups.items())
+        return {k: g.stats() for k, g in items}

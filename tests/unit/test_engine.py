@@ -1,0 +1,170 @@
+"""Worker pool and BatchSource: priorities, worker replacement, credit, bad samples, determinism."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from beton_serve.engine import BatchSource, Engine, OrderOption
+from beton_serve.errors import BetonError, PipelineError
+from beton_serve.pipeline import compile_pipelines
+from helpers.fake_pipeline import AddIndex, AddOne, FakeImageDecoder, FakeReader, fake_image
+
+
+def test_pool_runs_tasks_on_named_threads_and_closes():
+    with Engine(2) as eng:
+        futs = [eng.submit(lambda: threading.current_thread().name).future for _ in range(6)]
+        names = {f.result(5) for f in futs}
+        assert names <= {"beton-worker-0", "beton-worker-1"}
+        assert eng.alive_workers == 2
+    assert eng.alive_workers == 0
+    with pytest.raises(BetonError, match="closed"):
+        eng.submit(lambda: None)
+
+
+def test_priority_zero_runs_first_and_promote():
+    gate = threading.Event()
+    order: list[str] = []
+    with Engine(1) as eng:
+        eng.submit(gate.wait, 5)  # occupies the only worker
+        time.sleep(0.05)
+        a = eng.submit(order.append, "prefetch-a", priority=1)
+        b = eng.submit(order.append, "prefetch-b", priority=1)
+        c = eng.submit(order.append, "waited", priority=0)
+        b.promote()
+        gate.set()
+        for t in (a, b, c):
+            t.future.result(5)
+    # priority 0 first (FIFO by submission among them), then prefetch work
+    assert order == ["prefetch-b", "waited", "prefetch-a"]
+
+
+def test_dead_worker_is_replaced():
+    def die():
+        raise SystemExit("boom")
+
+    with Engine(2) as eng:
+        f = eng.submit(die).future
+        with pytest.raises(SystemExit):
+            f.result(5)
+        deadline = time.monotonic() + 5
+        while eng.workers_replaced < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.workers_replaced == 1
+        assert eng.submit(lambda: 7).future.result(5) == 7
+        assert eng.alive_workers == 2
+
+
+def test_close_cancels_queued_work():
+    gate = threading.Event()
+    eng = Engine(1)
+    eng.submit(gate.wait, 5)
+    time.sleep(0.05)
+    queued = eng.submit(lambda: 1)
+    gate.set()
+    eng.close()
+    assert queued.future.cancelled() or queued.future.result(1) == 1
+
+
+def _plan(reader, batch_size=4, **kw):
+    return compile_pipelines(
+        reader,
+        {"image": [kw.get("decoder") or FakeImageDecoder(), AddOne()], "label": [AddIndex()]},
+        batch_size=batch_size,
+    )
+
+
+@pytest.mark.parametrize("slices", [1, 2])
+def test_batch_source_outputs_match_reference(slices):
+    r = FakeReader(n=20)
+    plan = _plan(r, 8)
+    with Engine(2) as eng:
+        src = BatchSource(
+            engine=eng,
+            plan=plan,
+            order=OrderOption.RANDOM,
+            batch_size=8,
+            seed=3,
+            drop_last=False,
+            slices=slices,
+        )
+        assert len(src) == 3
+        for b in range(3):
+            ids = src.batch_ids(1, b)
+            out = [np.zeros((8, *o.shape), o.dtype) for o in plan.outputs]
+            img, lab = src.submit(1, b, out).result(10)
+            assert len(img) == len(ids) == (4 if b == 2 else 8)
+            np.testing.assert_array_equal(img, np.stack([fake_image(int(i)) for i in ids]) + 1)
+            np.testing.assert_array_equal(lab[:, 0], ids.astype(np.int64) * 1010)
+
+
+def test_credit_bounds_batches_in_flight():
+    r = FakeReader(n=40)
+    plan = _plan(r, 4)
+    gate = threading.Event()
+    with Engine(1) as eng:
+        eng.submit(gate.wait, 5)
+        time.sleep(0.05)
+        src = BatchSource(engine=eng, plan=plan, batch_size=4, batches_ahead=2)
+        f0 = src.submit(0, 0)
+        f1 = src.submit(0, 1)
+        with pytest.raises(TimeoutError, match="2 batches in flight"):
+            src.submit(0, 2, timeout=0.1)
+        gate.set()
+        f0.result(5), f1.result(5)
+        src.submit(0, 2, timeout=5).result(5)
+
+
+def test_failing_sample_raises_with_index_and_op():
+    r = FakeReader(n=16)
+    plan = _plan(r, 4, decoder=FakeImageDecoder(fail_on=6))
+    with Engine(2) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=4)
+        src.submit(0, 0).result(10)
+        with pytest.raises(PipelineError) as info:
+            src.submit(0, 1).result(10)
+    assert info.value.sample_index == 6
+    assert info.value.op == "FakeImageDecoder#0 (pipeline 'image')"
+    assert "corrupt sample" in str(info.value)
+
+
+def test_bad_sample_budget_skips_by_replacing_with_next_good_sample():
+    r = FakeReader(n=16)
+    plan = _plan(r, 4, decoder=FakeImageDecoder(fail_on=6))
+    with Engine(2) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=4, bad_sample_budget=1)
+        img, lab = src.submit(0, 1).result(10)  # ids 4..7, 6 fails -> replaced by 7
+        np.testing.assert_array_equal(lab[:, 0], np.array([4, 5, 7, 7]) * 1010)
+        np.testing.assert_array_equal(img[2], fake_image(7) + 1)
+        assert src.bad_samples == [(0, 6, "FakeImageDecoder#0 (pipeline 'image')")]
+        with pytest.raises(PipelineError, match="budget 1 exhausted"):
+            src.submit(1, 1).result(10)
+
+
+def test_same_results_for_one_and_two_workers():
+    r = FakeReader(n=32)
+    got = []
+    for workers in (1, 2):
+        plan = _plan(r, 8)
+        with Engine(workers) as eng:
+            src = BatchSource(
+                engine=eng,
+                plan=plan,
+                order=OrderOption.RANDOM,
+                batch_size=8,
+                seed=9,
+                slices=workers,
+            )
+            futs = [src.submit(0, b) for b in range(len(src))]
+            got.append(
+                [
+                    np.concatenate(
+                        [a.reshape(len(a), -1).view(np.uint8) for a in f.result(10)], axis=1
+                    )
+                    for f in futs
+                ]
+            )
+    for a, b in zip(*got, strict=True):
+        np.testing.assert_array_equal(a, b)
