@@ -1,0 +1,309 @@
+"""The client side of the remote (gRPC) batch stream: send credits, receive framed batches.
+
+The wire format is :mod:`beton_wire.framing`; the daemon side is
+``beton_serve.transport.grpc_codec`` (never imported from here). One :class:`BatchStream` is one
+bidirectional call on a *synchronous* ``grpc.Channel``::
+
+    stream = BatchStream(channel, open_request=OpenRequest(Compression.parse("lz4")))
+    stream.want([(epoch, 0), (epoch, 1)])     # one credit per batch, answered in this order
+    batch = stream.receive(timeout=30)        # DecodedBatch; arrays are views into a pool buffer
+    batch.release()                           # buffer back to the pool (the Loader does this when
+                                              # the next batch is requested)
+    stream.close()
+
+    for batch in iter_batches(stream, positions, prefetch=2): ...   # keeps `prefetch` credits out
+
+Memory is bounded by credits: at most ``outstanding`` batches are in flight, each decoded into a
+buffer from a :class:`BufferPool` (created with room for prefetch + 1 buffers), plus HTTP/2's
+flow-control window inside grpcio.
+
+Errors: every ``grpc.RpcError`` is translated once, by :func:`translate_rpc_error`, into
+:class:`StreamError`; a lost daemon (UNAVAILABLE, connection reset, cancelled by a failed
+keepalive) is :class:`DaemonUnavailableError`, also a ``ConnectionError``, which is what the
+multi-daemon logic (``_transport.multi``) treats as "reassign this daemon's batches". A malformed
+message raises :class:`beton_wire.framing.FramingError`.
+
+API::
+
+    CHANNEL_OPTIONS; DEFAULT_METHOD_PATH
+    BufferPool(max_buffers) .acquire(nbytes) .give_back(buf)
+    BatchStream(channel, *, open_request=OpenRequest(), method=DEFAULT_METHOD_PATH,
+                max_batch_bytes=DEFAULT_MAX_BATCH_BYTES, metadata=(), pool=None)
+        .want(items) .receive(timeout=None) -> DecodedBatch .outstanding .close()
+    iter_batches(stream, positions, *, prefetch=2, timeout=None) -> Iterator[DecodedBatch]
+    translate_rpc_error(err) -> StreamError
+
+Threading: a BatchStream is used by one thread. grpcio consumes the request iterator on its own
+thread; :meth:`BatchStream.close` ends it. A receive timeout runs a ``beton-grpc-deadline`` timer
+thread that cancels the call, joined before ``receive`` returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+from beton_wire.framing import (
+    DEFAULT_MAX_BATCH_BYTES,
+    MAX_CHUNK_BYTES,
+    BatchDecoder,
+    DecodedBatch,
+    FramingError,
+    OpenRequest,
+    WantRequest,
+)
+from numpy.typing import NDArray
+
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "DEFAULT_METHOD_PATH",
+    "BatchStream",
+    "BufferPool",
+    "DaemonUnavailableError",
+    "StreamError",
+    "iter_batches",
+    "translate_rpc_error",
+]
+
+DEFAULT_METHOD_PATH = "/beton.v1.BatchStream/Stream"
+_MSG_LIMIT = MAX_CHUNK_BYTES + MAX_CHUNK_BYTES // 64 + 64 * 1024
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", _MSG_LIMIT),
+    ("grpc.max_send_message_length", _MSG_LIMIT),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+)
+"""Options for a channel that carries batch streams: message limits above the largest chunk and
+keepalive, so a vanished daemon surfaces as UNAVAILABLE instead of a hang."""
+
+_SENTINEL = object()
+_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+
+
+class StreamError(Exception):
+    """The batch stream failed; ``code`` is the gRPC status code name (e.g. ``"UNAUTHENTICATED"``)."""
+
+    def __init__(self, message: str, code: str = "UNKNOWN") -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class DaemonUnavailableError(StreamError, ConnectionError):
+    """The daemon went away (or never answered); another daemon may take over its batches."""
+
+
+def translate_rpc_error(err: grpc.RpcError) -> StreamError:
+    """The one place a ``grpc.RpcError`` becomes a client error (raise it ``from None``)."""
+    code = err.code() if isinstance(err, grpc.Call) else None
+    details = err.details() if isinstance(err, grpc.Call) else str(err)
+    name = code.name if code is not None else "UNKNOWN"
+    msg = f"batch stream failed with {name}: {details}"
+    if code in _UNAVAILABLE:
+        return DaemonUnavailableError(msg, name)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DaemonUnavailableError(msg + " (no batch within the timeout)", name)
+    return StreamError(msg, name)
+
+
+class BufferPool:
+    """Recycles destination buffers for decoded batches.
+
+    Args:
+        max_buffers: how many buffers may exist at once (the stream's credits + the one the
+            consumer holds). Asking for more is a bug in the caller and raises ``RuntimeError``.
+    """
+
+    def __init__(self, max_buffers: int) -> None:
+        if max_buffers < 1:
+            raise ValueError("max_buffers must be >= 1")
+        self.max_buffers = max_buffers
+        self._free: list[NDArray[np.uint8]] = []
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> NDArray[np.uint8]:
+        """A 1-D uint8 buffer of at least ``nbytes``; reuses the smallest free one that fits."""
+        with self._lock:
+            fits = [b for b in self._free if b.size >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.size)
+                self._free = [b for b in self._free if b is not buf]
+                return buf
+            if self._count >= self.max_buffers:
+                if not self._free:
+                    raise RuntimeError(
+                        f"all {self.max_buffers} batch buffers are in use; release a batch first"
+                    )
+                self._free.pop(0)  # too small for this batch: replace it
+                self._count -= 1
+            self._count += 1
+        return np.empty(nbytes, np.uint8)
+
+    def give_back(self, buf: NDArray[np.uint8]) -> None:
+        with self._lock:
+            if not any(b is buf for b in self._free):
+                self._free.append(buf)
+
+
+class BatchStream:
+    """One bidirectional batch call (see the module docstring).
+
+    Args:
+        channel: a synchronous channel created with :data:`CHANNEL_OPTIONS` (and credentials).
+        open_request: compression, chunk size and the daemon's opaque stream payload.
+        method: the full method path registered by the daemon.
+        max_batch_bytes: the largest batch this client accepts (from the open-stream reply); a
+            header above it is rejected before allocating.
+        metadata: call metadata, e.g. ``(("authorization", "Bearer ..."),)``.
+        pool: destination buffers; default: a pool of 8.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        *,
+        open_request: OpenRequest | None = None,
+        method: str = DEFAULT_METHOD_PATH,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        metadata: Sequence[tuple[str, str]] = (),
+        pool: BufferPool | None = None,
+    ) -> None:
+        self.open_request = open_request or OpenRequest()
+        self._pool = pool or BufferPool(8)
+        self._last_buf: NDArray[np.uint8] | None = None
+        self._decoder = BatchDecoder(
+            max_batch_bytes=max_batch_bytes,
+            allowed_codecs={self.open_request.compression.codec},
+            allocate=self._allocate,
+        )
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._requests.put(self.open_request.to_bytes())
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()
+        self._closed = False
+        stub = channel.stream_stream(method)  # no serializers: bytes in, bytes out
+        self._call = stub(self._request_iter(), metadata=tuple(metadata))
+
+    def _request_iter(self) -> Iterator[bytes]:
+        while True:
+            item = self._requests.get()
+            if item is _SENTINEL:
+                return
+            yield item
+
+    def _allocate(self, nbytes: int) -> NDArray[np.uint8]:
+        buf = self._pool.acquire(nbytes)
+        self._last_buf = buf
+        return buf
+
+    @property
+    def outstanding(self) -> int:
+        """Batches wanted and not yet received."""
+        return len(self._pending)
+
+    def want(self, items: Iterable[tuple[int, int]]) -> None:
+        """Grant one credit per ``(epoch, batch_index)``; the daemon answers in this order."""
+        if self._closed:
+            raise StreamError("the batch stream is closed", "CANCELLED")
+        batch = tuple((int(e), int(b)) for e, b in items)
+        if batch:
+            self._requests.put(WantRequest(batch).to_bytes())
+            self._pending.extend(batch)
+
+    def receive(self, timeout: float | None = None) -> DecodedBatch:
+        """Block until the next wanted batch is complete and return it.
+
+        Args:
+            timeout: seconds to wait for the whole batch; on expiry the call is cancelled and
+                :class:`DaemonUnavailableError` raised (the stream is then unusable).
+
+        Raises:
+            StreamError / DaemonUnavailableError: the call failed or ended early.
+            FramingError: the daemon sent a malformed or unexpected batch.
+        """
+        if not self._pending:
+            raise StreamError("receive() without an outstanding want()", "FAILED_PRECONDITION")
+        timer = None
+        if timeout is not None:
+            timer = threading.Timer(timeout, self._call.cancel)
+            timer.name = "beton-grpc-deadline"
+            timer.start()
+        try:
+            while True:
+                try:
+                    msg = next(self._call)
+                except StopIteration:
+                    raise DaemonUnavailableError(
+                        f"the daemon ended the stream with {len(self._pending)} batches owed",
+                        "UNAVAILABLE",
+                    ) from None
+                except grpc.RpcError as err:
+                    if timer is not None and not timer.is_alive() and not self._closed:
+                        raise DaemonUnavailableError(
+                            f"no batch within {timeout} s; the stream was cancelled",
+                            "DEADLINE_EXCEEDED",
+                        ) from None
+                    raise translate_rpc_error(err) from None
+                batch = self._decoder.feed(msg)
+                if batch is not None:
+                    break
+        finally:
+            if timer is not None:
+                timer.cancel()
+                timer.join()
+        expected = self._pending.popleft()
+        buf = self._last_buf
+        if buf is not None:
+            pool = self._pool
+            batch.release = lambda: pool.give_back(buf)
+        if (batch.epoch, batch.batch_index) != expected:
+            raise FramingError(
+                f"daemon sent batch {(batch.epoch, batch.batch_index)}, expected {expected}"
+            )
+        return batch
+
+    def close(self) -> None:
+        """End the call (idempotent): half-close the requests and cancel what is in flight."""
+        if self._closed:
+            return
+        self._closed = True
+        self._requests.put(_SENTINEL)
+        self._call.cancel()
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def iter_batches(
+    stream: BatchStream,
+    positions: Iterable[tuple[int, int]],
+    *,
+    prefetch: int = 2,
+    timeout: float | None = None,
+) -> Iterator[DecodedBatch]:
+    """Yield the batches at ``positions`` in order, keeping ``prefetch`` credits outstanding.
+
+    The previous batch is released (its buffer returns to the pool) when the next one is
+    requested, so the stream's pool needs ``prefetch + 1`` buffers.
+    """
+    if prefetch < 1:
+        raise ValueError("prefetch must be >= 1")
+    it = iter(positions)
+    stream.want(p for _, p in zip(range(prefetch), it, strict=False))
+    while stream.outstanding:
+        batch = stream.receive(timeout)
+        nxt = next(it, None)
+        if nxt is not None:
+            stream.want([nxt])
+        try:
+            yield batch
+        finally:
+            if batch.release is not None:
+                batch.release()
