@@ -176,9 +176,10 @@ class DatasetWriter:
                 if not hasattr(field, attr):
                     raise WriterError(f"field {name!r} ({type(field).__name__}) has no {attr}")
         page_size = int(page_size)
-        if page_size & (page_size - 1) or not MIN_WRITE_PAGE_SIZE <= page_size < 1 << 32:
+        if page_size & (page_size - 1) or not self._MIN_PAGE_SIZE <= page_size < 1 << 32:
             raise WriterError(
-                f"page_size must be a power of two with 2 MiB <= page_size < 4 GiB, got {page_size}"
+                f"page_size must be a power of two with {self._MIN_PAGE_SIZE} <= page_size "
+                f"< 4 GiB (FFCV's limits), got {page_size}"
             )
         self.fname = os.fspath(fname)
         self.fields = dict(fields)

@@ -222,14 +222,13 @@ class BetonReader:
         self.metadata_offset = metadata_offset(self.header.num_fields)
         n = self.num_samples
         self.metadata_end = self.metadata_offset + n * self.record_size
-        limit = min(self.file_size, self.header.alloc_table_ptr or self.file_size)
         if self.metadata_end > self.file_size:
             raise self._fail(
                 self.metadata_offset,
                 f"{n} metadata records of {self.record_size} bytes end at {self.metadata_end}, "
                 f"past the end of the file ({self.file_size}); the file is truncated",
             )
-        if self.metadata_end > limit:
+        if self.header.alloc_table_ptr < self.metadata_end:
             raise self._fail(
                 16,
                 f"alloc_table_ptr {self.header.alloc_table_ptr} lies inside the metadata, which "
@@ -241,6 +240,10 @@ class BetonReader:
 
     def _read_allocation_table(self) -> None:
         a, size, ps = self.header.alloc_table_ptr, self.file_size, self.page_size
+        if a > size:
+            raise self._fail(
+                16, f"alloc_table_ptr {a} is past the end of the file ({size}); it is truncated"
+            )
         if (size - a) % ALLOC_ENTRY_DTYPE.itemsize:
             raise self._fail(
                 16,
