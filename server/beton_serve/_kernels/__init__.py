@@ -1,0 +1,1 @@
+"""Compiled kernels shared by decoders and transforms (private; imports Numba, so import lazily)."""

@@ -1,0 +1,521 @@
+"""Decoders: the first op of every field pipeline (mirrors ``ffcv.fields.decoders``).
+
+A decoder reads its field's metadata column (``self.metadata``, indexable by sample id, set by
+``accept_globals``) and the sample bytes (``self.memory_read(ptr, storage_state)``) and writes a
+batch into the ``(B, *shape)`` buffer the planner allocated from its ``AllocationQuery``.
+
+Per-sample metadata (ffcv-format.md §1.4): Int/Float: the value (``<i8``/``<f8``); RGB: packed
+``{mode u1, width <u2, height <u2, data_ptr <u8}`` (mode 0 = JPEG, 1 = raw HWC RGB); Bytes/JSON:
+``{ptr <u8, size <u8}``; NDArray: ``<u8`` pointer.
+
+Differences from FFCV, all deliberate:
+
+* ``BytesDecoder`` zero-fills each row after the sample's bytes (FFCV leaves stale bytes from
+  earlier batches, issues #57/#370).
+* JPEG decoding is strict: a corrupt JPEG raises :class:`~beton_serve.jpeg.CorruptJPEGError`
+  naming the sample, where FFCV returns garbage pixels.
+* Random crops draw from :mod:`beton_serve.pipeline.rng` (``with_seed``), so a crop is a pure
+  function of (seed, epoch, op position, sample id).
+* The crop decoders resize with a compiled area filter (``resize="area"``, within 1 grey level of
+  OpenCV's ``INTER_AREA``, see :mod:`beton_serve._kernels.resize`) or with OpenCV itself
+  (``resize="cv2"``, FFCV's exact pixels), and decode a JPEG at a reduced DCT scale when the
+  crop is at least twice the output size (``dct_scale=True``; see :meth:`_CropDecoder.__init__`).
+
+This module imports neither Numba nor OpenCV at import time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from beton_serve.errors import SpecError
+from beton_serve.pipeline.allocation_query import AllocationQuery
+from beton_serve.pipeline.compiler import Compiler
+from beton_serve.pipeline.operation import Operation
+from beton_serve.pipeline.state import State
+
+__all__ = [
+    "BytesDecoder",
+    "CenterCropRGBImageDecoder",
+    "FloatDecoder",
+    "IntDecoder",
+    "NDArrayDecoder",
+    "RandomResizedCropRGBImageDecoder",
+    "SimpleRGBImageDecoder",
+]
+
+
+def _require_metadata(op: Operation, names: tuple[str, ...] = ()) -> np.ndarray:
+    md = op.metadata
+    if md is None:
+        raise SpecError(
+            f"{type(op).__name__}: no field metadata; the planner must call accept_globals() "
+            "before declare_state_and_memory()"
+        )
+    if names and (md.dtype.names is None or any(n not in md.dtype.names for n in names)):
+        raise SpecError(
+            f"{type(op).__name__} cannot decode a field whose metadata is {md.dtype}; "
+            f"it needs members {names}: use the decoder that matches the field type"
+        )
+    return md  # type: ignore[no-any-return]
+
+
+def _jit_state(previous_state: State, shape: tuple[int, ...], dtype: Any) -> State:
+    return replace(previous_state, jit_mode=True, shape=shape, dtype=np.dtype(dtype))
+
+
+# -- scalars ---------------------------------------------------------------------------------
+class _ScalarDecoder(Operation):
+    _dtype: Any = None
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
+        md = _require_metadata(self)
+        if md.dtype.names is not None or md.dtype.kind not in "iuf":
+            raise SpecError(
+                f"{type(self).__name__} cannot decode a field whose metadata is {md.dtype}; "
+                "use the decoder that matches the field type"
+            )
+        return _jit_state(previous_state, (1,), self._dtype), AllocationQuery((1,), self._dtype)
+
+    def generate_code(self) -> Callable[..., Any]:
+        def decode(batch_indices, dst, metadata, storage_state):  # pragma: no cover - compiled
+            for i in range(batch_indices.shape[0]):
+                dst[i, 0] = metadata[batch_indices[i]]
+            return dst
+
+        return decode
+
+    def spec_params(self) -> dict[str, Any]:
+        return {}
+
+
+class IntDecoder(_ScalarDecoder):
+    """An ``IntField`` as ``(B, 1)`` int64 (FFCV's shape: add ``Squeeze()`` for ``(B,)``)."""
+
+    spec_name = "IntDecoder"
+    _dtype = np.dtype("<i8")
+
+
+class FloatDecoder(_ScalarDecoder):
+    """A ``FloatField`` as ``(B, 1)`` float64."""
+
+    spec_name = "FloatDecoder"
+    _dtype = np.dtype("<f8")
+
+
+# -- bytes / arrays --------------------------------------------------------------------------
+class BytesDecoder(Operation):
+    """A ``BytesField`` or ``JSONField`` as ``(B, max_size)`` uint8 rows, zero-padded.
+
+    ``max_size`` is the largest sample over the whole file (FFCV's rule). Unlike FFCV, the bytes
+    after each sample's data are zero, so rows never carry stale data from earlier batches.
+    """
+
+    spec_name = "BytesDecoder"
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
+        md = _require_metadata(self, ("ptr", "size"))
+        max_size = int(md["size"].max()) if md.shape[0] else 0
+        return (
+            _jit_state(previous_state, (max_size,), np.uint8),
+            AllocationQuery((max_size,), np.dtype(np.uint8)),
+        )
+
+    def generate_code(self) -> Callable[..., Any]:
+        mem_read = Compiler.compile(self.memory_read)  # type: ignore[arg-type]
+
+        def decode(batch_indices, dst, metadata, storage_state):  # pragma: no cover - compiled
+            width = dst.shape[1]
+            for i in range(batch_indices.shape[0]):
+                rec = metadata[batch_indices[i]]
+                n = int(rec["size"])
+                if n > 0:
+                    data = mem_read(rec["ptr"], storage_state)
+                    dst[i, :n] = data[:n]
+                dst[i, n:width] = 0
+            return dst
+
+        return decode
+
+    def spec_params(self) -> dict[str, Any]:
+        return {}
+
+
+class NDArrayDecoder(Operation):
+    """An ``NDArrayField`` (or ``TorchTensorField``) as ``(B, *shape)`` of the field's dtype."""
+
+    spec_name = "NDArrayDecoder"
+
+    def _layout(self) -> tuple[tuple[int, ...], np.dtype]:
+        field = self.field
+        if field is None or not hasattr(field, "shape") or not hasattr(field, "dtype"):
+            raise SpecError(
+                "NDArrayDecoder needs an NDArrayField (with .shape and .dtype); "
+                "use the decoder that matches the field type"
+            )
+        return tuple(int(s) for s in field.shape), np.dtype(field.dtype)
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
+        md = _require_metadata(self)
+        if md.dtype.names is not None:
+            raise SpecError(
+                f"NDArrayDecoder cannot decode a field whose metadata is {md.dtype}; "
+                "use the decoder that matches the field type"
+            )
+        shape, dtype = self._layout()
+        return _jit_state(previous_state, shape, dtype), AllocationQuery(shape, dtype)
+
+    def generate_code(self) -> Callable[..., Any]:
+        mem_read = Compiler.compile(self.memory_read)  # type: ignore[arg-type]
+        shape, dtype = self._layout()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+        def decode(batch_indices, dst, metadata, storage_state):  # pragma: no cover - compiled
+            n = batch_indices.shape[0]
+            flat = dst.reshape(n, -1).view(np.uint8)
+            for i in range(n):
+                data = mem_read(metadata[batch_indices[i]], storage_state)
+                flat[i, :nbytes] = data[:nbytes]
+            return dst
+
+        return decode
+
+    def spec_params(self) -> dict[str, Any]:
+        return {}
+
+
+# -- images ----------------------------------------------------------------------------------
+_RGB_MEMBERS = ("mode", "width", "height", "data_ptr")
+
+
+class _ImageColumns:
+    """Plain int64 copies of an RGB metadata column (fast to index from Python and Numba)."""
+
+    def __init__(self, md: np.ndarray) -> None:
+        self.modes = np.ascontiguousarray(md["mode"], dtype=np.int64)
+        self.heights = np.ascontiguousarray(md["height"], dtype=np.int64)
+        self.widths = np.ascontiguousarray(md["width"], dtype=np.int64)
+        self.ptrs = np.ascontiguousarray(md["data_ptr"], dtype=np.uint64)
+        self.max_h = int(self.heights.max()) if len(self.heights) else 0
+        self.max_w = int(self.widths.max()) if len(self.widths) else 0
+
+
+def _corrupt(exc: Exception, sid: int, op: str) -> Exception:
+    from beton_serve.jpeg import CorruptJPEGError
+
+    reason = str(exc.args[0]) if exc.args else str(exc)
+    return CorruptJPEGError(reason, sample_index=sid, op=op)
+
+
+class SimpleRGBImageDecoder(Operation):
+    """An ``RGBImageField`` whose images all have one size, as ``(B, H, W, 3)`` uint8.
+
+    Raw images are copied; JPEGs are decoded straight into the output (FFCV's pixels).
+    """
+
+    spec_name = "SimpleRGBImageDecoder"
+    _cols: _ImageColumns | None = None
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
+        md = _require_metadata(self, _RGB_MEMBERS)
+        cols = _ImageColumns(md)
+        if len(cols.heights) and (
+            (cols.heights != cols.heights[0]).any() or (cols.widths != cols.widths[0]).any()
+        ):
+            raise SpecError(
+                "SimpleRGBImageDecoder needs every image of the file to have the same size, but "
+                f"heights range {cols.heights.min()}..{cols.max_h} and widths "
+                f"{cols.widths.min()}..{cols.max_w}; use RandomResizedCropRGBImageDecoder or "
+                "CenterCropRGBImageDecoder"
+            )
+        shape = (cols.max_h, cols.max_w, 3)
+        self._cols = cols
+        return _jit_state(previous_state, shape, np.uint8), AllocationQuery(shape, np.uint8)
+
+    def generate_code(self) -> Callable[..., Any]:
+        cols = self._cols
+        if cols is None:
+            cols = self._cols = _ImageColumns(_require_metadata(self, _RGB_MEMBERS))
+        if not (cols.modes == 0).any():
+            mem_read = Compiler.compile(self.memory_read)  # type: ignore[arg-type]
+
+            def copy_raw(batch_indices, dst, metadata, storage_state):  # pragma: no cover
+                n = batch_indices.shape[0]
+                flat = dst.reshape(n, -1)
+                size = flat.shape[1]
+                for i in range(n):
+                    data = mem_read(metadata[batch_indices[i]]["data_ptr"], storage_state)
+                    flat[i, :size] = data[:size]
+                return dst
+
+            return copy_raw
+
+        mem_read_py = self.memory_read
+        name = type(self).__name__
+
+        def decode(batch_indices, dst, metadata, storage_state):
+            from beton_serve.jpeg import CorruptJPEGError, decode_into
+
+            h, w = dst.shape[1], dst.shape[2]
+            for b in range(len(batch_indices)):
+                sid = int(batch_indices[b])
+                data = mem_read_py(cols.ptrs[sid], storage_state)  # type: ignore[misc]
+                if cols.modes[sid] == 0:
+                    try:
+                        img = decode_into(data, dst[b])
+                    except CorruptJPEGError as exc:
+                        raise _corrupt(exc, sid, name) from None
+                    if img.shape != (h, w, 3):
+                        raise CorruptJPEGError(
+                            f"JPEG is {img.shape[0]}x{img.shape[1]} but metadata says {h}x{w}",
+                            sample_index=sid,
+                            op=name,
+                        )
+                else:
+                    dst[b].reshape(-1)[:] = data[: h * w * 3]
+            return dst
+
+        decode.python = True  # type: ignore[attr-defined]
+        return decode
+
+    def spec_params(self) -> dict[str, Any]:
+        return {}
+
+
+class _CropDecoder(SimpleRGBImageDecoder):
+    """Shared machinery of the crop decoders: decode (maybe DCT-scaled), crop, area-resize."""
+
+    with_seed = False
+
+    def __init__(
+        self,
+        output_size: tuple[int, int],
+        *,
+        resize: str = "area",
+        dct_scale: bool = True,
+    ) -> None:
+        """Args:
+        output_size: ``(height, width)`` of the output; may be changed between epochs
+            (progressive resizing): ``declare_state_and_memory`` reads it each time.
+        resize: ``"area"`` (compiled area filter, within 1 grey level of OpenCV) or
+            ``"cv2"`` (OpenCV ``INTER_AREA``, FFCV's exact pixels).
+        dct_scale: decode a JPEG at 1/2, 3/8, 1/4 or 1/8 scale when the crop stays at least
+            as large as the output after scaling (libjpeg-turbo's DCT-domain downscale:
+            less decode work and a smaller resize). Pixels then differ from FFCV's full
+            decode + resize by a few grey levels (measured in benchmarks/RESULTS.md); set
+            ``False`` for FFCV's pixels.
+        """
+        super().__init__()
+        if resize not in ("area", "cv2"):
+            raise SpecError(f"resize must be 'area' or 'cv2', not {resize!r}")
+        self.output_size = output_size
+        self.resize = resize
+        self.dct_scale = bool(dct_scale)
+        self._cols: _ImageColumns | None = None
+
+    def _out_hw(self) -> tuple[int, int]:
+        try:
+            oh, ow = (int(v) for v in self.output_size)
+        except (TypeError, ValueError):
+            raise SpecError(
+                f"{type(self).__name__}: output_size must be (height, width), "
+                f"not {self.output_size!r}"
+            ) from None
+        if oh < 1 or ow < 1:
+            raise SpecError(f"{type(self).__name__}: output_size must be positive")
+        return oh, ow
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
+        md = _require_metadata(self, _RGB_MEMBERS)
+        if self._cols is None:
+            self._cols = _ImageColumns(md)
+        oh, ow = self._out_hw()
+        shape = (oh, ow, 3)
+        return _jit_state(previous_state, shape, np.uint8), AllocationQuery(shape, np.uint8)
+
+    def _crops(self, batch_indices: np.ndarray, seed_key: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def _make_loop(self) -> Callable[..., Any]:
+        from beton_serve._kernels import resize as rz
+        from beton_serve.jpeg import CorruptJPEGError, decode_into, scaled_size
+
+        if self._cols is None:
+            self._cols = _ImageColumns(_require_metadata(self, _RGB_MEMBERS))
+        cols = self._cols
+        mem_read = self.memory_read
+        method = self.resize
+        dct = self.dct_scale
+        name = type(self).__name__
+        local = threading.local()  # per worker thread scratch, reused across batches
+        crops_of = self._crops
+
+        def scratch(ow: int) -> tuple[np.ndarray, np.ndarray]:
+            jbuf = getattr(local, "jbuf", None)
+            if jbuf is None:
+                jbuf = local.jbuf = np.empty(max(1, cols.max_h * cols.max_w * 3), np.uint8)
+            need = rz.scratch_size(max(cols.max_w, 1), ow)
+            rbuf = getattr(local, "rbuf", None)
+            if rbuf is None or rbuf.shape[0] < need:
+                rbuf = local.rbuf = np.empty(need, np.float32)
+            return jbuf, rbuf
+
+        def run(batch_indices, dst, metadata, storage_state, seed_key=None):
+            oh, ow = dst.shape[1], dst.shape[2]
+            jbuf, rbuf = scratch(ow)
+            boxes = crops_of(batch_indices, seed_key)
+            for b in range(len(batch_indices)):
+                sid = int(batch_indices[b])
+                top, left, ch, cw = (int(v) for v in boxes[b])
+                height, width = int(cols.heights[sid]), int(cols.widths[sid])
+                data = mem_read(cols.ptrs[sid], storage_state)  # type: ignore[misc]
+                if cols.modes[sid] == 0:
+                    try:
+                        if dct and ch >= 2 * oh and cw >= 2 * ow:
+                            mh = -((-height * oh) // ch)
+                            mw = -((-width * ow) // cw)
+                            sh, sw = scaled_size(height, width, mh, mw)
+                            img = decode_into(data, jbuf, sh, sw) if sh < height else None
+                        else:
+                            img = None
+                        if img is None:
+                            img = decode_into(data, jbuf)
+                    except CorruptJPEGError as exc:
+                        raise _corrupt(exc, sid, name) from None
+                    if img.shape[0] != height:
+                        # map the crop onto the DCT-scaled image
+                        fy = img.shape[0] / height
+                        fx = img.shape[1] / width
+                        t2 = int(top * fy)
+                        l2 = int(left * fx)
+                        ch = max(oh, min(img.shape[0] - t2, round(ch * fy)))
+                        cw = max(ow, min(img.shape[1] - l2, round(cw * fx)))
+                        top = min(t2, img.shape[0] - ch)
+                        left = min(l2, img.shape[1] - cw)
+                    elif img.shape[1] != width:
+                        raise CorruptJPEGError(
+                            f"JPEG is {img.shape[0]}x{img.shape[1]} but metadata says "
+                            f"{height}x{width}",
+                            sample_index=sid,
+                            op=name,
+                        )
+                else:
+                    img = data[: height * width * 3].reshape(height, width, 3)
+                rz.resize_crop(img, top, left, ch, cw, dst[b], rbuf, method)
+            return dst
+
+        return run
+
+
+class RandomResizedCropRGBImageDecoder(_CropDecoder):
+    """Random crop (torchvision/FFCV sampler, §3.5) of each image, area-resized to ``output_size``.
+
+    Crops are drawn from the counter RNG (``with_seed``): reproducible for any worker count.
+    """
+
+    spec_name = "RandomResizedCropRGBImageDecoder"
+
+    def __init__(
+        self,
+        output_size: tuple[int, int],
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+        *,
+        resize: str = "area",
+        dct_scale: bool = True,
+    ) -> None:
+        super().__init__(output_size, resize=resize, dct_scale=dct_scale)
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        if not (0 < self.scale[0] <= self.scale[1]) or min(self.ratio) <= 0:
+            raise SpecError(
+                f"RandomResizedCropRGBImageDecoder: need 0 < scale[0] <= scale[1] and positive "
+                f"ratios, got scale={scale}, ratio={ratio}"
+            )
+
+    def _crops(self, batch_indices: np.ndarray, seed_key: Any) -> np.ndarray:
+        from beton_serve._kernels.crop import rrc_batch
+
+        cols = self._cols
+        return rrc_batch(  # type: ignore[no-any-return]
+            np.uint64(seed_key),
+            np.asarray(batch_indices),
+            cols.heights,  # type: ignore[union-attr]
+            cols.widths,  # type: ignore[union-attr]
+            np.array(self.scale),
+            np.array(self.ratio),
+        )
+
+    def generate_code(self) -> Callable[..., Any]:
+        loop = self._make_loop()
+
+        def decode(batch_indices, dst, metadata, storage_state, seed_key):
+            return loop(batch_indices, dst, metadata, storage_state, seed_key)
+
+        decode.python = True  # type: ignore[attr-defined]
+        decode.with_seed = True  # type: ignore[attr-defined]
+        return decode
+
+    def spec_params(self) -> dict[str, Any]:
+        return {
+            "output_size": [int(v) for v in self.output_size],
+            "scale": list(self.scale),
+            "ratio": list(self.ratio),
+            "resize": self.resize,
+            "dct_scale": self.dct_scale,
+        }
+
+
+class CenterCropRGBImageDecoder(_CropDecoder):
+    """FFCV's centre crop (§3.6): ``c = int(ratio * min(H, W))`` square, resized to ``output_size``.
+
+    ``ratio`` is required, as in FFCV (ffcv-imagenet uses ``224/256``).
+    """
+
+    spec_name = "CenterCropRGBImageDecoder"
+
+    def __init__(
+        self,
+        output_size: tuple[int, int],
+        ratio: float,
+        *,
+        resize: str = "area",
+        dct_scale: bool = True,
+    ) -> None:
+        super().__init__(output_size, resize=resize, dct_scale=dct_scale)
+        self.ratio = float(ratio)
+        if not 0 < self.ratio <= 1:
+            raise SpecError(f"CenterCropRGBImageDecoder: ratio must be in (0, 1], got {ratio}")
+
+    def _crops(self, batch_indices: np.ndarray, seed_key: Any) -> np.ndarray:
+        from beton_serve._kernels.crop import center_crop_batch
+
+        cols = self._cols
+        return center_crop_batch(  # type: ignore[no-any-return]
+            np.asarray(batch_indices),
+            cols.heights,  # type: ignore[union-attr]
+            cols.widths,  # type: ignore[union-attr]
+            self.ratio,
+        )
+
+    def generate_code(self) -> Callable[..., Any]:
+        loop = self._make_loop()
+
+        def decode(batch_indices, dst, metadata, storage_state):
+            return loop(batch_indices, dst, metadata, storage_state)
+
+        decode.python = True  # type: ignore[attr-defined]
+        return decode
+
+    def spec_params(self) -> dict[str, Any]:
+        return {
+            "output_size": [int(v) for v in self.output_size],
+            "ratio": self.ratio,
+            "resize": self.resize,
+            "dct_scale": self.dct_scale,
+        }
