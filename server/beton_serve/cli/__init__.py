@@ -31,6 +31,7 @@ __all__ = ["DEFAULT_SUBCOMMAND", "SUBCOMMANDS", "build_parser", "main"]
 
 #: Modules that each define ``register(subparsers)``, in ``--help`` order.
 SUBCOMMANDS: list[str] = [
+    "beton_serve.cli._serve",
     "beton_serve.cli._inspect",
     "beton_serve.cli._convert",
     "beton_serve.cli._health",

@@ -1,0 +1,45 @@
+"""Where a daemon listens by default, computed the same way by the daemon and the client.
+
+The default address is a per-user Unix socket:
+
+* ``$XDG_RUNTIME_DIR/beton-serve/beton.sock`` when ``XDG_RUNTIME_DIR`` is set (systemd's per-user
+  runtime directory, already private to the user);
+* otherwise ``/tmp/beton-serve-<uid>/beton.sock``.
+
+The directory is created with mode 0700 by whoever needs it first. ``BETON_SERVE_ADDRESS``
+(gRPC target syntax: ``unix:///path/to.sock`` or ``host:port``) overrides it; it is read by the
+daemon's CLI and by the client's constructor only, which pass the environment in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__ = ["ENV_ADDRESS", "default_socket_path", "socket_path_of", "unix_target"]
+
+#: The environment variable that names the daemon's address.
+ENV_ADDRESS = "BETON_SERVE_ADDRESS"
+
+
+def default_socket_path(environ: Mapping[str, str], uid: int | None = None) -> str:
+    """The per-user default socket path (see the module docstring)."""
+    runtime = environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "beton-serve", "beton.sock")
+    uid = os.getuid() if uid is None else uid
+    return f"/tmp/beton-serve-{uid}/beton.sock"
+
+
+def unix_target(path: str) -> str:
+    """The gRPC target of a Unix socket path."""
+    return "unix://" + os.path.abspath(path)
+
+
+def socket_path_of(target: str) -> str | None:
+    """The socket path of a ``unix:`` target, or ``None`` for a TCP target."""
+    if target.startswith("unix://"):
+        return target[len("unix://") :]
+    if target.startswith("unix:"):
+        return target[len("unix:") :]
+    return None

@@ -1,0 +1,221 @@
+"""``beton-serve [serve] DATASET.beton [...]``: run the daemon (the default subcommand).
+
+Start-up: read the config (TOML, then flags), import plugins, take the address lock (two daemons
+never serve one address), sweep stale segments, open and validate every dataset (an invalid file
+exits non-zero with the reader's error), start the engine and the grpc.aio control plane on
+uvloop, and log the addresses, the datasets with their sample counts and the workers.
+
+Shutdown: SIGTERM or SIGINT (or ``--idle-timeout`` seconds without a stream) drains the streams
+(each gets ``UNAVAILABLE``), frees every segment, removes the socket and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import importlib
+import logging
+import os
+import signal
+import stat
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from beton_serve.cli._logging import add_logging_args, configure_logging
+from beton_serve.cli.config import ServeConfig, load_config, merge_flags
+from beton_serve.errors import ConfigError
+
+__all__ = ["address_lock", "register", "resolve_socket", "run"]
+
+log = logging.getLogger("beton_serve.serve")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``serve`` subcommand."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve .beton datasets to beton_client Loaders (default command)",
+        description="Serve .beton datasets over a Unix socket (default: per user) and/or TCP.",
+    )
+    p.add_argument("files", nargs="*", metavar="DATASET.beton", help="served under its file stem")
+    p.add_argument(
+        "--dataset",
+        action="append",
+        default=[],
+        metavar="NAME=GLOB",
+        help="serve shards with one schema as one dataset (repeatable; GLOB may be a,b,c)",
+    )
+    p.add_argument("--socket", default=None, metavar="PATH", help="Unix socket path")
+    p.add_argument("--listen", action="append", default=[], metavar="HOST:PORT", help="TCP address")
+    p.add_argument("--workers", type=int, default=None, help="worker threads (default: cores)")
+    p.add_argument("--config", default=None, metavar="FILE", help="TOML config (flags override)")
+    p.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE", help="import custom ops/fields"
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="exit after S seconds without any open stream (0: never)",
+    )
+    add_logging_args(p)
+    p.set_defaults(func=run)
+
+
+def resolve_socket(cfg: ServeConfig, environ: Mapping[str, str]) -> str | None:
+    """The Unix socket to serve: the config/flag, else ``BETON_SERVE_ADDRESS`` if it is a unix
+    target, else the per-user default; ``None`` when only TCP was asked for."""
+    from beton_wire.address import ENV_ADDRESS, default_socket_path, socket_path_of
+
+    if cfg.socket:
+        return cfg.socket
+    if cfg.listen:
+        return None
+    env = environ.get(ENV_ADDRESS, "")
+    if env:
+        path = socket_path_of(env)
+        if path is not None:
+            return path
+    return default_socket_path(environ)
+
+
+@contextlib.contextmanager
+def address_lock(socket_path: str) -> Iterator[None]:
+    """Hold ``<socket>.lock`` (flock) while serving, creating the directory 0700 if needed.
+
+    Raises:
+        ConfigError: another live daemon holds the lock.
+    """
+    d = os.path.dirname(os.path.abspath(socket_path))
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    fd = os.open(socket_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"another beton-serve daemon already serves {socket_path}; stop it or use --socket"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT or the idle timeout; returns the exit status."""
+    env = os.environ if environ is None else environ
+    from beton_serve.daemon import expand_dataset_args
+
+    cfg = merge_flags(
+        load_config(args.config),
+        {
+            "files": tuple(args.files),
+            "datasets": {
+                k: tuple(v.split(","))
+                for k, _, v in (a.partition("=") for a in args.dataset)
+                if k and v
+            },
+            "socket": args.socket,
+            "listen": tuple(args.listen),
+            "workers": args.workers,
+            "plugins": tuple(args.plugin),
+            "idle_timeout": args.idle_timeout,
+            "log_format": getattr(args, "log_format", None),
+            "log_level": getattr(args, "log_level", None),
+        },
+    )
+    for a in args.dataset:
+        if "=" not in a:
+            raise ConfigError(f"--dataset {a!r}: expected NAME=GLOB (e.g. imagenet=train-*.beton)")
+    configure_logging(cfg.log_format, cfg.log_level)
+    for module in cfg.plugins:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"--plugin {module}: cannot import it ({exc})") from None
+    datasets = expand_dataset_args(cfg.files, cfg.dataset_args())
+    socket_path = resolve_socket(cfg, env)
+    lock = address_lock(socket_path) if socket_path else contextlib.nullcontext()
+    with lock:
+        from beton_serve.daemon import Daemon
+
+        daemon = Daemon.create(datasets, num_workers=cfg.workers or None)
+        try:
+            _run_loop(_serve(daemon, cfg, socket_path))
+        finally:
+            daemon.close()
+            if socket_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(socket_path)
+    log.info("stopped")
+    return 0
+
+
+def _run_loop(coro: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+async def _serve(daemon: Any, cfg: ServeConfig, socket_path: str | None) -> None:
+    from beton_serve.rpc import create_server
+
+    handle = create_server(daemon, unix_socket=socket_path, listen=cfg.listen)
+    await handle.server.start()
+    try:
+        if socket_path:
+            os.chmod(socket_path, stat.S_IRUSR | stat.S_IWUSR)
+        await handle.set_serving(True)
+        daemon.start()
+        addresses = ([f"unix://{os.path.abspath(socket_path)}"] if socket_path else []) + [
+            a.rsplit(":", 1)[0] + f":{handle.port}" if a.endswith(":0") else a for a in cfg.listen
+        ]
+        log.info(
+            "serving addresses=%s workers=%d pid=%d",
+            ",".join(addresses),
+            daemon.workers,
+            os.getpid(),
+        )
+        for ds in daemon.all_datasets():
+            log.info(
+                "dataset name=%s samples=%d shards=%d fields=%s",
+                ds.name,
+                ds.num_samples,
+                len(ds.paths),
+                ",".join(n for n, _ in ds.fields),
+            )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        idle = loop.create_task(_idle_watch(daemon, cfg.idle_timeout, stop))
+        await stop.wait()
+        idle.cancel()
+        log.info("draining streams=%d", len(daemon.streams))
+        await handle.set_serving(False)
+        await daemon.drain()
+    finally:
+        await handle.server.stop(grace=1.0)
+
+
+async def _idle_watch(daemon: Any, timeout: float, stop: asyncio.Event) -> None:
+    if timeout <= 0:
+        return
+    last_busy = time.monotonic()
+    while True:
+        await asyncio.sleep(min(0.5, timeout / 4))
+        if daemon.streams:
+            last_busy = time.monotonic()
+        elif time.monotonic() - last_busy >= timeout:
+            log.info("idle for %.1f s: exiting", timeout)
+            stop.set()
+            return

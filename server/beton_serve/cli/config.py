@@ -1,0 +1,145 @@
+"""The daemon's configuration: one frozen dataclass, read from TOML, overridden by CLI flags.
+
+:data:`KEYS` is the single table of keys and defaults (``deploy/beton-serve.toml`` lists every one
+of them, and a test checks that it does). A TOML file holds these keys at its top level::
+
+    files = ["/data/cifar.beton"]             # served by file stem
+    datasets = { imagenet = "/data/train-*.beton" }   # NAME = GLOB (or a list of globs)
+    socket = ""                               # "" = the per-user default
+    listen = []                               # ["127.0.0.1:7070"]
+    workers = 0                               # 0 = one per core
+    plugins = []
+    idle_timeout = 0.0                        # seconds without streams before exiting; 0 = never
+    log_format = "kv"
+    log_level = "info"
+
+Unknown keys and wrong types are errors (:class:`~beton_serve.errors.ConfigError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from beton_serve.errors import ConfigError
+
+__all__ = ["KEYS", "ServeConfig", "load_config", "merge_flags"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServeConfig:
+    """Everything ``beton-serve`` (serve) needs.
+
+    Attributes:
+        files: dataset files served under their stem.
+        datasets: ``NAME -> [GLOB, ...]`` served as one sharded dataset each.
+        socket: Unix socket path; "" means the per-user default.
+        listen: TCP ``HOST:PORT`` addresses.
+        workers: worker threads of the shared engine; 0 means one per core.
+        plugins: modules imported at start (custom ops and fields).
+        idle_timeout: seconds with no open stream after which the daemon exits; 0 = never.
+        log_format: "kv" or "json".
+        log_level: "debug", "info", "warning" or "error".
+    """
+
+    files: tuple[str, ...] = ()
+    datasets: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    socket: str = ""
+    listen: tuple[str, ...] = ()
+    workers: int = 0
+    plugins: tuple[str, ...] = ()
+    idle_timeout: float = 0.0
+    log_format: str = "kv"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"workers must be >= 0 (0 = one per core), got {self.workers}")
+        if self.idle_timeout < 0:
+            raise ConfigError(f"idle_timeout must be >= 0 seconds, got {self.idle_timeout}")
+        if self.log_format not in ("kv", "json"):
+            raise ConfigError(f"log_format must be 'kv' or 'json', got {self.log_format!r}")
+
+    def dataset_args(self) -> list[str]:
+        """``datasets`` as ``NAME=GLOB,GLOB`` strings."""
+        return [f"{k}={','.join(v)}" for k, v in self.datasets.items()]
+
+
+#: Every key with its default (the single table; see the module docstring).
+KEYS: dict[str, Any] = {
+    f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc,operator]
+    for f in dataclasses.fields(ServeConfig)
+}
+
+_SEQUENCES = {"files", "listen", "plugins"}
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    default = KEYS[key]
+    if key in _SEQUENCES:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: {key} must be a list of strings")
+        return tuple(value)
+    if key == "datasets":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: datasets must be a table of NAME = GLOB or [GLOB, ...]")
+        out: dict[str, tuple[str, ...]] = {}
+        for name, globs in value.items():
+            if isinstance(globs, str):
+                globs = [globs]
+            if not isinstance(globs, list) or not all(isinstance(g, str) for g in globs):
+                raise ConfigError(f"{where}: datasets.{name} must be a glob or a list of globs")
+            out[name] = tuple(globs)
+        return out
+    if isinstance(default, bool) or not isinstance(value, type(default)):
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(
+            f"{where}: {key} must be a {type(default).__name__}, not {type(value).__name__}"
+        )
+    return value
+
+
+def load_config(path: str | Path | None) -> ServeConfig:
+    """Read a TOML config (``None``: the defaults).
+
+    Raises:
+        ConfigError: unreadable file, invalid TOML, unknown key or wrong type (naming the key).
+    """
+    if path is None:
+        return ServeConfig()
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"{p}: unknown key(s) {unknown}; known keys are {sorted(KEYS)}")
+    return ServeConfig(**{k: _coerce(k, v, str(p)) for k, v in data.items()})
+
+
+def merge_flags(base: ServeConfig, flags: Mapping[str, Any]) -> ServeConfig:
+    """``base`` with every flag that was given (not ``None``, not empty) overriding it.
+
+    Positional files and ``--dataset`` arguments are added to the file's, not replacing them.
+    """
+    changes: dict[str, Any] = {}
+    for key, value in flags.items():
+        if key not in KEYS:
+            raise ConfigError(f"unknown setting {key!r}")
+        if value is None or value == () or value == []:
+            continue
+        if key == "files":
+            value = (*base.files, *value)
+        elif key == "datasets":
+            value = {**base.datasets, **value}
+        changes[key] = value
+    return dataclasses.replace(base, **changes)

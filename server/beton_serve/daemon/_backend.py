@@ -1,0 +1,186 @@
+"""The daemon's seam to the decoding layers: reader, op registry, planner and engine.
+
+The daemon does not import the format, pipeline or engine modules directly; it goes through a
+:class:`Backend`, so that it can be tested with a small fake and so that heavy imports (numba)
+happen only when a daemon actually starts. :class:`EngineBackend` is the real one, built on the
+contracts of ``docs/internal/CONTRACTS.md``.
+
+Threading: ``open_dataset`` and ``compile`` are called from a helper thread (they can take
+seconds); ``make_source`` and everything on the returned source from the daemon's event-loop
+thread, except that ``BatchSource.submit``'s work runs on the engine's own workers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["Backend", "BatchSourceLike", "EngineBackend", "OutputInfo", "PlanLike", "SourceParams"]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputInfo:
+    """One daemon-side output: name, per-sample shape and numpy dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class PlanLike(Protocol):
+    """A compiled plan (``beton_serve.pipeline.compile_pipelines``'s result)."""
+
+    @property
+    def outputs(self) -> Sequence[Any]:
+        """``OutputSpec(name, shape, dtype)`` of each daemon-side output."""
+        ...
+
+
+class BatchSourceLike(Protocol):
+    """One stream's batches (``beton_serve.engine.BatchSource``)."""
+
+    def __len__(self) -> int: ...
+
+    def batch_ids(self, epoch: int, b: int) -> np.ndarray: ...
+
+    def submit(
+        self, epoch: int, b: int, out: list[np.ndarray] | None, priority: int = 1
+    ) -> Future[list[np.ndarray]]: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceParams:
+    """A stream's order parameters, as :class:`BatchSource` takes them."""
+
+    order: str  # "SEQUENTIAL" | "RANDOM" | "QUASI_RANDOM"
+    batch_size: int
+    seed: int
+    indices: np.ndarray | None
+    drop_last: bool
+    distributed: bool
+    rank: int
+    world_size: int
+    #: In-flight bound handed to the source (the ring size, so ``submit`` never blocks the loop).
+    batches_ahead: int = 8
+
+
+class Backend(Protocol):
+    """What the daemon needs from the decoding layers."""
+
+    def open_dataset(self, path: str) -> Any:
+        """Open and validate one ``.beton`` file; raises ``FormatError``."""
+        ...
+
+    def num_samples(self, reader: Any) -> int: ...
+
+    def fields(self, reader: Any) -> list[tuple[str, str]]:
+        """``(field name, field class name)`` in file order."""
+        ...
+
+    def schema_key(self, reader: Any) -> str: ...
+
+    def field_signature(self, reader: Any, name: str) -> str:
+        """A printable description of one field's type and arguments (to explain schema diffs)."""
+        ...
+
+    def build_op(self, name: str, params: Mapping[str, Any]) -> Any:
+        """Rebuild an op from its spec; raises ``SpecError`` naming what is wrong."""
+        ...
+
+    def compile(
+        self, reader: Any, pipelines: Mapping[str, list[Any] | None], batch_size: int
+    ) -> PlanLike:
+        """Plan and compile; raises ``SpecError`` / ``PipelineError``."""
+        ...
+
+    def outputs(self, plan: PlanLike) -> list[OutputInfo]: ...
+
+    def make_engine(self, num_workers: int | None) -> Any: ...
+
+    def make_source(self, engine: Any, plan: PlanLike, params: SourceParams) -> BatchSourceLike: ...
+
+    def close_engine(self, engine: Any) -> None: ...
+
+    def client_tail_ops(self, plan: PlanLike) -> list[str]:
+        """Ops of ``plan`` that are not in its jit prefix (``"output: OpName"``)."""
+        ...
+
+
+class EngineBackend:
+    """The real backend: ``BetonReader``, ``op_from_spec``, ``compile_pipelines``, ``Engine``."""
+
+    def open_dataset(self, path: str) -> Any:
+        from beton_serve.format import BetonReader
+
+        return BetonReader(os.fspath(path))
+
+    def num_samples(self, reader: Any) -> int:
+        return int(reader.num_samples)
+
+    def fields(self, reader: Any) -> list[tuple[str, str]]:
+        return [(n, type(reader.handlers[n]).__name__) for n in reader.field_names]
+
+    def schema_key(self, reader: Any) -> str:
+        return str(reader.schema_key())
+
+    def field_signature(self, reader: Any, name: str) -> str:
+        handler = reader.handlers.get(name)
+        if handler is None:
+            return "<absent>"
+        args = getattr(handler, "to_binary", None)
+        blob = bytes(np.asarray(args()).tobytes()) if callable(args) else b""
+        return f"{type(handler).__name__}({blob.rstrip(bytes(1)).hex() or '-'})"
+
+    def build_op(self, name: str, params: Mapping[str, Any]) -> Any:
+        from beton_serve.pipeline.registry import op_from_spec
+
+        return op_from_spec(name, dict(params))
+
+    def compile(
+        self, reader: Any, pipelines: Mapping[str, list[Any] | None], batch_size: int
+    ) -> PlanLike:
+        from beton_serve.pipeline import compile_pipelines  # type: ignore[attr-defined]
+
+        return compile_pipelines(reader, dict(pipelines), batch_size=batch_size)  # type: ignore[no-any-return]
+
+    def outputs(self, plan: PlanLike) -> list[OutputInfo]:
+        out = []
+        for spec in plan.outputs:
+            shape = tuple(int(d) for d in spec.shape)
+            out.append(OutputInfo(str(spec.name), shape, np.dtype(spec.dtype).name))
+        return out
+
+    def make_engine(self, num_workers: int | None) -> Any:
+        from beton_serve.engine import Engine  # type: ignore[attr-defined]
+
+        return Engine(num_workers=num_workers)
+
+    def make_source(self, engine: Any, plan: PlanLike, params: SourceParams) -> BatchSourceLike:
+        from beton_serve.engine import BatchSource, OrderOption  # type: ignore[attr-defined]
+
+        return BatchSource(  # type: ignore[no-any-return]
+            engine=engine,
+            plan=plan,  # type: ignore[arg-type]
+            order=OrderOption[params.order],
+            batch_size=params.batch_size,
+            seed=params.seed,
+            indices=params.indices,
+            drop_last=params.drop_last,
+            distributed=params.distributed,
+            rank=params.rank,
+            world_size=params.world_size,
+            batches_ahead=params.batches_ahead,
+        )
+
+    def close_engine(self, engine: Any) -> None:
+        engine.close()
+
+    def client_tail_ops(self, plan: PlanLike) -> list[str]:
+        """Names of ops the plan would leave to a client (none are allowed in the daemon)."""
+        tail = getattr(plan, "client_tail", {}) or {}
+        return [f"{name}: {type(op).__name__}" for name, ops in tail.items() for op in ops]

@@ -1,0 +1,623 @@
+"""The daemon: datasets, one shared engine, a compiled-plan cache, streams and their leases.
+
+Everything here runs on the event-loop thread of the control plane, except compilation and
+dataset opening (on a helper thread, ``beton-compile``) and the engine's workers. Protobuf is
+never touched here: ``beton_serve.rpc`` converts messages to the dataclasses of this package.
+
+Liveness: a monitor task checks, every :attr:`Daemon.liveness_interval` seconds, that the
+process of every local client is alive (``kill(pid, 0)``), and cancels the serving task of a
+stream whose client is gone. With the stream closing on disconnect, a killed client loses its
+leases within a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from beton_wire.slots import slot_layout
+
+from beton_serve.daemon._backend import Backend, EngineBackend, OutputInfo, PlanLike, SourceParams
+from beton_serve.daemon._datasets import Dataset, DatasetTable
+from beton_serve.daemon._stream import (
+    BatchOut,
+    ClientEvent,
+    CreditEvent,
+    EpochEnd,
+    ReleaseSlot,
+    StartEpoch,
+    Stream,
+)
+from beton_serve.errors import SpecError, TransportError
+from beton_serve.transport.base import SlotTransport, TransportFactory, TransportSetup
+from beton_serve.transport.negotiate import (
+    ClientOffer,
+    DaemonFacts,
+    HostIdentity,
+    Negotiation,
+    Rejection,
+    negotiate,
+)
+from beton_serve.transport.shm import ShmFactory, ShmNamer, sweep_stale_segments
+
+__all__ = [
+    "MAX_BATCH_SIZE",
+    "Daemon",
+    "DaemonStats",
+    "OpRequest",
+    "PipelineRequest",
+    "StreamOpened",
+    "StreamRequest",
+    "ShuttingDown",
+    "StreamStats",
+    "local_identity",
+]
+
+log = logging.getLogger("beton_serve.daemon")
+
+#: Largest batch a stream may ask for (an "absurd batch size" beyond this is refused).
+MAX_BATCH_SIZE = 1 << 16
+#: Largest slot, in bytes (one batch of every output).
+MAX_SLOT_BYTES = 4 << 30
+#: Largest ``batches_ahead``.
+MAX_BATCHES_AHEAD = 64
+#: Seconds a stream may stay open without a Batches call before it is reclaimed.
+UNATTACHED_TIMEOUT_S = 30.0
+
+
+def local_identity() -> HostIdentity:
+    """This process's host identity (boot id, hostname, uid, pid, IPC namespace)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    try:
+        ipc_ns: int | None = os.stat("/proc/self/ns/ipc").st_ino
+    except OSError:
+        ipc_ns = None
+    return HostIdentity(
+        boot_id=boot_id,
+        hostname=socket.gethostname(),
+        uid=os.getuid(),
+        pid=os.getpid(),
+        ipc_ns=ipc_ns,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpRequest:
+    """One op as sent by a client: registered name and JSON parameters (already decoded)."""
+
+    name: str
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineRequest:
+    """One output pipeline: its name, the field it reads, its daemon-side ops, or skipped."""
+
+    name: str
+    field: str = ""
+    ops: tuple[OpRequest, ...] = ()
+    skip: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamRequest:
+    """Everything a client asks for when it opens a stream (validated by :meth:`Daemon.open_stream`)."""
+
+    dataset: str
+    pipelines: tuple[PipelineRequest, ...]
+    batch_size: int
+    order: str = "SEQUENTIAL"
+    seed: int = 0
+    drop_last: bool = False
+    indices: tuple[int, ...] | None = None
+    distributed: bool = False
+    rank: int = 0
+    world_size: int = 1
+    batches_ahead: int = 3
+    offer: ClientOffer
+    client_name: str = ""
+    custom_fields: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamOpened:
+    """The reply to an accepted stream."""
+
+    stream_id: str
+    outputs: tuple[OutputInfo, ...]
+    setup: TransportSetup
+    rejected: tuple[Rejection, ...]
+    num_batches: int
+    batch_size: int
+    num_samples: int
+    plan_cached: bool
+    max_credits: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamStats:
+    """A snapshot of one stream."""
+
+    stream_id: str
+    dataset: str
+    client_name: str
+    client_pid: int
+    transport: str
+    batches_sent: int
+    samples_sent: int
+    slots_leased: int
+    slot_count: int
+    client_wait_us: int
+    age_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DaemonStats:
+    """A snapshot of the daemon (what the Stats RPC returns)."""
+
+    pid: int
+    uptime_s: float
+    workers: int
+    streams: tuple[StreamStats, ...]
+    datasets: tuple[tuple[str, int, int], ...]  # (name, samples_decoded, batches_decoded)
+    shm_bytes: int
+    compiled_plans: int
+    streams_opened: int
+
+
+@dataclass(kw_only=True)
+class _PlanEntry:
+    plan: PlanLike
+    outputs: tuple[OutputInfo, ...]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (killed, not yet reaped by its parent) is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@dataclass(kw_only=True)
+class Daemon:
+    """The serving core (see the module docstring).
+
+    Build it with :meth:`create` (which opens and validates the datasets), start the liveness
+    monitor with :meth:`start` on the event loop, and always :meth:`close` it.
+
+    Attributes:
+        datasets: the served datasets.
+        backend: the decoding layers.
+        engine: the one shared engine.
+        workers: its worker count.
+        facts: what transport negotiation knows about this daemon.
+        factories: transport factories by kind (``shm`` built in; issue 5 adds the others).
+    """
+
+    datasets: DatasetTable
+    backend: Backend
+    engine: Any
+    workers: int
+    facts: DaemonFacts
+    factories: dict[str, TransportFactory]
+    liveness_interval: float = 0.25
+    started: float = field(default_factory=time.monotonic)
+    streams: dict[str, Stream] = field(default_factory=dict)
+    streams_opened: int = 0
+    draining: bool = False
+    _plans: dict[str, asyncio.Future[_PlanEntry]] = field(default_factory=dict)
+    _compile_pool: ThreadPoolExecutor | None = None
+    _monitor: asyncio.Task[None] | None = None
+
+    @classmethod
+    def create(
+        cls,
+        datasets: Mapping[str, Sequence[str]],
+        *,
+        num_workers: int | None = None,
+        backend: Backend | None = None,
+        facts: DaemonFacts | None = None,
+        factories: Mapping[str, TransportFactory] | None = None,
+        sweep: bool = True,
+    ) -> Daemon:
+        """Sweep stale segments, open every dataset and start the engine.
+
+        Raises:
+            FormatError: a file is invalid (the reader's error).
+            ConfigError: bad dataset arguments or shards with different schemas.
+        """
+        if sweep:
+            sweep_stale_segments()
+        backend = backend or EngineBackend()
+        table = DatasetTable(datasets, backend)
+        try:
+            workers = num_workers or os.cpu_count() or 1
+            engine = backend.make_engine(workers)
+        except BaseException:
+            table.close()
+            raise
+        facts = facts or DaemonFacts(identity=local_identity())
+        fac: dict[str, TransportFactory] = dict(factories or {})
+        fac.setdefault("shm", ShmFactory(ShmNamer()))
+        return cls(
+            datasets=table,
+            backend=backend,
+            engine=engine,
+            workers=workers,
+            facts=facts,
+            factories=fac,
+            _compile_pool=ThreadPoolExecutor(1, thread_name_prefix="beton-compile"),
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the liveness monitor (call on the event-loop thread)."""
+        if self._monitor is None:
+            self._monitor = asyncio.get_running_loop().create_task(self._watch_clients())
+
+    async def _watch_clients(self) -> None:
+        while True:
+            await asyncio.sleep(self.liveness_interval)
+            now = time.monotonic()
+            for s in list(self.streams.values()):
+                if s.client_pid and not _pid_alive(s.client_pid):
+                    log.warning(
+                        "stream %s: client pid %d is gone; reclaiming its %d slot(s)",
+                        s.stream_id,
+                        s.client_pid,
+                        s.ring.leased(),
+                    )
+                    self._end_stream(s)
+                elif s.task is None and now - s.created > UNATTACHED_TIMEOUT_S:
+                    log.info("stream %s: never started; closing it", s.stream_id)
+                    self._end_stream(s)
+
+    def _end_stream(self, s: Stream) -> None:
+        if s.task is not None and not s.task.done():
+            s.task.cancel()
+        self.streams.pop(s.stream_id, None)
+        s.close()
+
+    async def drain(self, timeout: float = 3.0) -> None:
+        """Refuse new streams, end every open one with ``ShuttingDown`` and free its slots.
+
+        Streams being served get the error as their final status (``UNAVAILABLE``); tasks that
+        have not ended after ``timeout`` seconds are cancelled.
+        """
+        self.draining = True
+        tasks = []
+        for s in list(self.streams.values()):
+            if s.task is not None and not s.task.done():
+                tasks.append(s.task)
+                s.abort(
+                    ShuttingDown("the daemon is shutting down (SIGTERM); reconnect to a new one")
+                )
+            else:
+                self._end_stream(s)
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=timeout)
+            for t in late:
+                t.cancel()
+        for s in list(self.streams.values()):
+            self._end_stream(s)
+
+    def close(self) -> None:
+        """Free every stream, stop the engine and close the datasets (idempotent)."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
+        for s in list(self.streams.values()):
+            self._end_stream(s)
+        try:
+            if self.engine is not None:
+                self.backend.close_engine(self.engine)
+                self.engine = None
+        finally:
+            if self._compile_pool is not None:
+                self._compile_pool.shutdown(wait=True, cancel_futures=True)
+                self._compile_pool = None
+            self.datasets.close()
+
+    # -- datasets --------------------------------------------------------------------------
+    def dataset(self, name: str) -> Dataset:
+        """The dataset called ``name`` (``SpecError`` otherwise)."""
+        return self.datasets.get(name)
+
+    def all_datasets(self) -> list[Dataset]:
+        """Every dataset, in start-up order."""
+        return list(self.datasets)  # type: ignore[call-overload]
+
+    # -- opening streams -------------------------------------------------------------------
+    def _validate(self, req: StreamRequest, ds: Dataset) -> None:
+        if not 1 <= req.batch_size <= MAX_BATCH_SIZE:
+            raise SpecError(f"batch_size {req.batch_size} is out of range: use 1..{MAX_BATCH_SIZE}")
+        if not 1 <= req.batches_ahead <= MAX_BATCHES_AHEAD:
+            raise SpecError(
+                f"batches_ahead {req.batches_ahead} is out of range: use 1..{MAX_BATCHES_AHEAD}"
+            )
+        if req.order not in ("SEQUENTIAL", "RANDOM", "QUASI_RANDOM"):
+            raise SpecError(f"unknown order {req.order!r}: use SEQUENTIAL, RANDOM or QUASI_RANDOM")
+        if req.distributed and not 0 <= req.rank < req.world_size:
+            raise SpecError(
+                f"rank {req.rank} / world_size {req.world_size}: need 0 <= rank < world_size"
+            )
+        if req.custom_fields:
+            raise SpecError(
+                f"custom_fields {list(req.custom_fields)} cannot travel to a daemon: load the "
+                "field classes into it with --plugin MODULE"
+            )
+        names = {n for n, _ in ds.fields}
+        seen = set()
+        for p in req.pipelines:
+            fld = p.field or p.name
+            if fld not in names:
+                raise SpecError(
+                    f"dataset {ds.name!r} has no field {fld!r}; its fields are {sorted(names)}"
+                )
+            if p.name in seen:
+                raise SpecError(f"pipeline {p.name!r} is given twice")
+            seen.add(p.name)
+        if req.indices is not None:
+            bad = [i for i in req.indices if not 0 <= i < ds.num_samples]
+            if bad:
+                raise SpecError(
+                    f"indices {bad[:5]} are outside the dataset's {ds.num_samples} samples"
+                )
+
+    @staticmethod
+    def _spec_key(req: StreamRequest, ds: Dataset) -> str:
+        spec = [
+            [p.name, p.field or p.name, p.skip, [[o.name, dict(o.params)] for o in p.ops]]
+            for p in req.pipelines
+        ]
+        text = json.dumps([ds.schema_key, req.batch_size, spec], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def _compile_sync(self, req: StreamRequest, ds: Dataset) -> _PlanEntry:
+        pipelines: dict[str, list[Any] | None] = {}
+        for p in req.pipelines:
+            if p.skip:
+                pipelines[p.name] = None
+                continue
+            if p.field and p.field != p.name:
+                raise SpecError(
+                    f"pipeline {p.name!r} reads field {p.field!r}: renamed outputs are not "
+                    "supported yet; name the pipeline after its field"
+                )
+            pipelines[p.name] = [self.backend.build_op(o.name, o.params) for o in p.ops]
+        plan = self.backend.compile(ds.reader, pipelines, req.batch_size)
+        tail = self.backend.client_tail_ops(plan)
+        if tail:
+            raise SpecError(
+                f"ops {tail} run on torch tensors and cannot run in the daemon; put them after "
+                "ToTensor()/ToDevice() so that the client runs them"
+            )
+        return _PlanEntry(plan=plan, outputs=tuple(self.backend.outputs(plan)))
+
+    async def _plan(self, req: StreamRequest, ds: Dataset) -> tuple[_PlanEntry, bool]:
+        key = self._spec_key(req, ds)
+        fut = self._plans.get(key)
+        if fut is not None:
+            if not fut.done() or fut.exception() is None:
+                return await asyncio.shield(fut), True
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._compile_pool, self._compile_sync, req, ds)
+        self._plans[key] = fut
+        try:
+            return await asyncio.shield(fut), False
+        except BaseException:
+            if self._plans.get(key) is fut:
+                del self._plans[key]
+            raise
+
+    def _negotiate(self, offer: ClientOffer) -> tuple[Negotiation, TransportFactory]:
+        neg = negotiate(offer, self.facts)
+        factory = self.factories.get(neg.transport)
+        if factory is None:
+            reasons = "; ".join(str(r) for r in neg.rejected) or "it was requested"
+            raise TransportError(
+                f"the {neg.transport} transport was chosen ({reasons}) but this daemon does not "
+                f"offer it (it offers {sorted(self.factories)}); run the trainer on the daemon's "
+                "host, as the daemon's user"
+            )
+        return neg, factory
+
+    async def open_stream(self, req: StreamRequest) -> StreamOpened:
+        """Validate ``req``, compile (or reuse) its plan, negotiate a transport, create its ring.
+
+        Raises:
+            SpecError: the request is invalid (unknown dataset, field or op, bad parameters,
+                absurd sizes); the message says what to change.
+            TransportError: the forced transport cannot work, or no transport can.
+            PipelineError: the pipeline failed to compile.
+        """
+        if self.draining:
+            raise ShuttingDown("the daemon is shutting down; retry against a new daemon")
+        ds = self.dataset(req.dataset)
+        self._validate(req, ds)
+        neg, factory = self._negotiate(req.offer)
+        entry, cached = await self._plan(req, ds)
+        layout = slot_layout([(o.name, o.shape, o.dtype) for o in entry.outputs], req.batch_size)
+        if layout.slot_bytes > MAX_SLOT_BYTES:
+            raise SpecError(
+                f"one batch needs {layout.slot_bytes} bytes, more than the {MAX_SLOT_BYTES} a slot "
+                "may hold; use a smaller batch_size or output size"
+            )
+        params = SourceParams(
+            order=req.order,
+            batch_size=req.batch_size,
+            seed=req.seed,
+            indices=None if req.indices is None else np.asarray(req.indices, dtype=np.uint64),
+            drop_last=req.drop_last,
+            distributed=req.distributed,
+            rank=req.rank,
+            world_size=req.world_size,
+            batches_ahead=req.batches_ahead + 2,
+        )
+        source = self.backend.make_source(self.engine, entry.plan, params)
+        slot_count = req.batches_ahead + 2
+        ring: SlotTransport = factory.create(layout, slot_count, device_index=neg.device_index)
+        ident = req.offer.identity
+        same_host = bool(ident.boot_id) and ident.boot_id == self.facts.identity.boot_id
+        stream = Stream(
+            stream_id=secrets.token_hex(8),
+            dataset=ds,
+            source=source,
+            ring=ring,
+            layout=layout,
+            outputs=entry.outputs,
+            client_pid=ident.pid if same_host else 0,
+            client_name=req.client_name,
+        )
+        self.streams[stream.stream_id] = stream
+        self.streams_opened += 1
+        n = len(req.indices) if req.indices is not None else ds.num_samples
+        if req.distributed:
+            n = math.ceil(n / req.world_size)
+        log.info(
+            "stream %s opened: dataset=%s client=%s pid=%d batch_size=%d batches=%d %s%s",
+            stream.stream_id,
+            ds.name,
+            req.client_name or "-",
+            ident.pid,
+            req.batch_size,
+            stream.num_batches,
+            neg.summary(),
+            " (cached plan)" if cached else "",
+        )
+        return StreamOpened(
+            stream_id=stream.stream_id,
+            outputs=entry.outputs,
+            setup=ring.setup(),
+            rejected=neg.rejected,
+            num_batches=stream.num_batches,
+            batch_size=req.batch_size,
+            num_samples=n,
+            plan_cached=cached,
+            max_credits=slot_count,
+        )
+
+    # -- serving a stream ------------------------------------------------------------------
+    async def run_stream(
+        self, events: AsyncIterator[ClientEvent]
+    ) -> AsyncIterator[BatchOut | EpochEnd]:
+        """Serve one Batches call: the first event must be a :class:`StartEpoch`.
+
+        Ends (and frees the stream) when the client stops sending, or raises ``SpecError`` for
+        a protocol misuse, ``PipelineError`` for a failed batch.
+        """
+        first = await anext(aiter(events), None)
+        if not isinstance(first, StartEpoch):
+            raise SpecError("a Batches call must start with a Start message naming the stream")
+        stream = self.streams.get(first.stream_id)
+        if stream is None:
+            raise SpecError(
+                f"unknown stream {first.stream_id!r}: open it with OpenStream first (streams "
+                "are closed when their Batches call ends)"
+            )
+        if stream.task is not None:
+            raise SpecError(f"stream {first.stream_id!r} is already being served")
+        stream.task = asyncio.current_task()
+        starts = stream.starts
+        starts.put_nowait(first)
+        hung_up = asyncio.Event()
+
+        async def pump() -> None:
+            try:
+                async for ev in events:
+                    if isinstance(ev, ReleaseSlot):
+                        stream.on_release(ev)
+                    elif isinstance(ev, CreditEvent):
+                        stream.on_credit(ev)
+                    else:
+                        starts.put_nowait(ev)
+            finally:
+                hung_up.set()
+                starts.put_nowait(None)
+                stream._wake.set()
+
+        reader = asyncio.get_running_loop().create_task(pump())
+        try:
+            while True:
+                start = await starts.get()
+                if stream.abort_exc is not None:
+                    raise stream.abort_exc
+                if start is None:
+                    return
+                if start.stream_id and start.stream_id != stream.stream_id:
+                    raise SpecError("a Batches call serves one stream; open another call")
+                async for item in stream.run_epoch(start):
+                    if hung_up.is_set():
+                        return  # the client closed its side mid-epoch: nobody will read more
+                    yield item
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            self.streams.pop(stream.stream_id, None)
+            stream.close()
+            log.info(
+                "stream %s closed after %d batches", stream.stream_id, stream.counters.batches_sent
+            )
+
+    # -- stats -----------------------------------------------------------------------------
+    def stats(self) -> DaemonStats:
+        """A consistent snapshot (call on the event-loop thread)."""
+        now = time.monotonic()
+        streams = tuple(
+            StreamStats(
+                stream_id=s.stream_id,
+                dataset=s.dataset.name,
+                client_name=s.client_name,
+                client_pid=s.client_pid,
+                transport=s.ring.kind,
+                batches_sent=s.counters.batches_sent,
+                samples_sent=s.counters.samples_sent,
+                slots_leased=s.ring.leased(),
+                slot_count=s.ring.slot_count,
+                client_wait_us=s.counters.client_wait_us,
+                age_s=now - s.created,
+            )
+            for s in self.streams.values()
+        )
+        return DaemonStats(
+            pid=os.getpid(),
+            uptime_s=now - self.started,
+            workers=self.workers,
+            streams=streams,
+            datasets=tuple(
+                (d.name, d.samples_decoded, d.batches_decoded) for d in self.all_datasets()
+            ),
+            shm_bytes=sum(s.ring.nbytes() for s in self.streams.values()),
+            compiled_plans=sum(1 for f in self._plans.values() if f.done() and not f.exception()),
+            streams_opened=self.streams_opened,
+        )
+
+
+class ShuttingDown(TransportError):
+    """The daemon is draining (SIGTERM) and accepts no new streams; retry against a new one."""

@@ -1,0 +1,188 @@
+"""The datasets a daemon serves: names, files (shards), readers, and their descriptions.
+
+A dataset is named by its file stem (``beton-serve /data/cifar.beton`` serves ``cifar``) or
+explicitly (``--dataset imagenet=/data/train-*.beton``). Several files under one name are shards
+with one schema, served as one index space in the given order. Clients can open only these
+names, never paths (DESIGN.md §8).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from beton_serve.daemon._backend import Backend
+from beton_serve.errors import ConfigError, SpecError
+
+__all__ = ["Dataset", "DatasetTable", "expand_dataset_args"]
+
+
+@dataclass(kw_only=True)
+class Dataset:
+    """One served dataset.
+
+    Attributes:
+        name: what clients ask for.
+        paths: its files, in index order.
+        readers: one open reader per file.
+        num_samples: total samples over all shards.
+        fields: ``(name, type)`` pairs in file order.
+        schema_key: the schema hash (equal for every shard).
+        samples_decoded / batches_decoded: counters for stats (event-loop thread only).
+    """
+
+    name: str
+    paths: list[str]
+    readers: list[Any]
+    num_samples: int
+    fields: list[tuple[str, str]]
+    schema_key: str
+    samples_decoded: int = 0
+    batches_decoded: int = 0
+    _extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reader(self) -> Any:
+        """The reader the planner compiles against (the only one, for a single file)."""
+        if len(self.readers) != 1:
+            raise SpecError(
+                f"dataset {self.name!r} has {len(self.readers)} shards, and this daemon's engine "
+                "decodes one file per stream; serve the shards as separate datasets"
+            )
+        return self.readers[0]
+
+
+def expand_dataset_args(files: Sequence[str], named: Sequence[str]) -> dict[str, list[str]]:
+    """Map dataset names to files from positional files and ``NAME=GLOB[,GLOB...]`` arguments.
+
+    Raises:
+        ConfigError: a glob matches nothing, a file is missing, an argument is malformed, or two
+            datasets get the same name (the message names both).
+    """
+    table: dict[str, list[str]] = {}
+    origin: dict[str, str] = {}
+
+    def add(name: str, paths: list[str], what: str) -> None:
+        if name in table:
+            raise ConfigError(
+                f"two datasets are named {name!r} ({origin[name]} and {what}); rename one with "
+                f"--dataset OTHER={what}"
+            )
+        table[name] = paths
+        origin[name] = what
+
+    for f in files:
+        p = Path(f)
+        if not p.is_file():
+            raise ConfigError(f"dataset file {f} does not exist")
+        add(p.stem, [os.fspath(p)], f)
+    for arg in named:
+        name, sep, patterns = arg.partition("=")
+        if not sep or not name or not patterns:
+            raise ConfigError(
+                f"--dataset {arg!r}: expected NAME=GLOB (e.g. imagenet=train-*.beton)"
+            )
+        paths: list[str] = []
+        for pattern in patterns.split(","):
+            matched = sorted(glob.glob(pattern))
+            if not matched:
+                raise ConfigError(f"--dataset {arg!r}: {pattern!r} matches no file")
+            paths.extend(matched)
+        add(name, paths, patterns)
+    return table
+
+
+class DatasetTable:
+    """The daemon's datasets, opened and validated at start.
+
+    Args:
+        datasets: name -> files (see :func:`expand_dataset_args`).
+        backend: opens readers.
+
+    Raises:
+        FormatError: a file is invalid (the reader's error, unchanged).
+        ConfigError: shards of one dataset have different schemas (naming the first field that
+            differs), or nothing is served.
+    """
+
+    def __init__(self, datasets: Mapping[str, Sequence[str]], backend: Backend) -> None:
+        if not datasets:
+            raise ConfigError("no dataset to serve: give at least one .beton file")
+        self._backend = backend
+        self._by_name: dict[str, Dataset] = {}
+        try:
+            for name, paths in datasets.items():
+                self._by_name[name] = self._open(name, list(paths))
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, name: str, paths: list[str]) -> Dataset:
+        b = self._backend
+        readers: list[Any] = []
+        try:
+            for p in paths:
+                readers.append(b.open_dataset(p))
+            first = readers[0]
+            key = b.schema_key(first)
+            fields = b.fields(first)
+            for path, r in zip(paths[1:], readers[1:], strict=True):
+                if b.schema_key(r) != key:
+                    raise ConfigError(
+                        f"dataset {name!r}: shard {path} has a different schema from {paths[0]}: "
+                        f"{_schema_diff(b, first, r, fields)}"
+                    )
+        except BaseException:
+            for r in readers:
+                r.close()
+            raise
+        return Dataset(
+            name=name,
+            paths=paths,
+            readers=readers,
+            num_samples=sum(b.num_samples(r) for r in readers),
+            fields=fields,
+            schema_key=key,
+        )
+
+    def get(self, name: str) -> Dataset:
+        """The dataset called ``name``; raises ``SpecError`` listing the served names."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise SpecError(
+                f"unknown dataset {name!r}; this daemon serves {sorted(self._by_name)}"
+            ) from None
+
+    def __iter__(self) -> Iterable[Dataset]:  # type: ignore[override]
+        return iter(list(self._by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def close(self) -> None:
+        """Close every reader (idempotent)."""
+        for ds in self._by_name.values():
+            for r in ds.readers:
+                r.close()
+        self._by_name = {}
+
+
+def _schema_diff(b: Backend, a: Any, other: Any, fields: list[tuple[str, str]]) -> str:
+    names_a = [n for n, _ in fields]
+    names_b = [n for n, _ in b.fields(other)]
+    if names_a != names_b:
+        only_a = [n for n in names_a if n not in names_b]
+        only_b = [n for n in names_b if n not in names_a]
+        if only_a or only_b:
+            return f"fields only in the first: {only_a}, only in this one: {only_b}"
+        return f"fields in a different order: {names_a} vs {names_b}"
+    for n in names_a:
+        sa, sb = b.field_signature(a, n), b.field_signature(other, n)
+        if sa != sb:
+            return f"field {n!r} differs: {sa} vs {sb}"
+    return "the schema keys differ"

@@ -1,0 +1,64 @@
+"""Domain errors -> gRPC status codes: the one place the daemon decides what a client sees.
+
+Every error carries its class name in the ``beton-error`` trailing metadata, so that
+``beton_client`` raises the matching class of its own hierarchy; the status code alone lets any
+other gRPC client react sensibly.
+
+======================================  =====================  ==================================
+error                                   status                 meaning for the client
+======================================  =====================  ==================================
+``SpecError``, ``ConfigError``          ``INVALID_ARGUMENT``   change the request (message says how)
+``TransportError``                      ``FAILED_PRECONDITION`` the transport cannot work here
+``ShuttingDown``                        ``UNAVAILABLE``        retry against a new daemon
+``FormatError``                         ``DATA_LOSS``          the dataset file is damaged
+``PipelineError``                       ``INTERNAL``           a batch failed (sample, op named)
+other ``BetonError``                    ``UNKNOWN``
+anything else                           ``INTERNAL``           a bug: logged with its traceback
+======================================  =====================  ==================================
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from beton_serve.daemon import ShuttingDown
+from beton_serve.errors import (
+    BetonError,
+    ConfigError,
+    FormatError,
+    PipelineError,
+    SpecError,
+    TransportError,
+)
+
+__all__ = ["ERROR_METADATA_KEY", "status_for"]
+
+log = logging.getLogger("beton_serve.rpc")
+
+#: Trailing-metadata key carrying the error's class name.
+ERROR_METADATA_KEY = "beton-error"
+
+_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
+    (SpecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TransportError, grpc.StatusCode.FAILED_PRECONDITION),
+    (FormatError, grpc.StatusCode.DATA_LOSS),
+    (PipelineError, grpc.StatusCode.INTERNAL),
+    (BetonError, grpc.StatusCode.UNKNOWN),
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """``(status code, message, error class name)`` to send for ``exc``.
+
+    Unexpected exceptions (not :class:`BetonError`) are logged with their traceback here, since
+    they are bugs, and reach the client as ``INTERNAL`` with the exception's text.
+    """
+    for cls, code in _TABLE:
+        if isinstance(exc, cls):
+            return code, str(exc), type(exc).__name__
+    log.error("unexpected error while serving a request", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "InternalError"

@@ -1,0 +1,103 @@
+"""Building the gRPC server: the BetonServe service plus the standard health and reflection services.
+
+:func:`create_server` binds the addresses and returns the (unstarted) server and the bound TCP
+port, so that tests bind port 0 (grpc's examples). The caller starts and stops it on its event
+loop. Unix sockets are made private to the daemon's user (0600).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import grpc
+from beton_wire.v1 import beton_pb2 as pb
+from beton_wire.v1 import beton_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from beton_serve.daemon import Daemon
+from beton_serve.errors import ConfigError
+from beton_serve.rpc._service import BetonServeServicer
+
+__all__ = ["SERVICE_NAME", "ServerHandle", "create_server"]
+
+#: The full name of the service (for health checks and reflection).
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BetonServe"].full_name
+
+#: Channel options of the daemon's server (large messages for the grpc transport).
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 1 << 30),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
+class ServerHandle:
+    """A built server with its health servicer (to flip to NOT_SERVING while draining)."""
+
+    def __init__(
+        self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, port: int
+    ) -> None:
+        self.server = server
+        self.health = health_servicer
+        self.port = port
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING / NOT_SERVING for the overall server and the service."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+def create_server(
+    daemon: Daemon, *, unix_socket: str | None = None, listen: Sequence[str] = ()
+) -> ServerHandle:
+    """Build the daemon's gRPC server (call on the event loop that will run it).
+
+    Args:
+        daemon: what to serve.
+        unix_socket: path of a Unix socket to listen on (a stale file there is replaced).
+        listen: ``HOST:PORT`` TCP addresses (port 0 picks a free port).
+
+    Returns:
+        The handle; ``port`` is the last bound TCP port (0 if none).
+
+    Raises:
+        ConfigError: an address cannot be bound (the message names it).
+    """
+    if not unix_socket and not listen:
+        raise ConfigError("give a Unix socket path or a TCP address to listen on")
+    server = grpc.aio.server(options=list(SERVER_OPTIONS))
+    pb_grpc.add_BetonServeServicer_to_server(BetonServeServicer(daemon), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = 0
+    if unix_socket:
+        if os.path.exists(unix_socket):
+            os.unlink(unix_socket)  # a stale socket of a dead daemon (the caller holds the lock)
+        try:
+            server.add_insecure_port(f"unix:{unix_socket}")
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on unix socket {unix_socket}: {exc}") from None
+    for addr in listen:
+        try:
+            port = server.add_insecure_port(addr)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on {addr}: {exc}") from None
+    return ServerHandle(server, health_servicer, port)

@@ -1,0 +1,89 @@
+"""The ``beton_wire.v1.BetonServe`` servicer on grpc.aio, over a :class:`~beton_serve.daemon.Daemon`.
+
+Each handler converts the request (``_convert``), calls the daemon on the event-loop thread, and
+converts the answer back. Every exception is turned into a status in one place (``_abort``, via
+``_errors.status_for``). A ``Batches`` call is one stream's life: when the call ends, for any
+reason (the client closes it, dies, or the daemon drains), the stream and its slots are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
+
+import grpc
+from beton_wire.v1 import beton_pb2 as pb
+from beton_wire.v1 import beton_pb2_grpc as pb_grpc
+
+from beton_serve.daemon import ClientEvent, Daemon
+from beton_serve.rpc._convert import (
+    batch_message,
+    dataset_info,
+    event_from_message,
+    opened_message,
+    stats_message,
+    stream_request,
+)
+from beton_serve.rpc._errors import ERROR_METADATA_KEY, status_for
+
+__all__ = ["BetonServeServicer"]
+
+log = logging.getLogger("beton_serve.rpc")
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
+    code, message, name = status_for(exc)
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, name),))
+    await context.abort(code, message)
+    raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
+class BetonServeServicer(pb_grpc.BetonServeServicer):
+    """Serves one daemon."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    async def ListDatasets(self, request: pb.ListDatasetsRequest, context: Any) -> Any:
+        try:
+            return pb.ListDatasetsResponse(
+                datasets=[dataset_info(d) for d in self.daemon.all_datasets()]
+            )
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: Any) -> Any:
+        try:
+            return dataset_info(self.daemon.dataset(request.name))
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def OpenStream(self, request: pb.OpenStreamRequest, context: Any) -> Any:
+        try:
+            opened = await self.daemon.open_stream(stream_request(request))
+            return opened_message(opened)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> Any:
+        try:
+            return stats_message(self.daemon.stats())
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def Batches(
+        self, request_iterator: AsyncIterator[pb.ClientMessage], context: Any
+    ) -> AsyncIterator[pb.ServerMessage]:
+        async def events() -> AsyncIterator[ClientEvent]:
+            async for msg in request_iterator:
+                yield event_from_message(msg)
+
+        try:
+            async for item in self.daemon.run_stream(events()):
+                yield batch_message(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
