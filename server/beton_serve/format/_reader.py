@@ -403,6 +403,10 @@ class BetonReader:
     def sample_bytes(self, sample_id: int, field_name: str) -> NDArray[np.uint8]:
         """The stored bytes of one sample's field, as a zero-copy read-only ``uint8`` view.
 
+        For Bytes/JSON this is the value itself (``metadata['size']`` bytes): an empty value is
+        stored as a 1-byte allocation by beton-serve's writer, so decoders of those fields must
+        copy ``metadata['size']`` bytes rather than the allocation's length.
+
         Raises:
             KeyError: no such field.
             IndexError: ``sample_id`` out of range.
@@ -418,7 +422,11 @@ class BetonReader:
             raise ValueError(f"field {field_name!r} stores its value inline, not as data bytes")
         from beton_serve.format._memory import memory_read
 
-        return memory_read(int(checks[0].ptrs[0]), self.storage_state)
+        chk = checks[0]
+        view = memory_read(int(chk.ptrs[0]), self.storage_state)
+        if chk.empty_as_one and int(chk.sizes[0]) == 0:
+            return view[:0]  # an empty value stored as a 1-byte allocation
+        return view
 
     def schema_key(self) -> str:
         """A stable hex digest of (field names, type ids, argument blobs, record layout)."""

@@ -1,0 +1,228 @@
+"""Field classes: argument blobs, input conversion, encode rules and decoder lookup."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from beton_serve.fields import (
+    BytesField,
+    FloatField,
+    IntField,
+    JSONField,
+    NDArrayField,
+    RGBImageField,
+    TorchTensorField,
+)
+from beton_serve.fields import rgb_image as rgb_mod
+
+
+class Recorder:
+    """A malloc that hands out slices of one buffer and records the calls."""
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(1 << 16, np.uint8)
+        self.used = 0
+        self.calls: list[int] = []
+
+    def __call__(self, size: int):
+        ptr = 1000 + self.used
+        view = self.buf[self.used : self.used + size]
+        self.used += size
+        self.calls.append(size)
+        return ptr, view
+
+
+def _dest(field):
+    return np.zeros(1, dtype=field.metadata_type)
+
+
+@pytest.mark.parametrize(
+    "field", [FloatField(), IntField(), RGBImageField(), BytesField(), JSONField()]
+)
+def test_zero_argument_blobs_round_trip(field) -> None:
+    blob = field.to_binary()
+    assert blob.size == 1024 and not blob.any()
+    assert type(type(field).from_binary(blob)) is type(field)
+    bad = blob.copy()
+    bad[100] = 1
+    with pytest.raises(ValueError):
+        type(field).from_binary(bad)
+
+
+def test_scalar_encode_follows_numpy_casting() -> None:
+    d = _dest(IntField())
+    IntField().encode(d, 3.9, Recorder())
+    assert d[0] == 3
+    d = _dest(FloatField())
+    FloatField().encode(d, -0.0, Recorder())
+    assert np.signbit(d[0])
+
+
+def test_decoder_classes_are_imported_lazily() -> None:
+    decoders = pytest.importorskip("beton_serve.fields.decoders")
+    assert IntField().get_decoder_class() is decoders.IntDecoder
+    assert FloatField().get_decoder_class() is decoders.FloatDecoder
+    assert BytesField().get_decoder_class() is decoders.BytesDecoder
+    assert JSONField().get_decoder_class() is decoders.BytesDecoder
+    assert NDArrayField(np.uint8, (1,)).get_decoder_class() is decoders.NDArrayDecoder
+    assert RGBImageField().get_decoder_class() is decoders.SimpleRGBImageDecoder
+
+
+def test_bytes_field_rules() -> None:
+    f = BytesField()
+    rec = Recorder()
+    d = _dest(f)
+    f.encode(d, b"abc", rec)
+    assert d["size"][0] == 3 and rec.buf[:3].tobytes() == b"abc"
+    d = _dest(f)
+    f.encode(d, np.zeros(0, np.uint8), rec)
+    assert d["size"][0] == 0 and rec.calls[-1] == 1  # never a zero-size allocation
+    with pytest.raises(ValueError, match="uint8"):
+        f.encode(_dest(f), np.arange(3), rec)
+
+
+def test_json_field_bytes_and_unpack() -> None:
+    f = JSONField()
+    value = {"a": [1, 2], "é": None}
+    data = JSONField.encode_value(value)
+    assert data.tobytes() == (json.dumps(value) + "\0").encode()
+    rec = Recorder()
+    d = _dest(f)
+    f.encode(d, value, rec)
+    assert d["size"][0] == data.size
+    rows = np.zeros((2, 40), np.uint8)
+    rows[0, : data.size] = data
+    rows[1, :3] = np.frombuffer(b"[]\0", np.uint8)
+    assert JSONField.unpack(rows) == [value, []]
+    assert JSONField.unpack(rows[0]) == value
+
+
+def test_ndarray_field_validation_and_casting() -> None:
+    for shape in [(), (3, 0), (-1,), (1,) * 33]:
+        with pytest.raises(ValueError):
+            NDArrayField(np.float32, shape)
+    with pytest.raises(ValueError):
+        NDArrayField(np.dtype([("a", "<f4"), ("b", "<f4")]), (2,))
+    f = NDArrayField(np.float32, (2, 2))
+    assert f.element_size == 16
+    rec = Recorder()
+    d = _dest(f)
+    f.encode(d, np.arange(4, dtype=np.int16).reshape(2, 2), rec)  # safe cast
+    assert np.array_equal(rec.buf[:16].view(np.float32), [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="shape"):
+        f.encode(_dest(f), np.zeros(4, np.float32), rec)
+    with pytest.raises(ValueError, match="cannot store"):
+        f.encode(_dest(f), np.zeros((2, 2), np.complex64), rec)
+    bad = f.to_binary()
+    bad[264:270] = np.frombuffer(b"garbag", np.uint8)
+    with pytest.raises(ValueError):
+        NDArrayField.from_binary(bad)
+
+
+def test_torch_tensor_field_reads_back_as_ndarray() -> None:
+    torch = pytest.importorskip("torch")
+    f = TorchTensorField(torch.float16, (3,))
+    assert f.dtype == np.float16
+    back = TorchTensorField.from_binary(f.to_binary())
+    assert type(back) is NDArrayField and back.shape == (3,)
+    rec = Recorder()
+    d = _dest(f)
+    f.encode(d, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16), rec)
+    assert rec.buf[:6].view(np.float16).tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError):
+        TorchTensorField(torch.bfloat16, (3,))
+
+
+def test_rgb_input_conversion_rule() -> None:
+    g = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    out = rgb_mod.to_rgb_array(g)
+    assert out.shape == (3, 4, 3) and all(np.array_equal(out[..., c], g) for c in range(3))
+    assert np.array_equal(rgb_mod.to_rgb_array(g[..., None]), out)
+    rgba = np.random.default_rng(0).integers(0, 255, (3, 4, 4), dtype=np.uint8)
+    assert np.array_equal(rgb_mod.to_rgb_array(rgba), rgba[..., :3])
+    with pytest.raises(ValueError, match="uint8"):
+        rgb_mod.to_rgb_array(np.zeros((2, 2, 3), np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        rgb_mod.to_rgb_array(np.zeros((2, 2, 2), np.uint8))
+
+
+def test_rgb_pil_input() -> None:
+    Image = pytest.importorskip("PIL.Image")
+    arr = np.random.default_rng(1).integers(0, 255, (5, 6, 4), dtype=np.uint8)
+    img = Image.fromarray(arr, mode="RGBA")
+    assert np.array_equal(rgb_mod.to_rgb_array(img), arr[..., :3])
+    gray = Image.fromarray(arr[..., 0], mode="L")
+    assert np.array_equal(rgb_mod.to_rgb_array(gray)[..., 2], arr[..., 0])
+
+
+def test_max_resolution_rule_matches_ffcv() -> None:
+    import cv2
+
+    img = np.random.default_rng(2).integers(0, 255, (375, 500, 3), dtype=np.uint8)
+    out = rgb_mod.resize_to_max(img, 256)
+    ratio = 256 / 500
+    assert out.shape == (int(ratio * 375), int(ratio * 500), 3)
+    ref = cv2.resize(img, (int(ratio * 500), int(ratio * 375)), interpolation=cv2.INTER_AREA)
+    assert np.array_equal(out, ref)
+    assert rgb_mod.resize_to_max(img, 500) is img  # never upscale / no-op at the limit
+    assert rgb_mod.resize_to_max(np.zeros((1, 1000, 3), np.uint8), 10).shape == (1, 10, 3)
+
+
+def test_jpeg_encode_matches_opencv_bgr() -> None:
+    import cv2
+
+    img = np.random.default_rng(3).integers(0, 255, (20, 30, 3), dtype=np.uint8)
+    ok, ref = cv2.imencode(".jpg", img[..., ::-1].copy(), [cv2.IMWRITE_JPEG_QUALITY, 77])
+    assert ok
+    assert np.array_equal(rgb_mod.encode_jpeg(img, 77), ref.reshape(-1))
+
+
+def test_write_modes_and_smart_does_not_encode_raw(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple] = []
+    real = rgb_mod.encode_jpeg
+
+    def counting(image, quality):
+        calls.append(image.shape)
+        return real(image, quality)
+
+    monkeypatch.setattr(rgb_mod, "encode_jpeg", counting)
+    small = np.zeros((8, 8, 3), np.uint8)  # 192 bytes
+    big = np.zeros((32, 32, 3), np.uint8)  # 3072 bytes
+    smart = RGBImageField(write_mode="smart", smart_threshold=1000)
+    assert smart.prepare(small).mode == 1 and calls == []
+    assert smart.prepare(big).mode == 0 and calls == [(32, 32, 3)]
+    assert RGBImageField(write_mode="smart").prepare(big).mode == 1  # no threshold: raw
+    assert len(calls) == 1
+    assert RGBImageField(write_mode="raw").prepare(big).mode == 1
+    assert RGBImageField(write_mode="jpg").prepare(small).mode == 0
+    prop = RGBImageField(write_mode="proportion", compress_probability=0.5)
+    modes = [prop.prepare(small, np.random.default_rng([9, i])).mode for i in range(200)]
+    assert 60 < sum(m == 0 for m in modes) < 140
+    again = [prop.prepare(small, np.random.default_rng([9, i])).mode for i in range(200)]
+    assert modes == again
+    assert {RGBImageField("proportion", compress_probability=1.0).prepare(small).mode} == {0}
+
+
+def test_rgb_limits() -> None:
+    with pytest.raises(ValueError, match="write_mode"):
+        RGBImageField(write_mode="png")
+    with pytest.raises(ValueError, match="jpeg_quality"):
+        RGBImageField(jpeg_quality=101)
+    f = RGBImageField()
+    with pytest.raises(ValueError, match="65535"):
+        f.prepare(np.zeros((1, 65536), np.uint8))
+    with pytest.raises(ValueError, match="empty"):
+        f.prepare(np.zeros((0, 5, 3), np.uint8))
+    assert RGBImageField(max_resolution=100).prepare(np.zeros((1, 65536), np.uint8)).width == 100
+
+
+def test_rgb_encode_metadata() -> None:
+    f = RGBImageField(write_mode="raw")
+    img = np.random.default_rng(4).integers(0, 255, (5, 7, 3), dtype=np.uint8)
+    rec = Recorder()
+    d = _dest(f)
+    f.encode(d, img, rec)
+    assert (d["mode"][0], d["width"][0], d["height"][0], d["data_ptr"][0]) == (1, 7, 5, 1000)
+    assert np.array_equal(rec.buf[:105].reshape(5, 7, 3), img)

@@ -1,0 +1,341 @@
+"""DatasetWriter: FFCV's byte layout, round trips, determinism and failure handling."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from beton_serve.errors import WriterError
+from beton_serve.fields import (
+    BytesField,
+    FloatField,
+    IntField,
+    JSONField,
+    NDArrayField,
+    RGBImageField,
+)
+from beton_serve.format import ALLOC_ENTRY_DTYPE, BetonReader
+from beton_serve.writer import DatasetWriter
+
+MiB = 1 << 20
+
+
+class SmallPageWriter(DatasetWriter):
+    _MIN_PAGE_SIZE = 4096
+
+
+class ListDS:
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i]
+
+
+def _smooth(seed: int, h: int, w: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = rng.uniform(60, 190, 3)
+    img = base + 30 * np.sin(xx[..., None] / (w / 3 + 1) + yy[..., None] / (h / 2 + 1))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def test_worked_example_byte_for_byte(tmp_path: Path) -> None:
+    """ffcv-format.md §1.9: raw 32x32 images + int labels, 1 worker, 8 MiB pages."""
+    out = tmp_path / "ex.beton"
+    imgs = [np.full((32, 32, 3), 7 * i, np.uint8) for i in range(3)]
+    DatasetWriter(
+        out, {"image": RGBImageField(write_mode="raw"), "label": IntField()}, num_workers=1
+    ).from_indexed_dataset([(imgs[i], 10 * i) for i in range(3)])
+    b = out.read_bytes()
+    assert len(b) == 16_777_288
+    assert b[:24].hex() == "0200020000008000" + "0300000000000000" + "0000000100000000"
+    assert b[24] == 2 and b[25:41] == b"image".ljust(16, b"\0") and not any(b[41:1065])
+    assert b[1065] == 1 and b[1066:1082] == b"label".ljust(16, b"\0")
+    rec = [b[2106 + 24 * j : 2130 + 24 * j] for j in range(3)]
+    for j, r in enumerate(rec):
+        ptr = 0x800000 + 3072 * j
+        assert r[:13] == bytes([1, 32, 0, 32, 0]) + ptr.to_bytes(8, "little")
+        assert r[13:16] == b"\0\0\0" and int.from_bytes(r[16:], "little", signed=True) == 10 * j
+    assert not any(b[2178 : 1 << 23])
+    for j in range(3):
+        assert b[(1 << 23) + 3072 * j : (1 << 23) + 3072 * (j + 1)] == imgs[j].tobytes()
+    assert not any(b[(1 << 23) + 9216 : 1 << 24])
+    table = np.frombuffer(b[1 << 24 :], ALLOC_ENTRY_DTYPE)
+    assert table.tolist() == [(0, 8388608, 3072), (1, 8391680, 3072), (2, 8394752, 3072)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_raw_fixture_reproduced_byte_for_byte(
+    tmp_path: Path, fixtures_dir: Path, workers: int
+) -> None:
+    full = np.load(fixtures_dir / "images_raw.decoded_full.npz")
+    labels = np.load(fixtures_dir / "images_raw.expected.npz")["label"][:, 0]
+    out = tmp_path / "raw.beton"
+    DatasetWriter(
+        out,
+        {"image": RGBImageField(write_mode="raw"), "label": IntField()},
+        page_size=2 * MiB,
+        num_workers=workers,
+    ).from_indexed_dataset(
+        ListDS([(full[f"image_{i:04d}"], int(labels[i])) for i in range(64)]), chunksize=5
+    )
+    assert out.read_bytes() == (fixtures_dir / "images_raw.beton").read_bytes()
+
+
+def test_mixed_fixture_reproduced_byte_for_byte(tmp_path: Path, fixtures_dir: Path) -> None:
+    e = np.load(fixtures_dir / "mixed_fields.expected.npz")
+    objs = json.loads(str(e["meta__unpacked_json"]))
+    items = [
+        (
+            int(e["int"][i, 0]),
+            float(e["float"][i, 0]),
+            e["array"][i],
+            e["blob"][i, : int(e["blob__size"][i])],
+            objs[i],
+        )
+        for i in range(50)
+    ]
+    fields = {
+        "int": IntField(),
+        "float": FloatField(),
+        "array": NDArrayField(np.dtype("float32"), (3, 4)),
+        "blob": BytesField(),
+        "meta": JSONField(),
+    }
+    out = tmp_path / "mixed.beton"
+    DatasetWriter(out, fields, page_size=2 * MiB, num_workers=2).from_indexed_dataset(items)
+    assert out.read_bytes() == (fixtures_dir / "mixed_fields.beton").read_bytes()
+
+
+def test_smart_fixture_raw_samples_match(tmp_path: Path, fixtures_dir: Path) -> None:
+    """Our raw bytes of the fixture's raw-stored images equal the fixture's data region."""
+    full = np.load(fixtures_dir / "images_smart.decoded_full.npz")
+    with BetonReader(fixtures_dir / "images_smart.beton") as ref:
+        raw_ids = np.flatnonzero(ref.field_metadata("image")["mode"] == 1).tolist()
+        expected = {i: ref.sample_bytes(i, "image").tobytes() for i in raw_ids}
+    out = tmp_path / "s.beton"
+    DatasetWriter(
+        out,
+        {"image": RGBImageField("smart", smart_threshold=16384, max_resolution=256)},
+        num_workers=1,
+    ).from_indexed_dataset([(full[f"image_{i:04d}"],) for i in raw_ids])
+    with BetonReader(out) as r:
+        assert r.field_metadata("image")["mode"].tolist() == [1] * len(raw_ids)
+        for k, i in enumerate(raw_ids):
+            assert r.sample_bytes(k, "image").tobytes() == expected[i]
+
+
+def _all_fields_items(n: int) -> list[tuple]:
+    rng = np.random.default_rng(11)
+    items = []
+    for i in range(n):
+        h, w = int(rng.integers(5, 60)), int(rng.integers(5, 60))
+        items.append(
+            (
+                _smooth(i, h, w),
+                int(rng.integers(-(2**63), 2**63 - 1)),
+                float(rng.normal()),
+                rng.integers(0, 256, int(rng.integers(0, 50)), dtype=np.uint8),
+                rng.normal(size=(2, 5)).astype(np.float64),
+                {"id": i, "tags": ["x"] * (i % 3)},
+            )
+        )
+    return items
+
+
+@pytest.mark.parametrize("mode", ["raw", "jpg", "smart", "proportion"])
+def test_round_trip_every_field_type(tmp_path: Path, mode: str) -> None:
+    import simplejpeg
+
+    items = _all_fields_items(30)
+    fields = {
+        "img": RGBImageField(write_mode=mode, smart_threshold=3000, jpeg_quality=95),
+        "i": IntField(),
+        "f": FloatField(),
+        "b": BytesField(),
+        "a": NDArrayField(np.float64, (2, 5)),
+        "j": JSONField(),
+    }
+    out = tmp_path / f"{mode}.beton"
+    DatasetWriter(out, fields, num_workers=2, seed=1).from_indexed_dataset(
+        ListDS(items), chunksize=4
+    )
+    with BetonReader(out) as r:
+        img = r.field_metadata("img")
+        for k, (im, i, f, b, a, j) in enumerate(items):
+            assert r.field_metadata("i")[k] == i and r.field_metadata("f")[k] == f
+            assert r.sample_bytes(k, "b").tobytes() == b.tobytes()
+            assert r.field_metadata("b")["size"][k] == b.size
+            assert np.array_equal(np.frombuffer(r.sample_bytes(k, "a"), np.float64), a.ravel())
+            assert JSONField.unpack(r.sample_bytes(k, "j")) == j
+            assert (img["height"][k], img["width"][k]) == im.shape[:2]
+            data = r.sample_bytes(k, "img")
+            if img["mode"][k] == 1:
+                assert np.array_equal(data.reshape(im.shape), im)
+            else:
+                dec = simplejpeg.decode_jpeg(data.tobytes(), "RGB", fastdct=True)
+                assert np.abs(dec.astype(int) - im).mean() < 3
+        modes = set(img["mode"].tolist())
+        want = {"raw": {1}, "jpg": {0}, "smart": {0, 1}, "proportion": {0, 1}}[mode]
+        assert modes == want
+
+
+def test_seed_makes_output_independent_of_workers(tmp_path: Path) -> None:
+    items = [(_smooth(i, 20 + i % 7, 30),) for i in range(40)]
+    fields = {"im": RGBImageField("proportion", compress_probability=0.5)}
+    blobs = []
+    for w in (1, 3):
+        out = tmp_path / f"w{w}.beton"
+        DatasetWriter(out, fields, num_workers=w, seed=42).from_indexed_dataset(
+            ListDS(items), chunksize=3, shuffle_indices=True
+        )
+        blobs.append(out.read_bytes())
+    assert blobs[0] == blobs[1]
+    out = tmp_path / "other.beton"
+    DatasetWriter(out, fields, num_workers=2, seed=43).from_indexed_dataset(ListDS(items))
+    assert out.read_bytes() != blobs[0]
+
+
+def test_sample_level_retry_on_spill(tmp_path: Path) -> None:
+    """A sample whose second allocation spills restarts on a new page (FFCV's retry rule)."""
+    items = [
+        (np.full(1000, 1, np.uint8), np.full(1000, 2, np.uint8)),
+        (np.full(1500, 3, np.uint8), np.full(1500, 4, np.uint8)),
+        (np.full(3000, 5, np.uint8), np.full(10, 6, np.uint8)),
+    ]
+    out = tmp_path / "spill.beton"
+    SmallPageWriter(
+        out, {"a": BytesField(), "b": BytesField()}, page_size=4096, num_workers=1
+    ).from_indexed_dataset(items)
+    with BetonReader(out) as r:
+        d = r.data_start
+        assert r.num_allocations == 6  # the abandoned allocation is not in the table
+        assert r.sample_pages.tolist() == [d // 4096, d // 4096 + 1, d // 4096 + 2]
+        a = r.field_metadata("a")["ptr"].tolist()
+        b = r.field_metadata("b")["ptr"].tolist()
+        assert a == [d, d + 4096, d + 8192] and b == [d + 1000, d + 4096 + 1500, d + 8192 + 3000]
+        raw = np.frombuffer(out.read_bytes(), np.uint8)
+        assert np.all(raw[d + 2000 : d + 3500] == 3)  # abandoned bytes stay in the old page
+        assert not raw[d + 3500 : d + 4096].any()
+        for k, (x, y) in enumerate(items):
+            assert r.sample_bytes(k, "a").tobytes() == x.tobytes()
+            assert r.sample_bytes(k, "b").tobytes() == y.tobytes()
+        assert (r.file_size - r.header.alloc_table_ptr) == 6 * 24
+        assert r.header.alloc_table_ptr == d + 3 * 4096  # every page written in full
+
+
+def test_sample_larger_than_page(tmp_path: Path) -> None:
+    fields = {"a": BytesField(), "b": BytesField()}
+    w = SmallPageWriter(tmp_path / "x.beton", fields, page_size=4096, num_workers=1)
+    with pytest.raises(WriterError, match="does not fit in one page") as info:
+        w.from_indexed_dataset([(b"1", b"2"), (bytes(3000), bytes(3000))])
+    assert info.value.index == 1
+    with pytest.raises(WriterError, match="exceeds the page size") as info:
+        w.from_indexed_dataset([(bytes(5000), b"x")])
+    assert info.value.index == 0
+    assert not list(tmp_path.iterdir())
+
+
+class Failing:
+    def __init__(self, bad: int, n: int = 50) -> None:
+        self.bad, self.n = bad, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i == self.bad:
+            raise RuntimeError("boom")
+        return (i,)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_failing_sample_names_its_index_and_cleans_up(tmp_path: Path, workers: int) -> None:
+    out = tmp_path / "f.beton"
+    out.write_bytes(b"previous")
+    with pytest.raises(WriterError, match="boom") as info:
+        DatasetWriter(out, {"x": IntField()}, num_workers=workers).from_indexed_dataset(
+            Failing(37), chunksize=4
+        )
+    assert info.value.index == 37
+    assert "dataset index 37" in str(info.value)
+    assert out.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.beton"]
+
+
+def test_index_is_write_position_not_source(tmp_path: Path) -> None:
+    with pytest.raises(WriterError) as info:
+        DatasetWriter(tmp_path / "f.beton", {"x": IntField()}, num_workers=1).from_indexed_dataset(
+            Failing(7, 10), indices=[9, 8, 7, 6]
+        )
+    assert info.value.index == 2 and "dataset index 7" in str(info.value)
+
+
+def test_bad_samples_rejected_clearly(tmp_path: Path) -> None:
+    w = DatasetWriter(tmp_path / "f.beton", {"x": IntField(), "y": IntField()}, num_workers=1)
+    with pytest.raises(WriterError, match="must return a tuple") as info:
+        w.from_indexed_dataset([(1, 2), 3])
+    assert info.value.index == 1
+    with pytest.raises(WriterError, match="1 values for 2 fields"):
+        w.from_indexed_dataset([(1,)])
+    with pytest.raises(WriterError, match="empty"):
+        w.from_indexed_dataset([])
+    w.from_indexed_dataset([(1, 2, "extra ignored, as in FFCV")])
+    with BetonReader(tmp_path / "f.beton") as r:
+        assert r.field_metadata("y").tolist() == [2]
+    with pytest.raises(WriterError, match="ValueError"):
+        DatasetWriter(
+            tmp_path / "g.beton", {"im": RGBImageField()}, num_workers=1
+        ).from_indexed_dataset([(np.zeros((2, 2, 2), np.uint8),)])
+
+
+def test_constructor_validation(tmp_path: Path) -> None:
+    p = tmp_path / "f.beton"
+    with pytest.raises(WriterError, match="at most 16"):
+        DatasetWriter(p, {"a_name_longer_than_16": IntField()})
+    DatasetWriter(p, {"exactly_16_chars": IntField()}, num_workers=1).from_indexed_dataset([(5,)])
+    with BetonReader(p) as r:
+        assert r.field_names == ["exactly_16_chars"]
+    with pytest.raises(WriterError, match="ASCII"):
+        DatasetWriter(p, {"naïve": IntField()})
+    with pytest.raises(WriterError, match="non-empty"):
+        DatasetWriter(p, {})
+    for ps in (1 << 20, 3 << 20, 1 << 32):
+        with pytest.raises(WriterError, match="page_size"):
+            DatasetWriter(p, {"x": IntField()}, page_size=ps)
+    with pytest.raises(WriterError, match="has no"):
+        DatasetWriter(p, {"x": object()})
+
+
+def test_inline_only_file_has_no_pages(tmp_path: Path) -> None:
+    p = tmp_path / "inline.beton"
+    DatasetWriter(p, {"i": IntField(), "f": FloatField()}, num_workers=2).from_indexed_dataset(
+        [(i, i / 2) for i in range(100)]
+    )
+    assert p.stat().st_size == 24 + 2 * 1041 + 100 * 16
+    with BetonReader(p) as r:
+        assert r.num_allocations == 0 and (r.sample_pages == -1).all()
+        assert r.field_metadata("f")[99] == 49.5
+
+
+def test_progress_bar_only_on_request(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    DatasetWriter(tmp_path / "a.beton", {"x": IntField()}, num_workers=1).from_indexed_dataset(
+        [(1,)] * 10
+    )
+    assert capsys.readouterr().err == ""  # stderr is not a terminal under pytest
+    DatasetWriter(
+        tmp_path / "b.beton", {"x": IntField()}, num_workers=1, progress=True
+    ).from_indexed_dataset([(1,)] * 10)
+    assert "10/10" in capsys.readouterr().err
+
+
+def test_num_workers_default_uses_cpus(tmp_path: Path) -> None:
+    w = DatasetWriter(tmp_path / "a.beton", {"x": IntField()})
+    assert w.num_workers == len(os.sched_getaffinity(0))
