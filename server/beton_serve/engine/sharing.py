@@ -236,8 +236,8 @@ class Consumer(Generic[S]):
         self._closed = False
         # pos -> group entry, for shared batches taken and not yet released.
         self._taken: dict[int, _Entry] = {}
-        # private batches handed out and not yet released: id(handle) -> (pos, handle)
-        self._private: dict[int, tuple[int, S]] = {}
+        # private batches handed out and not yet released: pos -> handle
+        self._private: dict[int, S] = {}
 
     # ---------------------------------------------------------------------- properties
     @property
@@ -293,7 +293,7 @@ class Consumer(Generic[S]):
         handle = self._group._produce(epoch, index)
         self._group._count_private()
         self._pos = pos + 1
-        self._private[id(handle)] = (pos, handle)
+        self._private[pos] = handle
         return SharedBatch(epoch, index, handle, False)
 
     def release(self, batch: SharedBatch[S]) -> None:
@@ -310,24 +310,21 @@ class Consumer(Generic[S]):
         if batch.shared:
             self._group._release_shared(self, pos)
             return
-        got = self._private.pop(id(batch.handle), None)
-        if got is None or got[0] != pos:
-            if got is not None:
-                self._private[id(batch.handle)] = got
+        if pos not in self._private:
             raise BetonError(
                 f"batch (epoch {batch.epoch}, index {batch.index}) is not held by this consumer"
             )
-        self._group._free(batch.handle)
+        self._group._free(self._private.pop(pos))
 
     def close(self) -> None:
         """Detach from the group and release every batch still held. Idempotent."""
         if self._closed:
             return
         self._group._close_consumer(self)
-        private = list(self._private.values())
+        private = [self._private[k] for k in sorted(self._private)]
         self._private.clear()
         self._closed = True
-        for _, handle in sorted(private, key=lambda x: x[0]):
+        for handle in private:
             self._group._free(handle)
 
     def __enter__(self) -> Consumer[S]:
@@ -496,7 +493,8 @@ class SharedProducer(Generic[S]):
                 entry.handle, entry.state = handle, _READY
                 self._produced += 1
                 if not entry.holders:  # everyone left while we produced
-                    self._entries.pop(pos, None)
+                    if self._entries.get(pos) is entry:
+                        del self._entries[pos]
                     self._freed += 1
                     free_now = True
                 self._cond.notify_all()
@@ -514,8 +512,7 @@ class SharedProducer(Generic[S]):
         if state == _READY:
             return SharedBatch(epoch, index, handle, True)
         self._undo_take(c, entry)
-        if state == _FAILED:
-            assert error is not None
+        if error is not None:
             raise error
         raise BatchTimeoutError(
             f"waited {timeout} s for batch (epoch {epoch}, index {index}) being produced by "
@@ -524,20 +521,23 @@ class SharedProducer(Generic[S]):
 
     def _undo_take(self, c: Consumer[S], entry: _Entry) -> None:
         """Give back a batch ``c`` took but could not use; its position goes back to it."""
+        free = False
         with self._cond:
             c._taken.pop(entry.pos, None)
             if c._pos == entry.pos + 1:
                 c._pos = entry.pos
             entry.holders.discard(c)
-            if not entry.holders and entry.state != _READY:
-                if self._entries.get(entry.pos) is entry:
-                    del self._entries[entry.pos]
-            # A READY entry that lost its last holder here is freed below. Only the timeout
-            # path leaves a READY entry (it became ready just after the deadline).
-            free = entry.state == _READY and not entry.holders and entry.pos in self._entries
-            if free:
+            # A PENDING entry without holders is left to the thread producing it, which frees
+            # it when produce returns.
+            if (
+                not entry.holders
+                and entry.state != _PENDING
+                and self._entries.get(entry.pos) is entry
+            ):
                 del self._entries[entry.pos]
-                self._freed += 1
+                if entry.state == _READY:  # it became ready just after a timeout
+                    self._freed += 1
+                    free = True
         if free:
             self._free(entry.handle)
 
