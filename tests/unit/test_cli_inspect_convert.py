@@ -1,0 +1,144 @@
+"""``beton-serve inspect`` and ``beton-serve convert imagefolder`` against real files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from beton_serve.cli import SUBCOMMANDS, main
+from beton_serve.format import BetonReader
+
+
+def test_registry_lists_inspect_and_convert() -> None:
+    assert "beton_serve.cli._inspect" in SUBCOMMANDS
+    assert "beton_serve.cli._convert" in SUBCOMMANDS
+
+
+def test_help_and_no_command(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--help"]) == 0
+    assert "inspect" in capsys.readouterr().out
+    assert main([]) == 2
+
+
+def test_inspect_text(fixtures_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", str(fixtures_dir / "images_smart.beton")]) == 0
+    out = capsys.readouterr().out
+    assert "version 2, page size 2097152 B, 64 samples, 2 fields" in out
+    assert "image: RGBImageField (type 2)" in out
+    assert "images: 57 jpg, 7 raw; width 1..256, height 1..256" in out
+    assert "label: IntField (type 1)" in out
+    assert "validation: OK" in out
+
+
+def test_inspect_json(fixtures_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", "--json", str(fixtures_dir / "mixed_fields.beton")]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["valid"] and d["version"] == 2 and d["num_samples"] == 50
+    by_name = {f["name"]: f for f in d["fields"]}
+    assert by_name["array"]["arguments"] == {"dtype": "<f4", "shape": [3, 4]}
+    assert by_name["blob"]["bytes"]["max_size"] == 513
+    assert by_name["meta"]["type"] == "JSONField"
+    assert d["num_allocations"] == 150 and d["num_pages"] == 1
+    with BetonReader(fixtures_dir / "mixed_fields.beton") as r:
+        assert d["data_bytes"] == int(r.allocations[2].sum())
+        assert d["schema_key"] == r.schema_key()
+
+
+def test_inspect_invalid_file(tmp_path: Path, fixtures_dir: Path, capsys) -> None:
+    bad = tmp_path / "bad.beton"
+    data = bytearray((fixtures_dir / "images_raw.beton").read_bytes())
+    data[16:24] = bytes(8)  # alloc_table_ptr = 0, what a crashed writer leaves
+    bad.write_bytes(bytes(data))
+    assert main(["inspect", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "validation: FAILED" in out and "alloc_table_ptr" in out
+    assert main(["inspect", "--json", str(bad)]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["valid"] is False and d["offset"] == 16
+
+
+def _imagefolder(root: Path) -> list[tuple[np.ndarray, int]]:
+    import cv2
+
+    rng = np.random.default_rng(0)
+    expected = []
+    for label, cls in enumerate(["cat", "dog"]):
+        (root / cls).mkdir(parents=True)
+        for k in range(3):
+            img = rng.integers(0, 255, (10 + k, 12 + 2 * k, 3), dtype=np.uint8)
+            cv2.imwrite(str(root / cls / f"{k}.png"), img[..., ::-1])  # PNG is lossless
+            expected.append((img, label))
+    gray = rng.integers(0, 255, (9, 7), dtype=np.uint8)
+    cv2.imwrite(str(root / "dog" / "z_gray.png"), gray)
+    expected.append((np.repeat(gray[..., None], 3, axis=2), 1))
+    (root / "dog" / "notes.txt").write_text("ignored: not an image")
+    return expected
+
+
+def test_convert_imagefolder_raw(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    expected = _imagefolder(tmp_path / "data")
+    out = tmp_path / "out.beton"
+    rc = main(
+        [
+            "convert",
+            "imagefolder",
+            str(tmp_path / "data"),
+            str(out),
+            "--write-mode",
+            "raw",
+            "--workers",
+            "2",
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    assert "wrote 7 images in 2 classes" in capsys.readouterr().err
+    with BetonReader(out) as r:
+        assert r.num_samples == 7
+        assert r.field_metadata("label").tolist() == [lab for _, lab in expected]
+        for k, (img, _) in enumerate(expected):
+            assert np.array_equal(r.sample_bytes(k, "image").reshape(img.shape), img)
+    assert main(["inspect", str(out)]) == 0
+    assert "images: 0 jpg, 7 raw" in capsys.readouterr().out
+
+
+def test_convert_jpg_with_max_resolution(tmp_path: Path, capsys) -> None:
+    _imagefolder(tmp_path / "data")
+    out = tmp_path / "out.beton"
+    rc = main(
+        [
+            "convert",
+            "imagefolder",
+            str(tmp_path / "data"),
+            str(out),
+            "--max-resolution",
+            "8",
+            "--jpeg-quality",
+            "80",
+        ]
+    )
+    assert rc == 0
+    with BetonReader(out) as r:
+        meta = r.field_metadata("image")
+        assert set(meta["mode"].tolist()) == {0}
+        assert max(meta["width"].max(), meta["height"].max()) == 8
+
+
+def test_convert_unreadable_image_reports_path(tmp_path: Path, capsys) -> None:
+    _imagefolder(tmp_path / "data")
+    broken = tmp_path / "data" / "cat" / "1_broken.jpg"
+    broken.write_bytes(b"\xff\xd8 this is not a jpeg")
+    out = tmp_path / "out.beton"
+    assert main(["convert", "imagefolder", str(tmp_path / "data"), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert str(broken) in err and "cannot decode image" in err
+    assert not out.exists()
+
+
+def test_convert_empty_or_missing_dir(tmp_path: Path, capsys) -> None:
+    assert main(["convert", "imagefolder", str(tmp_path / "nope"), str(tmp_path / "o")]) == 1
+    assert "not a directory" in capsys.readouterr().err
+    (tmp_path / "empty" / "cls").mkdir(parents=True)
+    assert main(["convert", "imagefolder", str(tmp_path / "empty"), str(tmp_path / "o")]) == 1
+    assert "no images" in capsys.readouterr().err
