@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import argparse
 import configparser
 import json
 import re
@@ -93,10 +94,8 @@ def test_k8s_headless_service_matches_statefulset() -> None:
     container = sts["spec"]["template"]["spec"]["containers"][0]
     port_names = {p["name"] for p in container["ports"]}
     assert svc["spec"]["ports"][0]["targetPort"] in port_names
-    # Off loopback the daemon needs TLS, a token or --insecure: the pool uses a token.
-    args = container["args"]
-    assert "--listen" in args and "--insecure" not in args
-    assert "--token-file" in args
+    args = _parse_serve(_image_entrypoint() + container["args"])
+    assert args.listen == ["0.0.0.0:7700"]
 
 
 def test_k8s_daemon_and_job_share_socket_and_shm() -> None:
@@ -135,6 +134,55 @@ def test_k8s_probes_use_the_health_subcommand() -> None:
         container = spec["containers"][0]
         for probe in ("readinessProbe", "livenessProbe"):
             assert container[probe]["exec"]["command"][:2] == ["beton-serve", "health"], name
+
+
+def _image_entrypoint() -> list[str]:
+    text = (DEPLOY / "Dockerfile").read_text()
+    m = re.search(r"^ENTRYPOINT (\[.*\])$", text, flags=re.M)
+    assert m is not None
+    return json.loads(m.group(1))
+
+
+def _parse_serve(argv: list[str]) -> argparse.Namespace:
+    """Parse a daemon command line with the real CLI parser (fails on an unknown flag)."""
+    from beton_serve.cli import build_parser
+
+    assert argv[0] == "beton-serve" or argv[0].endswith("/beton-serve"), argv
+    try:
+        args = build_parser().parse_args(argv[1:])
+    except SystemExit as exc:  # argparse exits on an unknown flag
+        raise AssertionError(f"the CLI rejects {argv}") from exc
+    assert args.command == "serve", argv
+    return args
+
+
+def test_every_daemon_command_line_parses() -> None:
+    """The Dockerfile, compose, k8s and systemd command lines use flags the daemon has."""
+    entry = _image_entrypoint()
+    args = _parse_serve(entry)
+    assert args.socket == SOCKET.removeprefix("unix://")
+    assert args.config == "/etc/beton-serve/beton-serve.toml"
+    text = (DEPLOY / "Dockerfile").read_text()
+    cmd = re.search(r"^CMD (\[.*\])$", text, flags=re.M)
+    assert cmd is not None
+    assert _parse_serve(entry + json.loads(cmd.group(1))).files == ["/data/dataset.beton"]
+
+    daemon = _compose()["services"]["beton-serve"]
+    assert "entrypoint" not in daemon
+    files = _parse_serve(entry + daemon["command"]).files
+    assert files == ["/data/${BETON_DATASET_FILE:-dataset.beton}"]
+
+    for name, spec in _pod_specs().items():
+        container = spec["containers"][0]
+        if container["image"].startswith("beton-serve:"):
+            assert "command" not in container, name
+            assert _parse_serve(entry + container["args"]).files, name
+
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.read_string((DEPLOY / "beton-serve.service").read_text())
+    exec_start = parser["Service"]["ExecStart"].replace("$BETON_DATASETS", "/d/a.beton").split()
+    args = _parse_serve(exec_start)
+    assert args.files == ["/d/a.beton"]
 
 
 def _compose() -> dict:
@@ -219,3 +267,21 @@ def test_systemd_unit_has_the_required_keys() -> None:
     assert service["KillSignal"] == "SIGTERM"
     assert service["UMask"] == "0077"
     assert parser["Install"]["WantedBy"]
+
+
+def test_example_config_lists_every_key_with_its_default() -> None:
+    """deploy/beton-serve.toml loads through the daemon's own loader and equals the defaults."""
+    import tomllib
+    from beton_serve.cli.config import KEYS, ServeConfig, load_config
+
+    path = DEPLOY / "beton-serve.toml"
+    with path.open("rb") as f:
+        raw = tomllib.load(f)
+    assert set(raw) == set(KEYS), f"missing: {set(KEYS) - set(raw)}; extra: {set(raw) - set(KEYS)}"
+    config = load_config(path)
+    assert config == ServeConfig()
+    for key, default in KEYS.items():
+        value = getattr(config, key)
+        assert (tuple(value) if isinstance(default, list) else value) == (
+            tuple(default) if isinstance(default, list) else default
+        ), key

@@ -71,9 +71,20 @@ def test_nothing_listening_exits_two() -> None:
     assert _health.run(_args(f"127.0.0.1:{port}", timeout=0.5), environ={}) == 2
 
 
-def test_no_address_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="BETON_SERVE_ADDRESS"):
-        _health.run(_args(None), environ={})
+def test_default_address_is_the_per_user_socket(tmp_path) -> None:
+    from beton_wire.address import default_socket_path, unix_target
+
+    environ = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    expected = unix_target(default_socket_path(environ))
+    assert _health.resolve_target(None, environ) == expected
+    assert expected.startswith(f"unix://{tmp_path}/")
+    # Nothing listens there: unreachable, exit 2.
+    assert _health.run(_args(None, timeout=0.5), environ=environ) == _health.EXIT_UNREACHABLE
+
+
+def test_empty_server_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--server"):
+        _health.resolve_target("  ", {})
 
 
 def test_registered_in_the_cli(health_server) -> None:

@@ -13,8 +13,8 @@ exit   meaning
 =====  ======================================================================
 
 The address uses gRPC target syntax (``unix:///path/to.sock`` or ``host:port``). Without
-``--server`` it comes from ``BETON_SERVE_ADDRESS``; the caller passes the environment in, so this
-module reads no environment variable itself.
+``--server`` it comes from ``BETON_SERVE_ADDRESS``, then the per-user default socket
+(:mod:`beton_wire.address`), the same order the client uses.
 """
 
 from __future__ import annotations
@@ -101,20 +101,21 @@ def check(target: str, *, service: str = "", timeout: float = 3.0) -> str:
 
 
 def resolve_target(explicit: str | None, environ: Mapping[str, str]) -> str:
-    """Pick the address: ``--server``, else ``BETON_SERVE_ADDRESS``.
+    """Pick the address: ``--server``, else ``BETON_SERVE_ADDRESS``, else the per-user default.
 
     Raises:
-        ConfigError: when neither is set.
+        ConfigError: ``--server`` was given but is empty.
     """
-    if explicit:
+    from beton_wire.address import ENV_ADDRESS, default_socket_path, unix_target
+
+    if explicit is not None:
+        if not explicit.strip():
+            raise ConfigError("--server is empty: pass unix:///path/to.sock or host:port")
         return explicit
-    env = environ.get("BETON_SERVE_ADDRESS", "")
+    env = environ.get(ENV_ADDRESS, "")
     if env:
         return env
-    raise ConfigError(
-        "no daemon address: pass --server unix:///path/to.sock (or host:port), "
-        "or set BETON_SERVE_ADDRESS"
-    )
+    return unix_target(default_socket_path(environ))
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
