@@ -19,8 +19,10 @@ from beton_serve.transport.base import SlotTransport
 from beton_serve.transport.cuda_ipc import (
     EVENT_DISABLE_TIMING,
     EVENT_INTERPROCESS,
+    CachedProbe,
     CudaIpcFactory,
     CudaIpcRing,
+    cuda_facts,
     probe_cuda_ipc,
 )
 from beton_wire.slots import slot_layout
@@ -290,3 +292,15 @@ def test_receiver_without_cupy_is_transport_unavailable():
     with pytest.raises(TransportUnavailable) as info:
         CudaIpcReceiver(extra, slot_bytes=64, device=0)
     assert info.value.code == "client_no_cupy"
+
+
+def test_cuda_facts_and_cached_probe(daemon_rt, driver):
+    has_cupy, devices = cuda_facts(daemon_rt)
+    assert has_cupy and [(d.index, d.uuid) for d in devices] == [
+        (i, u.hex()) for i, u in enumerate(driver.uuids)
+    ]
+    assert cuda_facts() == (False, ())  # no CuPy here
+    calls = []
+    probe = CachedProbe(lambda i: calls.append(i) or (i == 0, "" if i == 0 else "refused"))
+    assert [probe(0), probe(1), probe(0), probe(1)] == [(True, ""), (False, "refused")] * 2
+    assert calls == [0, 1]

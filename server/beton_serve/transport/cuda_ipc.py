@@ -65,8 +65,9 @@ from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import TransportError
 from beton_serve.transport.base import Published, TransportSetup
+from beton_serve.transport.negotiate import CudaDevice
 
-__all__ = ["CudaIpcFactory", "CudaIpcRing", "probe_cuda_ipc"]
+__all__ = ["CachedProbe", "CudaIpcFactory", "CudaIpcRing", "cuda_facts", "probe_cuda_ipc"]
 
 log = logging.getLogger("beton_serve.transport.cuda_ipc")
 
@@ -524,3 +525,46 @@ def probe_cuda_ipc(
                 rt.eventDestroy(event)
             if ptr:
                 rt.free(ptr)
+
+
+def cuda_facts(runtime: Any = None) -> tuple[bool, tuple[CudaDevice, ...]]:
+    """``(has_cupy, visible GPUs)`` for ``DaemonFacts``; never raises.
+
+    Without CuPy, or when the driver fails, the daemon reports no GPUs and negotiation says so.
+    """
+    try:
+        rt = _cupy_runtime() if runtime is None else runtime
+    except TransportError:
+        return False, ()
+    try:
+        devices = []
+        for i in range(rt.getDeviceCount()):
+            uuid = _device_uuid(rt, i)
+            if uuid:
+                devices.append(CudaDevice(index=i, uuid=uuid))
+        return True, tuple(devices)
+    except Exception as exc:
+        log.warning("cuda_ipc: cannot list CUDA devices: %s", exc)
+        return True, ()
+
+
+class CachedProbe:
+    """An ``ipc_probe`` for ``DaemonFacts`` that runs :func:`probe_cuda_ipc` once per device.
+
+    The first negotiation that reaches the probe pays for it (a few seconds with the
+    cross-process check); the answer is logged once and reused.
+    """
+
+    def __init__(self, probe: Any = None) -> None:
+        self._probe = probe_cuda_ipc if probe is None else probe
+        self._results: dict[int, tuple[bool, str]] = {}
+
+    def __call__(self, device_index: int) -> tuple[bool, str]:
+        if device_index not in self._results:
+            ok, why = self._probe(device_index)
+            if ok:
+                log.info("CUDA IPC works on device %d", device_index)
+            else:
+                log.warning("CUDA IPC refused on device %d: %s", device_index, why)
+            self._results[device_index] = (ok, why)
+        return self._results[device_index]
