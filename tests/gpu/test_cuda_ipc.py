@@ -175,55 +175,6 @@ def test_event_sync_under_load_reads_k_while_producer_writes_k_plus_1(ipc, torch
         _finish(conn, rx)
 
 
-def test_imagenet_recipe_fp16_channels_last_from_one_ipc_slab(ipc, torch):
-    """ToDevice -> ToTorchImage(channels_last) -> NormalizeImage(mean*255, std*255, float16)."""
-    mean = np.array([0.485, 0.456, 0.406]) * 255
-    std = np.array([0.229, 0.224, 0.225]) * 255
-    with producer(SMALL, n_batches=1, slots=1, pattern="random") as (conn, extra, slot_bytes):
-        rx = _receiver(extra, slot_bytes)
-        _, _, slot, _ = _recv(conn)
-        (t,) = rx.tensors(slot, _views(SMALL))
-        ptr = t.data_ptr()
-        img = _to_torch_image(t)
-        assert img.data_ptr() == ptr  # the layout change is a view of the slab: no copy
-        out = _normalize(torch, img, mean, std)
-        assert out.dtype == torch.float16 and out.device.type == "cuda"
-        assert tuple(out.shape) == (SMALL[0], 3, SMALL[1], SMALL[2])
-        assert out.is_contiguous(memory_format=torch.channels_last)
-        host = np.random.default_rng(0).integers(0, 256, int(np.prod(SMALL)), dtype=np.uint8)
-        ref = ((host.reshape(SMALL).astype(np.float32) - mean) / std).astype(np.float16)
-        np.testing.assert_allclose(
-            out.permute(0, 2, 3, 1).cpu().numpy().astype(np.float32),
-            ref.astype(np.float32),
-            rtol=0,
-            atol=2e-3,
-        )
-        del t, img, out
-        rx.release(slot)
-        conn.send(("release", slot))
-        assert _recv(conn)[0] == "done"
-        _finish(conn, rx)
-
-
-def _to_torch_image(t):
-    """ToTorchImage(channels_last=True): the client's op if it exists, else its definition."""
-    try:
-        from beton_client._ops import ToTorchImage  # the client engineer's torch ops
-    except ImportError:
-        return t.permute(0, 3, 1, 2)
-    return ToTorchImage(channels_last=True)(t)
-
-
-def _normalize(torch, img, mean, std):
-    try:
-        from beton_client._ops import NormalizeImage
-    except ImportError:
-        m = torch.tensor(mean, dtype=torch.float32, device=img.device).view(1, 3, 1, 1)
-        s = torch.tensor(std, dtype=torch.float32, device=img.device).view(1, 3, 1, 1)
-        return ((img.float() - m) / s).half()
-    return NormalizeImage(mean, std, np.float16)(img)
-
-
 def test_negotiation_with_real_facts(cupy, torch, probe):
     """The stream falls back to shm with the probe's reason when IPC is refused, and picks
     cuda_ipc when it works; a GPU the daemon cannot see and a missing CuPy fall back too."""
@@ -311,3 +262,63 @@ def test_throughput_and_handoff_latency(ipc, torch):
     _figure("cuda_ipc_receive_cpu_p99", sorted(receive_us)[int(0.99 * len(receive_us))], "us")
     _figure("cuda_ipc_publish_to_gpu_median", statistics.median(ready_us), "us")
     assert statistics.median(receive_us) < 1000  # generous bound; the figure is the target
+
+
+def test_imagenet_recipe_fp16_channels_last_from_one_ipc_slab(ipc, torch):
+    """ToDevice -> ToTorchImage(channels_last) -> NormalizeImage(mean*255, std*255, float16)."""
+    mean = np.array([0.485, 0.456, 0.406]) * 255
+    std = np.array([0.229, 0.224, 0.225]) * 255
+    with producer(SMALL, n_batches=1, slots=1, pattern="random") as (conn, extra, slot_bytes):
+        rx = _receiver(extra, slot_bytes)
+        _, _, slot, _ = _recv(conn)
+        (t,) = rx.tensors(slot, _views(SMALL))
+        ptr = t.data_ptr()
+        img = _to_torch_image(t)
+        assert img.data_ptr() == ptr  # the layout change is a view of the slab: no copy
+        out = _normalize(torch, img, mean, std)
+        assert out.dtype == torch.float16 and out.device.type == "cuda"
+        assert tuple(out.shape) == (SMALL[0], 3, SMALL[1], SMALL[2])
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        host = np.random.default_rng(0).integers(0, 256, int(np.prod(SMALL)), dtype=np.uint8)
+        ref = ((host.reshape(SMALL).astype(np.float32) - mean) / std).astype(np.float16)
+        np.testing.assert_allclose(
+            out.permute(0, 2, 3, 1).cpu().numpy().astype(np.float32),
+            ref.astype(np.float32),
+            rtol=0,
+            atol=2e-3,
+        )
+        del t, img, out
+        rx.release(slot)
+        conn.send(("release", slot))
+        assert _recv(conn)[0] == "done"
+        _finish(conn, rx)
+
+
+def _client_op(name: str, *args: Any, **kwargs: Any) -> Any:
+    """The client's torch implementation of an FFCV op (``beton_client._ops``), if it exists."""
+    try:
+        from beton_client import _ops  # the client engineer's torch ops
+    except ImportError:
+        return None
+    cls = getattr(_ops, name, None)
+    return None if cls is None else cls(*args, **kwargs)
+
+
+def _to_torch_image(t):
+    """ToTorchImage(channels_last=True): the client's op if it exists, else its definition."""
+    op = _client_op("ToTorchImage", channels_last=True)
+    if op is None:
+        print("beton_client._ops.ToTorchImage not found: using its definition")
+        return t.permute(0, 3, 1, 2)
+    return op(t)
+
+
+def _normalize(torch, img, mean, std):
+    """NormalizeImage(mean, std, float16) on the GPU: the client's op if it exists."""
+    op = _client_op("NormalizeImage", mean, std, np.float16)
+    if op is None:
+        print("beton_client._ops.NormalizeImage not found: using its definition")
+        m = torch.tensor(mean, dtype=torch.float32, device=img.device).view(1, 3, 1, 1)
+        s = torch.tensor(std, dtype=torch.float32, device=img.device).view(1, 3, 1, 1)
+        return ((img.float() - m) / s).half()
+    return op(img)

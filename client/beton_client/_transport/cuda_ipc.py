@@ -139,7 +139,11 @@ def _dlpack_wrap(mapping: _Mapping, view: TensorView, device: int, stream: int) 
     )
     # Make CuPy's current stream the consumer's stream, so the DLPack exchange inserts no
     # extra synchronisation (the stream already waited on the slot's ready event).
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream, device):
+    try:
+        ext = cupy.cuda.ExternalStream(stream, device)
+    except TypeError:  # CuPy releases whose ExternalStream takes no device_id
+        ext = cupy.cuda.ExternalStream(stream)
+    with cupy.cuda.Device(device), ext:
         return torch.from_dlpack(arr)
 
 
