@@ -291,8 +291,13 @@ class BetonReader:
             order = None  # already sorted (what one writer worker produces)
             sp, ss, sids = ptr, sz, sid
         else:
-            order = np.lexsort((~sz, ptr))  # ptr ascending, larger size first on ties
-            sp, ss, sids = ptr[order], sz[order], sid[order]
+            order = np.argsort(ptr)
+            sp = ptr[order]
+            if k > 1 and bool(np.any(sp[1:] == sp[:-1])):
+                # Duplicate pointers (zero-size allocations): larger size first on ties.
+                order = np.lexsort((~sz, ptr))
+                sp = ptr[order]
+            ss, sids = sz[order], sid[order]
         nz = ss > 0
         p_nz, s_nz = sp[nz], ss[nz]
         over = np.flatnonzero(p_nz[:-1] + s_nz[:-1] > p_nz[1:])
