@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from concurrent import futures
 
 import grpc
@@ -164,9 +169,8 @@ class _StatsOnly(pb_grpc.BetonServeServicer):
 
 
 def test_fetch_over_real_grpc_and_unreachable(tmp_path) -> None:
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="beton-test-grpc")
-    )
+    pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="beton-test-grpc")
+    server = grpc.server(pool)
     pb_grpc.add_BetonServeServicer_to_server(_StatsOnly(), server)
     sock = tmp_path / "s.sock"
     server.add_insecure_port(f"unix://{sock}")
@@ -177,9 +181,62 @@ def test_fetch_over_real_grpc_and_unreachable(tmp_path) -> None:
         assert json.loads(out.getvalue())["workers"] == 4
     finally:
         server.stop(None).wait(5)
+        pool.shutdown(wait=True)
     with pytest.raises(TransportError, match="no beton-serve daemon answered"):
         run(
             args_for("--json", "--server", f"unix://{tmp_path}/none.sock", "--timeout", "0.3"),
             {},
             out=io.StringIO(),
         )
+
+
+@pytest.mark.slow
+def test_stats_against_a_real_daemon(tmp_path, fixtures_dir, capsys) -> None:
+    """Start ``beton-serve serve`` on a Unix socket and read its stats with the CLI."""
+    from beton_serve.cli import main
+
+    sock = tmp_path / "d.sock"
+    log = (tmp_path / "daemon.log").open("w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from beton_serve.cli import main; sys.exit(main())",
+            "serve",
+            str(fixtures_dir / "images_raw.beton"),
+            "--socket",
+            str(sock),
+            "--workers",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "BETON_SERVE_ADDRESS": ""},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("daemon did not start: " + (tmp_path / "daemon.log").read_text())
+            time.sleep(0.1)
+        capsys.readouterr()
+        assert main(["stats", "--json", "--server", f"unix://{sock}", "--timeout", "30"]) == 0
+        snap = json.loads(capsys.readouterr().out)
+        assert snap["pid"] == proc.pid
+        assert snap["workers"] == 1
+        assert snap["streams"] == []
+        assert [(d["name"], d["samples_decoded"]) for d in snap["datasets"]] == [("images_raw", 0)]
+        assert (
+            main(["stats", "--server", f"unix://{sock}", "--count", "2", "--interval", "0.2"]) == 0
+        )
+        live = capsys.readouterr().out
+        assert "images_raw" in live and str(proc.pid) in live
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+    assert proc.returncode == 0

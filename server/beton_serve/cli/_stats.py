@@ -43,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "stats",
         help="show a running daemon's streams, rates, data stall and decode counters",
-        description=__doc__.split("\n\n", 1)[0] if __doc__ else None,
+        description="Show a running daemon's stats (Stats RPC): live as a table, or one "
+        "snapshot with --json.",
     )
     p.add_argument(
         "--server",
@@ -247,7 +248,7 @@ def render(snap: Mapping[str, Any], *, target: str = "") -> Any:
             str(s.get("batches_sent", 0)),
         )
     if not rows:
-        streams.add_row("(no open streams)", *[""] * 8)
+        streams.caption = "(no open streams)"
     datasets = Table(title="datasets", title_justify="left", expand=False)
     for col, just in (
         ("dataset", "left"),
