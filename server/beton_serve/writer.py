@@ -233,6 +233,8 @@ class DatasetWriter:
         nf = len(self.fields)
         fields = list(self.fields.items())
         for dest, src in zip(dests.tolist(), srcs.tolist(), strict=True):
+            where = "loading it"
+            prepared: list[Any] = []
             try:
                 sample = dataset[src]
                 if not isinstance(sample, (tuple, list)):
@@ -247,8 +249,8 @@ class DatasetWriter:
                         f"({', '.join(self.fields)})",
                         dest,
                     )
-                prepared = []
-                for fi, (_name, field) in enumerate(fields):
+                for fi, (name, field) in enumerate(fields):
+                    where = f"field {name!r}"
                     rng = (
                         np.random.default_rng([self.seed, dest, fi])
                         if self.seed is not None
@@ -260,8 +262,7 @@ class DatasetWriter:
                 raise
             except Exception as exc:
                 raise WriterError(
-                    f"(dataset index {src}, field {fields[min(len(prepared), nf - 1)][0]!r}) "
-                    f"{type(exc).__name__}: {exc}",
+                    f"(dataset index {src}, {where}) {type(exc).__name__}: {exc}",
                     dest,
                 ) from exc
             out.append((dest, prepared))

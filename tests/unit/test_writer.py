@@ -256,16 +256,18 @@ class Failing:
         return (i,)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_failing_sample_names_its_index_and_cleans_up(tmp_path: Path, workers: int) -> None:
+@pytest.mark.parametrize(("workers", "bad"), [(1, 37), (2, 37), (2, 36), (1, 0)])
+def test_failing_sample_names_its_index_and_cleans_up(
+    tmp_path: Path, workers: int, bad: int
+) -> None:
     out = tmp_path / "f.beton"
     out.write_bytes(b"previous")
     with pytest.raises(WriterError, match="boom") as info:
         DatasetWriter(out, {"x": IntField()}, num_workers=workers).from_indexed_dataset(
-            Failing(37), chunksize=4
+            Failing(bad), chunksize=4
         )
-    assert info.value.index == 37
-    assert "dataset index 37" in str(info.value)
+    assert info.value.index == bad
+    assert f"dataset index {bad}, loading it" in str(info.value)
     assert out.read_bytes() == b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.beton"]
 
