@@ -288,9 +288,11 @@ class CudaIpcRing:
         """Take a FREE slot (FILLING), once the previous copy out of its staging buffer is done.
 
         Blocks (GIL released by CuPy) only while that copy runs, which the client's release
-        normally already outlasted. ``None`` when every slot is FILLING or LEASED.
+        normally already outlasted. ``None`` when every slot is FILLING or LEASED, or the ring
+        is closed.
         """
-        self._check_open()
+        if self._setup is None:
+            return None
         for slot, st in enumerate(self._state):
             if st == _FREE:
                 with _on_device(self._rt, self.device_index):
