@@ -21,6 +21,9 @@ def fake_image(sample_id: int, hw: tuple[int, int] = (4, 5)) -> np.ndarray:
 
 
 class FakeLabelDecoder(Operation):
+    def spec_params(self):
+        return {}
+
     def declare_state_and_memory(self, previous_state):
         return State(True, "cpu", (1,), np.dtype(np.int64)), AllocationQuery((1,), np.int64)
 
@@ -134,6 +137,9 @@ class AddIndex(Operation):
 
         add.with_indices = True
         return add
+
+    def spec_params(self):
+        return {}
 
 
 class NumpyToTorch(Operation):

@@ -1,0 +1,352 @@
+"""The in-process ``Loader``: FFCV's signature and semantics on the shared engine.
+
+Per epoch, an :class:`EpochIterator` submits up to ``batches_ahead`` batches of a
+:class:`~beton_serve.engine.BatchSource` to the worker pool, each into one of
+``batches_ahead + 2`` preallocated slots, and runs the client tail (``ToTensor`` onwards) in the
+consumer's thread when a batch is taken.
+
+**Lifetime of outputs.** A yielded batch is made of views into a reused slot and into the
+client tail's reused buffers: it is valid until the next batch is requested (as in FFCV). Clone
+what you keep.
+
+**Threads.** The worker threads (``beton-worker-N``) live as long as an epoch iterator does,
+unless an ``engine`` is passed (then they are the caller's). An iterator that is exhausted,
+closed, replaced by a new ``iter(loader)``, or garbage-collected mid-epoch cancels its queued
+batches, waits for running ones and stops its workers: nothing leaks (FFCV #345, #393).
+
+**Resumption.** ``state_dict()`` is ``{"epoch", "batch", ...}``: the epoch being iterated and
+the number of batches already yielded from it. ``load_state_dict`` makes the next ``iter``
+continue there, exactly, because orders and augmentations are pure functions of
+(seed, epoch, sample id, op position).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import numpy as np
+
+from beton_serve.engine import (
+    BatchSource,
+    Engine,
+    OrderOption,
+    TraversalOrder,
+    distributed_rank_world,
+)
+from beton_serve.errors import SpecError
+from beton_serve.pipeline import PlanCache, compile_pipelines
+from beton_serve.pipeline.pipeline_spec import PipelineSpec
+
+__all__ = ["EpochIterator", "Loader"]
+
+_log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+def _default_workers() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+class Loader:
+    """FFCV's ``Loader`` (``ffcv.loader.Loader``), running in this process.
+
+    Args:
+        fname: path of the ``.beton`` file (or an open reader, which the Loader does not close).
+        batch_size: samples per batch.
+        num_workers: worker threads; ``< 1`` means the CPUs this process may use.
+        os_cache: accepted for FFCV compatibility. The file is always memory-mapped and the OS
+            page cache is used (FFCV's ``os_cache=True``); ``False`` changes nothing.
+        order: ``OrderOption`` or a ``TraversalOrder`` subclass (constructed as
+            ``cls(loader, **order_kwargs)``) or instance.
+        distributed: emulate ``DistributedSampler``; rank and world size come from
+            ``torch.distributed`` if initialised, else ``RANK``/``WORLD_SIZE`` (read here).
+        seed: order and augmentation seed. ``None``: 0 when ``distributed`` and RANDOM, else
+            drawn from numpy's global RNG (FFCV's rule).
+        indices: sample ids to visit (duplicates allowed); ``None`` means all.
+        pipelines, custom_fields: FFCV's (see ``compile_pipelines``).
+        drop_last: drop the final partial batch.
+        batches_ahead: batches decoded ahead of the consumer.
+        recompile: regenerate and recompile every op's code at each epoch.
+        order_kwargs: extra arguments of a custom order class.
+        engine: a shared :class:`Engine` to run on instead of private workers.
+        plan_cache: share compiled pipelines with other Loaders.
+        bad_sample_budget: failing samples that may be skipped (see ``BatchSource``).
+        slices: units of work per batch (default: ``num_workers`` when the plan allows it).
+
+    Raises:
+        SpecError: invalid arguments or pipelines (the message says what to change).
+        FormatError: the file is invalid.
+    """
+
+    def __init__(
+        self,
+        fname: str | os.PathLike[str] | Any,
+        batch_size: int,
+        num_workers: int = -1,
+        os_cache: bool = True,
+        order: OrderOption | type[TraversalOrder] | TraversalOrder = OrderOption.SEQUENTIAL,
+        distributed: bool = False,
+        seed: int | None = None,
+        indices: Sequence[int] | np.ndarray | None = None,
+        pipelines: Mapping[str, Sequence[Any] | PipelineSpec | None] | None = None,
+        custom_fields: Mapping[str, type] | None = None,
+        drop_last: bool = True,
+        batches_ahead: int = 3,
+        recompile: bool = False,
+        *,
+        order_kwargs: Mapping[str, Any] | None = None,
+        engine: Engine | None = None,
+        plan_cache: PlanCache | None = None,
+        bad_sample_budget: int = 0,
+        slices: int | None = None,
+    ) -> None:
+        if isinstance(fname, str | os.PathLike):
+            from beton_serve.format import BetonReader
+
+            self.reader = BetonReader(fname, custom_fields=dict(custom_fields or {}) or None)
+            self._owns_reader = True
+        else:
+            self.reader = fname
+            self._owns_reader = False
+        if isinstance(order, int) and not isinstance(order, OrderOption):
+            order = OrderOption(order)
+        self.fname = getattr(self.reader, "path", None)
+        self.batch_size = int(batch_size)
+        self.num_workers = int(num_workers) if num_workers >= 1 else _default_workers()
+        self.os_cache = os_cache
+        self.distributed = bool(distributed)
+        self.drop_last = bool(drop_last)
+        self.batches_ahead = int(batches_ahead)
+        self.recompile = bool(recompile)
+        if seed is None:
+            if self.distributed and order is OrderOption.RANDOM:
+                _log.warning("distributed RANDOM order without a seed: using seed=0 on every rank")
+                seed = 0
+            else:
+                seed = int(np.random.randint(0, 2**31 - 1))
+        self.seed = int(seed)
+        self.rank, self.world_size = distributed_rank_world() if self.distributed else (0, 1)
+        n = self.reader.num_samples
+        self.indices = (
+            np.arange(n, dtype=np.uint64)
+            if indices is None
+            else np.asarray(indices).astype(np.uint64)
+        )
+        if isinstance(order, type) and issubclass(order, TraversalOrder):
+            order = order(self, **dict(order_kwargs or {}))
+        if not isinstance(order, OrderOption | TraversalOrder):
+            raise SpecError(f"order must be an OrderOption or a TraversalOrder, not {order!r}")
+        self.order = order
+        self.pipelines = dict(pipelines or {})
+        self.plan = compile_pipelines(
+            self.reader,
+            self.pipelines,
+            batch_size=self.batch_size,
+            custom_fields=custom_fields,
+            cache=plan_cache,
+        )
+        self._engine = engine
+        self._source = BatchSource(
+            engine=engine,  # type: ignore[arg-type]  # set per epoch when the Loader owns workers
+            plan=self.plan,
+            order=order,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            indices=self.indices,
+            drop_last=self.drop_last,
+            distributed=self.distributed,
+            rank=self.rank,
+            world_size=self.world_size,
+            batches_ahead=self.batches_ahead,
+            bad_sample_budget=bad_sample_budget,
+            slices=self.num_workers if slices is None else slices,
+        )
+        self.next_epoch = 0
+        self._resume_batch = 0
+        self._slots: list[list[np.ndarray]] | None = None
+        self._first_epoch_planned = False
+        self._current: weakref.ref[EpochIterator] | None = None
+
+    # -- FFCV surface --------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def sample_order(self, epoch: int) -> np.ndarray:
+        """The sample ids this rank visits in ``epoch`` (before batching)."""
+        return self._source.sample_order(epoch)
+
+    @property
+    def bad_samples(self) -> list[Any]:
+        """``(epoch, sample_id, op)`` of every sample skipped under the bad-sample budget."""
+        return list(self._source.bad_samples)
+
+    def __iter__(self) -> EpochIterator:
+        prev = self._current() if self._current is not None else None
+        if prev is not None:
+            prev.close()
+        epoch, start = self.next_epoch, self._resume_batch
+        self.next_epoch += 1
+        self._resume_batch = 0
+        changed = self.plan.refresh(epoch, recompile=self.recompile and self._first_epoch_planned)
+        self._first_epoch_planned = True
+        if changed or self._slots is None:
+            slots = self.batches_ahead + 2
+            self._slots = [
+                [np.empty((self.batch_size, *o.shape), o.dtype) for o in self.plan.outputs]
+                for _ in range(slots)
+            ]
+        it = EpochIterator(self, epoch, start)
+        self._current = weakref.ref(it)
+        return it
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands: resume with :meth:`load_state_dict` on an equal Loader."""
+        it = self._current() if self._current is not None else None
+        if it is not None and not it.finished and it.batch < len(self):
+            epoch, batch = it.epoch, it.batch
+        else:
+            epoch, batch = self.next_epoch, self._resume_batch
+        return {
+            "version": _STATE_VERSION,
+            "epoch": epoch,
+            "batch": batch,
+            "seed": self.seed,
+            "len": len(self),
+            "num_indices": len(self.indices),
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` at the next ``iter(loader)``.
+
+        Raises:
+            SpecError: the state comes from a Loader with another seed, length or rank.
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise SpecError(f"unknown Loader state version {state.get('version')!r}")
+        for key, mine in (
+            ("seed", self.seed),
+            ("len", len(self)),
+            ("num_indices", len(self.indices)),
+            ("rank", self.rank),
+            ("world_size", self.world_size),
+        ):
+            if state[key] != mine:
+                raise SpecError(
+                    f"Loader state has {key}={state[key]!r} but this Loader has {mine!r}; "
+                    "build the Loader with the same arguments"
+                )
+        batch = int(state["batch"])
+        if not 0 <= batch <= len(self):
+            raise SpecError(f"Loader state batch {batch} is outside the epoch (0..{len(self)})")
+        self.next_epoch, self._resume_batch = int(state["epoch"]), batch
+        if batch == len(self):
+            self.next_epoch, self._resume_batch = self.next_epoch + 1, 0
+
+    def close(self) -> None:
+        """Stop the current iterator and close the file (if the Loader opened it)."""
+        it = self._current() if self._current is not None else None
+        if it is not None:
+            it.close()
+        if self._owns_reader:
+            self.reader.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Running:
+    """What an iterator must release; held by its finalizer, so it never references the iterator."""
+
+    def __init__(self, engine: Engine, owns_engine: bool) -> None:
+        self.engine = engine
+        self.owns_engine = owns_engine
+        self.futures: collections.deque[Future[Any]] = collections.deque()
+
+    def release(self) -> None:
+        for fut in self.futures:
+            for task in getattr(fut, "tasks", ()):
+                task.future.cancel()
+        for fut in self.futures:
+            try:
+                fut.exception(timeout=self.engine.join_timeout)
+            except (FutureTimeout, Exception):  # only waiting for completion; errors were raised
+                pass
+        self.futures.clear()
+        if self.owns_engine:
+            self.engine.close()
+
+
+class EpochIterator:
+    """Iterates one epoch of a :class:`Loader` (see the module docstring for lifetimes)."""
+
+    def __init__(self, loader: Loader, epoch: int, start: int) -> None:
+        self.loader = loader
+        self.epoch = epoch
+        self.batch = start
+        self.finished = False
+        self._end = len(loader)
+        owns = loader._engine is None
+        engine = loader._engine if loader._engine is not None else Engine(loader.num_workers)
+        loader._source.engine = engine
+        self._source = loader._source
+        self._slots: list[list[np.ndarray]] = loader._slots or []
+        self._tail = loader.plan.make_tail()
+        self._keys = self._source.seed_keys(epoch)
+        self._running = _Running(engine, owns)
+        self._finalizer = weakref.finalize(self, self._running.release)
+        self._next_submit = start
+        for _ in range(loader.batches_ahead):
+            self._submit_one()
+
+    def _submit_one(self) -> None:
+        b = self._next_submit
+        if b >= self._end:
+            return
+        slot = self._slots[b % len(self._slots)]
+        fut = self._source.submit(self.epoch, b, slot, priority=0 if b == self.batch else 1)
+        self._running.futures.append(fut)
+        self._next_submit += 1
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        return self._end
+
+    def __next__(self) -> tuple[Any, ...]:
+        if self.finished or self.batch >= self._end:
+            self.close()
+            raise StopIteration
+        fut = self._running.futures.popleft()
+        BatchSource.promote(fut)
+        try:
+            arrays = fut.result()
+        except BaseException:
+            self.close()
+            raise
+        b = self.batch
+        self._submit_one()
+        ids = self._source.batch_ids(self.epoch, b)
+        out = self._tail(arrays, ids, self._keys)
+        self.batch = b + 1
+        return out
+
+    def close(self) -> None:
+        """Cancel queued batches, wait for running ones, stop owned workers (idempotent)."""
+        self.finished = True
+        self._finalizer()

@@ -1,0 +1,137 @@
+"""The in-process Loader on the fake reader: FFCV semantics, epochs, closing, resumption."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+from beton_serve.engine import Engine
+from beton_serve.errors import SpecError
+from beton_serve.loader import Loader, OrderOption, TraversalOrder
+from beton_serve.pipeline import PlanCache
+from helpers.fake_pipeline import AddIndex, AddOne, FakeReader, NumpyToTorch, fake_image
+from helpers.resumability import run_test_save_load_state
+
+#: Compiled once for the whole module: the tests are about the Loader, not about numba.
+CACHE = PlanCache()
+
+
+def _loader(reader=None, **kw):
+    kw.setdefault("plan_cache", CACHE)
+    kw.setdefault("batch_size", 4)
+    kw.setdefault("num_workers", 2)
+    kw.setdefault("pipelines", {"image": [AddOne()], "label": [AddIndex()]})
+    return Loader(reader or FakeReader(n=22), **kw)
+
+
+def _beton_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("beton-")]
+
+
+def test_epochs_order_and_len():
+    with _loader(order=OrderOption.RANDOM, seed=1) as ld:
+        assert len(ld) == 5  # 22 // 4, drop_last
+        for epoch in range(2):
+            ids = ld.sample_order(epoch)
+            batches = list(ld)
+            assert ld.next_epoch == epoch + 1
+            assert len(batches) == 5
+            for b, (img, lab) in enumerate(batches[:1]):
+                want = ids[b * 4 : b * 4 + 4]
+                np.testing.assert_array_equal(lab[:, 0], want.astype(np.int64) * 1010)
+                np.testing.assert_array_equal(img[0], fake_image(int(want[0])) + 1)
+    assert not _beton_threads()
+
+
+def test_drop_last_false_and_indices():
+    with _loader(drop_last=False, indices=[3, 1, 4, 1, 5, 9]) as ld:
+        assert len(ld) == 2
+        (img0, lab0), (img1, lab1) = [(np.array(a), np.array(b)) for a, b in ld]
+        np.testing.assert_array_equal(lab0[:, 0], np.array([3, 1, 4, 1]) * 1010)
+        np.testing.assert_array_equal(lab1[:, 0], np.array([5, 9]) * 1010)
+        np.testing.assert_array_equal(img0[0], fake_image(3) + 1)
+        assert img1.shape == (2, 4, 5, 3)
+
+
+def test_abandoned_iterator_stops_its_threads():
+    ld = _loader(batches_ahead=2)
+    it = iter(ld)
+    next(it)
+    assert len(_beton_threads()) == 2
+    del it
+    gc.collect()
+    assert not _beton_threads()
+    it2 = iter(ld)
+    next(it2)
+    it3 = iter(ld)  # a new iterator closes the previous one
+    assert len(_beton_threads()) == 2
+    next(it3)
+    ld.close()
+    assert not _beton_threads()
+
+
+def test_shared_engine_is_not_closed():
+    with Engine(2) as eng:
+        with _loader(engine=eng) as ld:
+            assert len(list(ld)) == 5
+        assert eng.alive_workers == 2
+
+
+def test_client_tail_yields_tensors():
+    torch = pytest.importorskip("torch")
+    with _loader(pipelines={"image": None, "label": [NumpyToTorch()]}) as ld:
+        (lab,) = next(iter(ld))
+        assert isinstance(lab, torch.Tensor) and lab.dtype == torch.int64
+        assert lab[:, 0].tolist() == [0, 10, 20, 30]
+
+
+def test_custom_order_class_with_kwargs():
+    class EveryOther(TraversalOrder):
+        def __init__(self, loader, offset=0):
+            super().__init__(loader)
+            self.offset = offset
+
+        def sample_order(self, epoch):
+            return self.indices[self.offset :: 2]
+
+    with _loader(order=EveryOther, order_kwargs={"offset": 1}) as ld:
+        labs = np.concatenate([np.array(lab)[:, 0] for _, lab in ld])
+        np.testing.assert_array_equal(labs, np.arange(1, 17, 2) * 10 + np.arange(1, 17, 2) * 1000)
+
+
+def test_same_seed_same_batches_for_1_and_2_workers_and_epochs_differ():
+    runs = []
+    for workers in (1, 2):
+        with _loader(order=OrderOption.RANDOM, seed=5, num_workers=workers) as ld:
+            runs.append([[np.array(x) for x in b] for _ in range(2) for b in ld])
+    for a, b in zip(*runs, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(runs[0][0][1], runs[0][5][1])  # epoch 0 vs epoch 1
+
+
+def test_load_state_dict_rejects_other_loader():
+    with _loader(seed=1) as a, _loader(seed=2) as b:
+        with pytest.raises(SpecError, match="seed=1"):
+            b.load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"order": OrderOption.SEQUENTIAL, "seed": 0},
+        {"order": OrderOption.RANDOM, "seed": 3},
+        {"order": OrderOption.QUASI_RANDOM, "seed": 3},
+        {"order": OrderOption.RANDOM, "seed": 3, "distributed": True},
+        {"order": OrderOption.QUASI_RANDOM, "seed": 3, "distributed": True},
+    ],
+    ids=["sequential", "random", "quasi_random", "distributed", "distributed_quasi"],
+)
+def test_resumability(kw, monkeypatch):
+    if kw.get("distributed"):
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    reader = FakeReader(n=40)
+    run_test_save_load_state(lambda: _loader(reader, **kw), stop_after=2, epochs=2)
