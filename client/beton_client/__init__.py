@@ -1,9 +1,33 @@
 """beton_client: the trainer-side Loader of beton-serve.
 
 ``from beton_client import Loader, OrderOption`` replaces ``from ffcv.loader import Loader,
-OrderOption``. Importing this package never imports numba, cv2 or torch.
+OrderOption``. Importing this package never imports numba, cv2 or torch (torch is imported when a
+pipeline has client-side ops).
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from beton_client._loader import Loader, OrderOption
+from beton_client.errors import (
+    AuthError,
+    BetonClientError,
+    DataError,
+    PipelineError,
+    ServerError,
+    ServerUnavailable,
+    SpecError,
+    TransportError,
+)
+
+__all__ = [
+    "AuthError",
+    "BetonClientError",
+    "DataError",
+    "Loader",
+    "OrderOption",
+    "PipelineError",
+    "ServerError",
+    "ServerUnavailable",
+    "SpecError",
+    "TransportError",
+]

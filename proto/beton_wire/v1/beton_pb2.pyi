@@ -265,18 +265,21 @@ class OpenStreamRequest(_message.Message):
     ) -> None: ...
 
 class OutputSpec(_message.Message):
-    __slots__ = ("dtype", "name", "shape")
+    __slots__ = ("client_ops", "dtype", "name", "shape")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_OPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
+    client_ops: _containers.RepeatedCompositeFieldContainer[OpSpec]
     def __init__(
         self,
         name: str | None = ...,
         shape: _Iterable[int] | None = ...,
         dtype: DType | str | None = ...,
+        client_ops: _Iterable[OpSpec | _Mapping] | None = ...,
     ) -> None: ...
 
 class TransportRejection(_message.Message):

@@ -25,11 +25,13 @@ __all__ = ["Backend", "BatchSourceLike", "EngineBackend", "OutputInfo", "PlanLik
 
 @dataclass(frozen=True, slots=True)
 class OutputInfo:
-    """One daemon-side output: name, per-sample shape and numpy dtype name."""
+    """One daemon-side output: name, per-sample shape, numpy dtype name, and the ops the client
+    must run after it (``(spec name, params)``, e.g. a default pipeline's ``ToTensor``)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    client_ops: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 class PlanLike(Protocol):
@@ -106,8 +108,8 @@ class Backend(Protocol):
 
     def close_engine(self, engine: Any) -> None: ...
 
-    def client_tail_ops(self, plan: PlanLike) -> list[str]:
-        """Ops of ``plan`` that are not in its jit prefix (``"output: OpName"``)."""
+    def client_tail(self, plan: PlanLike) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+        """Ops of ``plan`` after its jit prefix, per output, as ``(spec name, params)``."""
         ...
 
 
@@ -180,7 +182,27 @@ class EngineBackend:
     def close_engine(self, engine: Any) -> None:
         engine.close()
 
-    def client_tail_ops(self, plan: PlanLike) -> list[str]:
-        """Names of ops the plan would leave to a client (none are allowed in the daemon)."""
-        tail = getattr(plan, "client_tail", {}) or {}
-        return [f"{name}: {type(op).__name__}" for name, ops in tail.items() for op in ops]
+    def client_tail(self, plan: PlanLike) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+        """The plan's ops after the jit prefix, per output, as ``(spec name, params)``.
+
+        Raises:
+            SpecError: such an op has no wire description (the client could not run it).
+        """
+        from beton_serve.errors import SpecError
+
+        out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        for name, ops in (getattr(plan, "client_tail", {}) or {}).items():
+            specs = []
+            for op in ops:
+                spec = getattr(op, "spec_name", None) or type(op).__name__
+                try:
+                    params = dict(op.spec_params())
+                except NotImplementedError:
+                    raise SpecError(
+                        f"output {name!r}: {type(op).__name__} runs on torch tensors but has no "
+                        "wire description; send it as part of the client's pipeline instead"
+                    ) from None
+                specs.append((str(spec), params))
+            if specs:
+                out[str(name)] = specs
+        return out

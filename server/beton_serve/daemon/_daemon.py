@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -411,13 +412,12 @@ class Daemon:
                 )
             pipelines[p.name] = [self.backend.build_op(o.name, o.params) for o in p.ops]
         plan = self.backend.compile(ds.reader, pipelines, req.batch_size)
-        tail = self.backend.client_tail_ops(plan)
-        if tail:
-            raise SpecError(
-                f"ops {tail} run on torch tensors and cannot run in the daemon; put them after "
-                "ToTensor()/ToDevice() so that the client runs them"
-            )
-        return _PlanEntry(plan=plan, outputs=tuple(self.backend.outputs(plan)))
+        tail = self.backend.client_tail(plan)
+        outputs = tuple(
+            dataclasses.replace(o, client_ops=tuple(tail.get(o.name, ())))
+            for o in self.backend.outputs(plan)
+        )
+        return _PlanEntry(plan=plan, outputs=outputs)
 
     async def _plan(self, req: StreamRequest, ds: Dataset) -> tuple[_PlanEntry, bool]:
         key = self._spec_key(req, ds)

@@ -153,7 +153,15 @@ def opened_message(o: StreamOpened) -> pb.OpenStreamResponse:
     return pb.OpenStreamResponse(
         stream_id=o.stream_id,
         outputs=[
-            pb.OutputSpec(name=x.name, shape=list(x.shape), dtype=_DTYPE_CODES[x.dtype])
+            pb.OutputSpec(
+                name=x.name,
+                shape=list(x.shape),
+                dtype=_DTYPE_CODES[x.dtype],
+                client_ops=[
+                    pb.OpSpec(name=n, params_json=json.dumps(p, sort_keys=True, default=str))
+                    for n, p in x.client_ops
+                ],
+            )
             for x in o.outputs
         ],
         transport=setup,

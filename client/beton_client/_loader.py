@@ -1,0 +1,473 @@
+"""``beton_client.Loader``: FFCV's Loader, served by a beton-serve daemon.
+
+Life of a Loader:
+
+1. The constructor resolves the address (``server``, else ``BETON_SERVE_ADDRESS``, else the
+   per-user default socket), auto-spawns a daemon for a ``.beton`` path when none answers and
+   ``spawn=True``, splits each pipeline (``_ops``), and opens a stream: the daemon validates the
+   request (a bad spec raises :class:`~beton_client.errors.SpecError` here), compiles the prefix,
+   negotiates the transport and answers with the output specs and the ring to map.
+2. Each ``iter(loader)`` is one epoch on that stream's ``Batches`` call. The pipeline spec is
+   re-serialised first: if an op changed (e.g. ``decoder.output_size`` for progressive resizing),
+   the stream is re-opened so the change takes effect from this epoch.
+3. ``close()`` (or the context manager, or garbage collection) ends the call; the daemon then
+   frees the stream's slots.
+
+**Batch lifetime.** With ``copy=False`` (default) a batch's arrays/tensors are views of a daemon
+slot: valid until the next batch is requested (or the loop ends and the next epoch starts). Keep
+one longer by cloning it, or pass ``copy=True``. Tensors produced by client-side ops that
+allocate (``Convert``, ``ToDevice('cuda')``, ``NormalizeImage``) are independent.
+
+Threading: a Loader is used from one thread at a time. gRPC runs the request stream on its own
+thread; nothing else runs in the background.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import queue
+import sys
+import time
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from beton_wire.address import ENV_ADDRESS, default_socket_path, socket_path_of, unix_target
+from beton_wire.slots import DTYPE_NAMES
+from beton_wire.v1 import beton_pb2 as pb
+from beton_wire.v1 import beton_pb2_grpc as pb_grpc
+
+from beton_client._ops import PipelinePlan, SpecOp, build_tail, device_of, split_pipelines
+from beton_client._transport import Receiver, ShmReceiver, TensorInfo
+from beton_client.errors import (
+    BetonClientError,
+    ServerError,
+    ServerUnavailable,
+    SpecError,
+    TransportError,
+    from_rpc_error,
+)
+
+__all__ = ["Loader", "OrderOption"]
+
+#: Seconds an auto-spawned daemon waits without clients before exiting.
+SPAWN_IDLE_TIMEOUT_S = 300.0
+_TRANSPORTS = ("auto", "shm", "cuda_ipc", "grpc")
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 1 << 30),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+
+
+class OrderOption(enum.Enum):
+    """Sample orders, with FFCV's names and values."""
+
+    SEQUENTIAL = 1
+    RANDOM = 2
+    QUASI_RANDOM = 3
+
+
+_ORDER_PB = {
+    "SEQUENTIAL": pb.ORDER_SEQUENTIAL,
+    "RANDOM": pb.ORDER_RANDOM,
+    "QUASI_RANDOM": pb.ORDER_QUASI_RANDOM,
+}
+
+
+def _rank_world(environ: Mapping[str, str]) -> tuple[int, int]:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                return int(dist.get_rank()), int(dist.get_world_size())
+        except Exception:
+            pass
+    try:
+        return int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise SpecError("RANK and WORLD_SIZE must be integers") from None
+
+
+class _Stream:
+    """One open stream: its Batches call, its receiver, its outputs and tails."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        stub: Any,
+        reply: Any,
+        receiver: Receiver,
+        plans: Sequence[PipelinePlan],
+        key: bytes,
+        target: str,
+    ) -> None:
+        self.channel = channel
+        self.reply = reply
+        self.receiver = receiver
+        self.key = key
+        self.target = target
+        self.num_batches = int(reply.num_batches)
+        self.names = [o.name for o in reply.outputs]
+        tails = {p.name: list(p.tail) for p in plans}
+        self.tails = [
+            build_tail([*(SpecOp.from_wire(op) for op in o.client_ops), *tails.get(o.name, [])])
+            for o in reply.outputs
+        ]
+        self.held: tuple[int, int, int] | None = None  # (slot, batch index, wait_us)
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._call = stub.Batches(iter(self._requests.get, None))
+        self.closed = False
+        self._finalizer = weakref.finalize(
+            self, _close_stream, self._requests, self._call, receiver
+        )
+
+    def send(self, msg: Any) -> None:
+        self._requests.put(msg)
+
+    def release_held(self) -> None:
+        if self.held is not None:
+            slot, index, wait_us = self.held
+            self.held = None
+            self.send(
+                pb.ClientMessage(release=pb.Release(slot=slot, batch_index=index, wait_us=wait_us))
+            )
+
+    def recv(self) -> Any:
+        try:
+            return next(self._call)
+        except StopIteration:
+            raise ServerUnavailable(
+                f"the daemon at {self.target} ended the stream unexpectedly"
+            ) from None
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, target=self.target) from None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._finalizer()
+
+
+def _close_stream(requests: queue.SimpleQueue[Any], call: Any, receiver: Receiver) -> None:
+    requests.put(None)
+    with contextlib.suppress(Exception):
+        call.cancel()
+    receiver.close()
+
+
+class _EpochIterator(Iterator[tuple[Any, ...]]):
+    """Yields one epoch's batches; releases the previous slot when the next batch is asked for."""
+
+    def __init__(self, loader: Loader, stream: _Stream, epoch: int) -> None:
+        self.loader = loader
+        self.stream = stream
+        self.epoch = epoch
+        self.index = 0
+        self.done = False
+        stream.release_held()
+        stream.send(
+            pb.ClientMessage(
+                start=pb.Start(
+                    stream_id=stream.reply.stream_id,
+                    epoch=epoch,
+                    next_batch=0,
+                    credits=stream.reply.max_credits,
+                )
+            )
+        )
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        return self.stream.num_batches - self.index
+
+    def __next__(self) -> tuple[Any, ...]:
+        s = self.stream
+        if self.done:
+            raise StopIteration
+        s.release_held()
+        t0 = time.perf_counter()
+        msg = s.recv()
+        wait_us = int((time.perf_counter() - t0) * 1e6)
+        kind = msg.WhichOneof("kind")
+        if kind == "end":
+            if self.index != s.num_batches:
+                raise ServerError(
+                    f"the daemon ended epoch {self.epoch} after {self.index} of "
+                    f"{s.num_batches} batches"
+                )
+            self.done = True
+            raise StopIteration
+        b = msg.batch
+        if b.epoch != self.epoch or b.batch_index != self.index:
+            raise ServerError(
+                f"out-of-order batch: expected epoch {self.epoch} batch {self.index}, got "
+                f"epoch {b.epoch} batch {b.batch_index}"
+            )
+        tensors = [
+            TensorInfo(t.name, tuple(t.shape), DTYPE_NAMES[t.dtype], t.offset, t.nbytes)
+            for t in b.tensors
+        ]
+        arrays = s.receiver.arrays(b.slot, tensors)
+        if self.loader.copy:
+            arrays = [
+                np.array(a, copy=True) if isinstance(a, np.ndarray) else a.clone() for a in arrays
+            ]
+            s.send(
+                pb.ClientMessage(
+                    release=pb.Release(slot=b.slot, batch_index=b.batch_index, wait_us=wait_us)
+                )
+            )
+        else:
+            s.held = (b.slot, b.batch_index, wait_us)
+        self.loader.last_sample_ids = np.asarray(b.sample_ids, dtype=np.uint64)
+        out = []
+        for a, tail in zip(arrays, s.tails, strict=True):
+            for op in tail:
+                a = op(a)
+            out.append(a)
+        self.index += 1
+        if self.index == s.num_batches:
+            # Read the end-of-epoch marker eagerly so that the loop ends without another wait.
+            end = s.recv()
+            if end.WhichOneof("kind") != "end":
+                raise ServerError(f"expected the end of epoch {self.epoch}, got another batch")
+            self.done = True
+        return tuple(out)
+
+
+class Loader:
+    """FFCV's ``Loader``, served by a beton-serve daemon (see the module docstring).
+
+    Args:
+        fname_or_dataset: a ``.beton`` path (the dataset is its stem; used to auto-spawn) or the
+            name of a dataset the daemon serves.
+        batch_size: samples per batch.
+        num_workers: accepted for FFCV compatibility; a hint only, since the daemon owns the pool.
+        os_cache: accepted for FFCV compatibility (the daemon maps files).
+        order: an :class:`OrderOption` (or an FFCV/beton_serve one with the same names).
+        distributed: split each epoch over ranks; rank and world size come from
+            ``torch.distributed`` when initialised, else from ``RANK``/``WORLD_SIZE``.
+        seed: the order and augmentation seed (``None``: 0).
+        indices: the sample ids to use (default: all).
+        pipelines: FFCV-style ``{name: [ops] | None}``.
+        custom_fields: must be empty (custom field classes are loaded into the daemon with
+            ``--plugin``).
+        drop_last: drop the last partial batch.
+        batches_ahead: batches the daemon prepares ahead of the one being read.
+        recompile: accepted for FFCV compatibility; changed ops always take effect at the next
+            epoch (the stream is re-opened).
+        server: the daemon's address in gRPC target syntax (``unix:///path.sock`` or
+            ``host:port``); default ``BETON_SERVE_ADDRESS``, then the per-user socket.
+        transport: ``"auto"``, ``"shm"``, ``"cuda_ipc"`` or ``"grpc"``; a forced transport that
+            cannot work raises :class:`TransportError` with the reason.
+        copy: copy every batch out of the daemon's slot (see "Batch lifetime").
+        spawn: start a daemon for ``fname_or_dataset`` when none answers (Unix sockets only).
+
+    Raises:
+        SpecError: invalid arguments or pipelines (also as reported by the daemon).
+        ServerUnavailable: no daemon answers and none could be spawned.
+        TransportError: the transport cannot work.
+    """
+
+    def __init__(
+        self,
+        fname_or_dataset: str | os.PathLike[str],
+        batch_size: int,
+        num_workers: int = -1,
+        os_cache: bool = True,
+        order: Any = OrderOption.SEQUENTIAL,
+        distributed: bool = False,
+        seed: int | None = None,
+        indices: Sequence[int] | None = None,
+        pipelines: Mapping[str, Any] | None = None,
+        custom_fields: Mapping[str, Any] | None = None,
+        drop_last: bool = True,
+        batches_ahead: int = 3,
+        recompile: bool = False,
+        server: str | None = None,
+        transport: str = "auto",
+        copy: bool = False,
+        spawn: bool = True,
+    ) -> None:
+        environ = os.environ
+        if transport not in _TRANSPORTS:
+            raise SpecError(f"transport must be one of {_TRANSPORTS}, not {transport!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise SpecError(f"batch_size must be a positive int, not {batch_size!r}")
+        order_name = getattr(order, "name", str(order))
+        if order_name not in _ORDER_PB:
+            raise SpecError(
+                f"order must be OrderOption.SEQUENTIAL, RANDOM or QUASI_RANDOM, not {order!r} "
+                "(custom TraversalOrder classes cannot travel to a daemon)"
+            )
+        text = os.fspath(fname_or_dataset)
+        self.fname = text
+        is_file = text.endswith(".beton") or os.sep in text
+        self.dataset = Path(text).stem if is_file else text
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.os_cache = os_cache
+        self.order = order
+        self.distributed = bool(distributed)
+        self.seed = 0 if seed is None else int(seed)
+        self.indices = (
+            None if indices is None else [int(i) for i in np.asarray(indices).reshape(-1)]
+        )
+        self.pipelines: dict[str, Any] = dict(pipelines or {})
+        self.custom_fields = dict(custom_fields or {})
+        self.drop_last = bool(drop_last)
+        self.batches_ahead = int(batches_ahead)
+        self.recompile = recompile
+        self.transport = transport
+        self.copy = bool(copy)
+        self.rank, self.world_size = _rank_world(environ) if self.distributed else (0, 1)
+        self.next_epoch = 0
+        self.last_sample_ids: np.ndarray = np.empty(0, np.uint64)
+        self._current: _EpochIterator | None = None
+        self._stream: _Stream | None = None
+        if server is None:
+            server = environ.get(ENV_ADDRESS) or unix_target(default_socket_path(environ))
+        self.server = server
+        sock = socket_path_of(server)
+        if spawn and sock is not None and is_file:
+            if not os.path.isfile(text):
+                raise SpecError(f"dataset file {text} does not exist")
+            from beton_client._spawn import ensure_daemon
+
+            ensure_daemon(sock, text, idle_timeout=SPAWN_IDLE_TIMEOUT_S)
+        self._channel = grpc.insecure_channel(server, options=list(_CHANNEL_OPTIONS))
+        self._stub = pb_grpc.BetonServeStub(self._channel)
+        self._finalizer = weakref.finalize(self, self._channel.close)
+        try:
+            self._stream = self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the stream ------------------------------------------------------------------------
+    def _request(self) -> tuple[pb.OpenStreamRequest, list[PipelinePlan]]:
+        from beton_client._transport.identity import gather_facts
+
+        plans = split_pipelines(self.pipelines)
+        device = device_of(plans)
+        facts = gather_facts(device, self.transport).to_dict()
+        ident = facts["identity"]
+        req = pb.OpenStreamRequest(
+            dataset=self.dataset,
+            pipelines=[
+                pb.PipelineSpec(
+                    name=p.name,
+                    field=p.field,
+                    skip=p.skip,
+                    ops=[pb.OpSpec(name=n, params_json=j) for n, j in p.ops],
+                )
+                for p in plans
+            ],
+            batch_size=self.batch_size,
+            order=_ORDER_PB[getattr(self.order, "name", str(self.order))],
+            seed=self.seed,
+            drop_last=self.drop_last,
+            indices=self.indices or [],
+            has_indices=self.indices is not None,
+            distributed=self.distributed,
+            rank=self.rank,
+            world_size=self.world_size,
+            batches_ahead=self.batches_ahead,
+            transport=self.transport,
+            device=device,
+            host=pb.HostIdentity(
+                boot_id=ident["boot_id"],
+                hostname=ident["hostname"],
+                uid=ident["uid"],
+                pid=ident["pid"],
+                ipc_ns=ident["ipc_ns"] or 0,
+                has_ipc_ns=ident["ipc_ns"] is not None,
+            ),
+            capabilities=pb.Capabilities(
+                torch=facts["has_torch"],
+                cuda=facts["has_cuda"],
+                cupy=facts["has_cupy"],
+                transports=["shm"],
+                cuda_devices=[
+                    pb.CudaDevice(index=d["index"], uuid=d["uuid"]) for d in facts["cuda_devices"]
+                ],
+            ),
+            client_name=os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python",
+            custom_fields=list(self.custom_fields),
+        )
+        return req, plans
+
+    @staticmethod
+    def _key(req: pb.OpenStreamRequest) -> bytes:
+        return bytes(req.SerializeToString(deterministic=True))
+
+    def _open(self) -> _Stream:
+        req, plans = self._request()
+        try:
+            reply = self._stub.OpenStream(req, timeout=300.0)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, target=self.server) from None
+        self.transport_rejections = [(r.transport, r.code, r.reason) for r in reply.rejected]
+        self.chosen_transport = reply.transport.kind
+        receiver = self._receiver(reply)
+        return _Stream(
+            self._channel, self._stub, reply, receiver, plans, self._key(req), self.server
+        )
+
+    def _receiver(self, reply: Any) -> Receiver:
+        setup = reply.transport
+        if setup.kind == "shm":
+            s = setup.shm
+            return ShmReceiver(s.segment, s.segment_bytes, s.slot_count, s.slot_bytes)
+        raise TransportError(
+            f"the daemon chose the {setup.kind!r} transport, which this client does not support "
+            "yet; use transport='shm' on the daemon's host"
+        )
+
+    # -- FFCV API --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        if self._stream is None:
+            raise BetonClientError("the Loader is closed")
+        return self._stream.num_batches
+
+    def __iter__(self) -> _EpochIterator:
+        """Start the next epoch (re-opening the stream if an op's parameters changed)."""
+        if self._stream is None:
+            raise BetonClientError("the Loader is closed")
+        stream = self._stream
+        req, _ = self._request()
+        abandoned = self._current is not None and not self._current.done
+        if abandoned or self._key(req) != stream.key:
+            stream.close()
+            self._stream = None
+            self._stream = stream = self._open()
+        epoch = self.next_epoch
+        self.next_epoch += 1
+        self._current = _EpochIterator(self, stream, epoch)
+        return self._current
+
+    @property
+    def reader_outputs(self) -> list[str]:
+        """The output names, in the order of the yielded tuples."""
+        return list(self._stream.names) if self._stream is not None else []
+
+    def close(self) -> None:
+        """End the stream (the daemon frees its slots) and close the channel (idempotent)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._finalizer()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

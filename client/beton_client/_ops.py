@@ -1,0 +1,351 @@
+"""Splitting an FFCV-style pipeline, and the client-side (torch) implementations of its tail.
+
+The split (DESIGN.md §7). Walking one pipeline from its decoder:
+
+* the **prefix**, ops the daemon can rebuild (they have a ``spec_name`` and ``spec_params()``) and
+  that work on numpy arrays, travels as ``(name, JSON params)`` and runs in the daemon;
+* the **tail** starts at the first op that works on torch tensors (``ToTensor``, ``ToDevice``,
+  ``ToTorchImage``, ``Convert``, ``Squeeze``, ``View``, ``ModuleWrapper``) or that cannot travel
+  (a ``torch.nn.Module``, a lambda); it runs here, on the received batch, in order. Ops that exist
+  in both worlds (``NormalizeImage``) run where they fall.
+
+Ops are recognised by duck typing (``spec_name``, else the class name), so this module never
+imports ``beton_serve``; torch is imported only when a tail is built.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from beton_client.errors import SpecError
+
+__all__ = ["PipelinePlan", "SpecOp", "TailOp", "build_tail", "device_of", "split_pipelines"]
+
+#: Ops that run on torch tensors, hence in the client (by spec name / class name).
+TORCH_OPS = frozenset(
+    {"ToTensor", "ToDevice", "ToTorchImage", "Convert", "Squeeze", "View", "ModuleWrapper"}
+)
+#: Ops the client implements on torch tensors (TORCH_OPS plus the ones usable on both sides).
+CLIENT_IMPLEMENTED = TORCH_OPS | {"NormalizeImage"}
+
+
+def _op_name(op: Any) -> str:
+    name = getattr(op, "spec_name", None)
+    return str(name) if name else type(op).__name__
+
+
+def _params(op: Any) -> dict[str, Any]:
+    fn = getattr(op, "spec_params", None)
+    if not callable(fn):
+        return {}
+    try:
+        params = fn()
+    except NotImplementedError:
+        return {}
+    return dict(params) if isinstance(params, Mapping) else {}
+
+
+def _wire_params(op: Any, pipeline: str) -> str:
+    try:
+        params = op.spec_params()
+    except NotImplementedError as exc:
+        raise SpecError(f"pipeline {pipeline!r}: {exc}") from None
+    try:
+        return json.dumps(params, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(
+            f"pipeline {pipeline!r}: {_op_name(op)}.spec_params() is not JSON-safe ({exc})"
+        ) from None
+
+
+def _travels(op: Any) -> bool:
+    return bool(getattr(op, "spec_name", None)) and callable(getattr(op, "spec_params", None))
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """One pipeline after the split.
+
+    Attributes:
+        name: the output name.
+        field: the field it reads.
+        ops: the daemon-side prefix as ``(spec name, JSON params)``.
+        tail: the client-side ops, in order (the user's objects).
+        skip: ``True`` for ``pipelines={name: None}``.
+    """
+
+    name: str
+    field: str
+    ops: tuple[tuple[str, str], ...]
+    tail: tuple[Any, ...]
+    skip: bool = False
+
+
+def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
+    """Split every pipeline into its daemon prefix and client tail (see the module docstring).
+
+    Accepts FFCV's forms: ``{name: [ops]}``, ``{name: None}`` and ``PipelineSpec``-like objects
+    (``source``, ``decoder``, ``transforms``).
+
+    Raises:
+        SpecError: an op cannot run anywhere (an unregistered custom ``Operation``), or a prefix op
+            has no JSON-safe parameters.
+    """
+    out: list[PipelinePlan] = []
+    for name, value in (pipelines or {}).items():
+        if value is None:
+            out.append(PipelinePlan(name, name, (), (), skip=True))
+            continue
+        field = name
+        if hasattr(value, "decoder") and hasattr(value, "transforms"):
+            source = getattr(value, "source", name)
+            field = source if isinstance(source, str) else name
+            ops = (
+                [value.decoder, *value.transforms]
+                if value.decoder is not None
+                else list(value.transforms)
+            )
+        else:
+            ops = list(value)
+        boundary = len(ops)
+        for i, op in enumerate(ops):
+            if _op_name(op) in TORCH_OPS or not _travels(op):
+                boundary = i
+                break
+        prefix, tail = ops[:boundary], ops[boundary:]
+        for op in tail:
+            if hasattr(op, "generate_code") and _op_name(op) not in CLIENT_IMPLEMENTED:
+                raise SpecError(
+                    f"pipeline {name!r}: {type(op).__name__} is a custom Operation after the "
+                    "ToTensor/ToDevice boundary; the client runs only torch modules and "
+                    "callables there. Load it into the daemon (--plugin) and place it before "
+                    "ToTensor(), or wrap the torch code in a torch.nn.Module"
+                )
+            if not callable(op) and _op_name(op) not in CLIENT_IMPLEMENTED:
+                raise SpecError(f"pipeline {name!r}: {op!r} is neither an op nor callable")
+        wire = tuple((_op_name(op), _wire_params(op, name)) for op in prefix)
+        out.append(PipelinePlan(name, field, wire, tuple(tail)))
+    return out
+
+
+def device_of(plans: Sequence[PipelinePlan]) -> str:
+    """The device the client wants tensors on: the first ``ToDevice``'s, else ``"cpu"``."""
+    for p in plans:
+        for op in p.tail:
+            if _op_name(op) == "ToDevice":
+                dev = _params(op).get("device", getattr(op, "device", "cpu"))
+                text = str(dev)
+                if text.startswith("cuda"):
+                    return text if ":" in text else "cuda:0"
+                return "cpu"
+    return "cpu"
+
+
+class SpecOp:
+    """An op described by the daemon (``spec_name`` + params), e.g. a default pipeline's ToTensor."""
+
+    def __init__(self, name: str, params: Mapping[str, Any]) -> None:
+        self.spec_name = name
+        self._params = dict(params)
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> SpecOp:
+        """From a ``beton_wire.v1.OpSpec``."""
+        try:
+            params = json.loads(msg.params_json or "{}")
+        except json.JSONDecodeError:
+            params = {}
+        return cls(msg.name, params if isinstance(params, dict) else {})
+
+    def spec_params(self) -> dict[str, Any]:
+        return dict(self._params)
+
+    def __repr__(self) -> str:
+        return f"{self.spec_name}({self._params})"
+
+
+# -- client-side implementations ---------------------------------------------------------------
+
+TailOp = Callable[[Any], Any]
+
+
+def _torch_dtype(torch: Any, value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return value
+    text = str(value)
+    if text.startswith("torch."):
+        text = text[len("torch.") :]
+    dt = getattr(torch, text, None)
+    if isinstance(dt, torch.dtype):
+        return dt
+    try:
+        return torch.from_numpy(np.empty(0, dtype=np.dtype(value))).dtype
+    except TypeError:
+        raise SpecError(f"unknown dtype {value!r}") from None
+
+
+def _get(op: Any, params: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    for n in names:
+        if n in params:
+            return params[n]
+    for n in names:
+        if hasattr(op, n):
+            return getattr(op, n)
+    return default
+
+
+def _to_tensor(torch: Any) -> TailOp:
+    def run(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            # FFCV's ToTensor after ToTorchImage is a no-op on a tensor: keep it as is.
+            return x
+        return torch.from_numpy(np.asarray(x))
+
+    return run
+
+
+def _to_device(torch: Any, op: Any, p: Mapping[str, Any]) -> TailOp:
+    device = torch.device(str(_get(op, p, "device", default="cpu")))
+    non_blocking = bool(_get(op, p, "non_blocking", default=True))
+
+    def run(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            x = torch.from_numpy(np.asarray(x))
+        if device.type == "cpu":
+            return x if x.device.type == "cpu" else x.to(device)
+        if x.device.type == "cpu":
+            # No CUDA IPC: copy the shm view into pinned memory once, then to the GPU
+            # asynchronously; the shm slot is free as soon as pin_memory() returns.
+            return x.pin_memory().to(device, non_blocking=non_blocking)
+        return x.to(device, non_blocking=non_blocking)
+
+    return run
+
+
+def _to_torch_image(torch: Any, op: Any, p: Mapping[str, Any]) -> TailOp:
+    channels_last = bool(_get(op, p, "channels_last", default=True))
+    back_int16 = bool(_get(op, p, "convert_back_int16", "convert_int16", default=True))
+
+    def run(x: Any) -> Any:
+        if back_int16 and x.dtype == torch.int16:
+            x = x.view(torch.float16)
+        x = x.permute(0, 3, 1, 2)  # NHWC storage seen as NCHW: channels-last, no copy
+        if not channels_last:
+            x = x.contiguous()
+        return x
+
+    return run
+
+
+def _convert(torch: Any, op: Any, p: Mapping[str, Any]) -> TailOp:
+    dtype = _torch_dtype(torch, _get(op, p, "target_dtype", "dtype"))
+
+    def run(x: Any) -> Any:
+        return x.type(dtype)
+
+    return run
+
+
+def _squeeze(torch: Any, op: Any, p: Mapping[str, Any]) -> TailOp:
+    dims = tuple(_get(op, p, "dims", default=()) or ())
+
+    def run(x: Any) -> Any:
+        if not dims:
+            return x.squeeze()
+        for d in sorted(dims, reverse=True):
+            x = x.squeeze(d)
+        return x
+
+    return run
+
+
+def _view(torch: Any, op: Any, p: Mapping[str, Any]) -> TailOp:
+    dtype = _torch_dtype(torch, _get(op, p, "target_dtype", "dtype"))
+
+    def run(x: Any) -> Any:
+        return x.view(dtype)
+
+    return run
+
+
+def _normalize(torch: Any, op: Any, p: Mapping[str, Any]) -> TailOp:
+    mean = np.asarray(_get(op, p, "mean"), dtype=np.float64).reshape(-1)
+    std = np.asarray(_get(op, p, "std"), dtype=np.float64).reshape(-1)
+    out_np = np.dtype(_get(op, p, "type", "dtype", "original_dtype", default="float32"))
+    # The same 256-entry lookup table FFCV builds (computed in float64, then cast), so results
+    # match the daemon's and FFCV's bit for bit on uint8 input.
+    table_np = ((np.arange(256, dtype=np.float64)[None, :] - mean[:, None]) / std[:, None]).astype(
+        out_np
+    )
+    tables: dict[Any, Any] = {}
+
+    def run(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            x = torch.from_numpy(np.asarray(x))
+        table = tables.get(x.device)
+        if table is None:
+            table = torch.from_numpy(table_np).to(x.device)
+            tables[x.device] = table
+        if x.dtype != torch.uint8:
+            raise SpecError(f"NormalizeImage after ToTensor needs uint8 images, got {x.dtype}")
+        c = table.shape[0]
+        if x.ndim == 4 and x.shape[1] == c:  # NCHW (after ToTorchImage)
+            idx = x.long() + (torch.arange(c, device=x.device) * 256).view(1, c, 1, 1)
+            out = table.reshape(-1)[idx]
+            return out.contiguous(memory_format=torch.channels_last)
+        if x.shape[-1] == c:  # NHWC
+            idx = x.long() + torch.arange(c, device=x.device) * 256
+            return table.reshape(-1)[idx]
+        raise SpecError(f"NormalizeImage has {c} channels but the batch has shape {tuple(x.shape)}")
+
+    return run
+
+
+_IMPLS: dict[str, Callable[..., TailOp]] = {
+    "ToDevice": _to_device,
+    "ToTorchImage": _to_torch_image,
+    "Convert": _convert,
+    "Squeeze": _squeeze,
+    "View": _view,
+    "NormalizeImage": _normalize,
+}
+
+
+def build_tail(ops: Sequence[Any]) -> list[TailOp]:
+    """Turn a pipeline's tail into callables on torch tensors (imports torch if the tail is not
+    empty).
+
+    Raises:
+        SpecError: torch is missing, or an op's parameters are unusable.
+    """
+    if not ops:
+        return []
+    try:
+        import torch
+    except ImportError:
+        raise SpecError(
+            "this pipeline has ops after the transport boundary (ToTensor, ToDevice, torch "
+            "modules), which need torch: pip install torch"
+        ) from None
+    out: list[TailOp] = []
+    for op in ops:
+        name = _op_name(op)
+        if name == "ToTensor":
+            out.append(_to_tensor(torch))
+        elif name == "ModuleWrapper":
+            module = getattr(op, "module", None)
+            if module is None or not callable(module):
+                raise SpecError("ModuleWrapper has no callable .module")
+            out.append(module)
+        elif name in _IMPLS:
+            out.append(_IMPLS[name](torch, op, _params(op)))
+        elif callable(op):
+            out.append(op)  # a torch.nn.Module or any callable: runs here, on the batch
+        else:
+            raise SpecError(f"{name} cannot run in the client")
+    return out

@@ -1,0 +1,127 @@
+"""The client's error hierarchy, and the one function that turns gRPC errors into it.
+
+Every error ``beton_client`` raises derives from :class:`BetonClientError`. No ``grpc.RpcError``
+reaches user code: each call site does ``except grpc.RpcError as e: raise from_rpc_error(e)
+from None``.
+
+=====================  ==========================================  =============================
+class                  when                                        daemon status (or cause)
+=====================  ==========================================  =============================
+``SpecError``          the request is wrong: change it             ``INVALID_ARGUMENT``
+``TransportError``     the transport cannot work here              ``FAILED_PRECONDITION``
+``ServerUnavailable``  no daemon answers, or it is shutting down   ``UNAVAILABLE``, deadlines
+``DataError``          the dataset file is damaged                 ``DATA_LOSS``
+``PipelineError``      a batch failed in the daemon                ``INTERNAL``
+``AuthError``          missing or wrong token                      ``UNAUTHENTICATED`` ...
+``ServerError``        anything else the daemon reported           other codes
+=====================  ==========================================  =============================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AuthError",
+    "BetonClientError",
+    "DataError",
+    "PipelineError",
+    "ServerError",
+    "ServerUnavailable",
+    "SpecError",
+    "TransportError",
+    "from_rpc_error",
+]
+
+
+class BetonClientError(Exception):
+    """Base class of every error raised by ``beton_client``.
+
+    Attributes:
+        code: the gRPC status name the daemon sent (e.g. ``"INVALID_ARGUMENT"``), or ``""``.
+        server_error: the daemon-side error class name, when it said.
+    """
+
+    def __init__(self, message: str, *, code: str = "", server_error: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.server_error = server_error
+
+
+class SpecError(BetonClientError, ValueError):
+    """The Loader's arguments or pipelines are invalid; the message says what to change."""
+
+
+class TransportError(BetonClientError):
+    """The requested transport cannot work (the message gives the reason and the fix)."""
+
+
+class ServerUnavailable(BetonClientError, ConnectionError):
+    """No daemon answers at the address, it went away, or it is shutting down."""
+
+
+class DataError(BetonClientError):
+    """The daemon found the dataset file damaged."""
+
+
+class PipelineError(BetonClientError):
+    """A batch failed in the daemon (the message names the sample and the op)."""
+
+
+class AuthError(BetonClientError, PermissionError):
+    """The daemon refused the credentials."""
+
+
+class ServerError(BetonClientError):
+    """Any other error reported by the daemon."""
+
+
+_BY_CODE: dict[str, type[BetonClientError]] = {
+    "INVALID_ARGUMENT": SpecError,
+    "NOT_FOUND": SpecError,
+    "OUT_OF_RANGE": SpecError,
+    "FAILED_PRECONDITION": TransportError,
+    "UNAVAILABLE": ServerUnavailable,
+    "DEADLINE_EXCEEDED": ServerUnavailable,
+    "CANCELLED": ServerUnavailable,
+    "DATA_LOSS": DataError,
+    "INTERNAL": PipelineError,
+    "UNAUTHENTICATED": AuthError,
+    "PERMISSION_DENIED": AuthError,
+}
+
+
+def from_rpc_error(err: Any, *, target: str = "") -> BetonClientError:
+    """Translate a ``grpc.RpcError`` (or anything with ``code()``/``details()``) into our error.
+
+    Args:
+        err: the error raised by a gRPC call.
+        target: the daemon address, mentioned when it cannot be reached.
+
+    Returns:
+        The matching :class:`BetonClientError` (raise it ``from None``).
+    """
+    try:
+        code = err.code()
+        name = getattr(code, "name", str(code))
+    except Exception:
+        name = "UNKNOWN"
+    try:
+        details = err.details() or ""
+    except Exception:
+        details = str(err)
+    server_error = ""
+    try:
+        for key, value in err.trailing_metadata() or ():
+            if key == "beton-error":
+                server_error = str(value)
+    except Exception:
+        pass
+    cls = _BY_CODE.get(name, ServerError)
+    if server_error == "InternalError":
+        cls = ServerError
+    message = details
+    if cls is ServerUnavailable and server_error == "":
+        where = f" at {target}" if target else ""
+        message = f"no beton-serve daemon answers{where} ({name}: {details})"
+    return cls(message, code=name, server_error=server_error)
