@@ -144,7 +144,13 @@ def _dlpack_wrap(mapping: _Mapping, view: TensorView, device: int, stream: int) 
     except TypeError:  # CuPy releases whose ExternalStream takes no device_id
         ext = cupy.cuda.ExternalStream(stream)
     with cupy.cuda.Device(device), ext:
-        return torch.from_dlpack(arr)
+        try:
+            return torch.from_dlpack(arr)
+        except (BufferError, TypeError) as exc:
+            # An older torch/CuPy pair that disagrees on the stream argument: the legacy capsule
+            # carries no stream, and none is needed (the stream already waited on the event).
+            log.debug("cuda_ipc: torch.from_dlpack failed (%s); using the legacy capsule", exc)
+            return torch.utils.dlpack.from_dlpack(arr.toDlpack())
 
 
 class CudaIpcReceiver:
