@@ -322,7 +322,7 @@ class BatchEncoder:
                 raise FramingError(f"array name {name!r} appears twice")
             seen.add(name)
             specs.append(spec)
-            views.append(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+            views.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
         head, offsets, payload = self.header(epoch, batch_index, specs)
         yield head
         yield from self._chunks(views, offsets, payload)
@@ -541,7 +541,7 @@ class BatchDecoder:
         if codec is Codec.NONE:
             if len(msg) != n:
                 raise FramingError(f"chunk {k} has {len(msg)} bytes, expected {n}")
-            dest[:] = np.frombuffer(msg, np.uint8)
+            dest.data[:] = msg
             return
         # A compressed chunk is never much larger than its raw size (lz4 and zstd both bound the
         # expansion of incompressible data to well under 1 %); a bigger one is hostile.
@@ -569,7 +569,7 @@ class BatchDecoder:
             raise FramingError(f"chunk {k} does not decompress: {exc}") from None
         if len(out) != n:
             raise FramingError(f"chunk {k} decompressed to {len(out)} bytes, expected {n}")
-        dest[:] = np.frombuffer(out, np.uint8)
+        dest.data[:] = out
 
     def _finish(self) -> DecodedBatch:
         hdr, buf = self._header, self._buf

@@ -1,0 +1,409 @@
+"""Real gRPC servers on 127.0.0.1 (port 0) or a Unix socket streaming framed batches: every
+compression, threaded and aio servers, errors, cancellation, bearer token, TLS, mutual TLS, and two
+daemons with one dying mid-epoch. Every server is stopped by the test that started it."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from beton_client._security import secure_or_plain_channel
+from beton_client._transport.grpc_codec import (
+    CHANNEL_OPTIONS,
+    BatchStream,
+    BufferPool,
+    DaemonUnavailableError,
+    StreamError,
+    iter_batches,
+)
+from beton_client._transport.multi import MultiDaemonReader, StreamLink
+from beton_serve.errors import SpecError
+from beton_serve.transport import security as sec
+from beton_serve.transport.grpc_codec import (
+    SERVER_OPTIONS,
+    OutgoingBatch,
+    add_batch_stream_handler,
+)
+from beton_wire.framing import Codec, Compression, OpenRequest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from helpers import tls_certs
+
+TOKEN = "test-token-0123456789"
+
+
+def make_batch(epoch: int, b: int) -> dict[str, np.ndarray]:
+    """A deterministic, partly compressible batch identifying its position."""
+    img = np.zeros((6, 24, 24, 3), np.uint8)
+    img[:, :12] = (b * 7 + epoch) % 256
+    img[:, 12:] = np.random.default_rng([epoch, b]).integers(0, 256, size=(6, 12, 24, 3))
+    return {"image": img, "label": np.full(6, b, np.int64), "epoch": np.array([epoch], np.int32)}
+
+
+def check(batch: Any, epoch: int, b: int) -> None:
+    want = make_batch(epoch, b)
+    assert (batch.epoch, batch.batch_index) == (epoch, b)
+    assert list(batch.arrays) == list(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(batch.arrays[k], v)
+
+
+class Recorder:
+    """A producer factory that counts opens, closes and releases."""
+
+    def __init__(self, fn: Callable[[int, int], Any] = make_batch) -> None:
+        self.fn = fn
+        self.executor = cf.ThreadPoolExecutor(2, thread_name_prefix="beton-test-producer")
+        self.opens: list[OpenRequest] = []
+        self.closed = 0
+        self.produced = 0
+        self.released = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, req: OpenRequest, ctx: Any) -> Any:
+        self.opens.append(req)
+        rec = self
+
+        def produce(epoch: int, b: int) -> OutgoingBatch:
+            arrays = rec.fn(epoch, b)
+            with rec.lock:
+                rec.produced += 1
+
+            def release() -> None:
+                with rec.lock:
+                    rec.released += 1
+
+            return OutgoingBatch(arrays, release)
+
+        class Producer:
+            def submit(self, epoch: int, b: int) -> cf.Future:
+                return rec.executor.submit(produce, epoch, b)
+
+            def close(self) -> None:
+                rec.closed += 1
+
+        return Producer()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def threaded_server(
+    factory: Any,
+    *,
+    address: str = "127.0.0.1:0",
+    creds: grpc.ServerCredentials | None = None,
+    interceptors: tuple = (),
+    allowed: frozenset[Codec] = frozenset(Codec),
+    health_service: bool = False,
+) -> Iterator[tuple[grpc.Server, str]]:
+    pool = cf.ThreadPoolExecutor(8)
+    server = grpc.server(pool, options=SERVER_OPTIONS, interceptors=interceptors)
+    add_batch_stream_handler(server, factory, allowed_codecs=allowed)
+    if health_service:
+        hs = health.HealthServicer()
+        hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    server.start()
+    target = address if address.startswith("unix:") else f"127.0.0.1:{port}"
+    try:
+        yield server, target
+    finally:
+        server.stop(None).wait(10)
+        pool.shutdown(wait=True)
+
+
+def read_all(
+    channel: grpc.Channel, positions: list[tuple[int, int]], comp: str = "none", **kw: Any
+):
+    stream = BatchStream(
+        channel,
+        open_request=OpenRequest(Compression.parse(comp), chunk_bytes=4096),
+        pool=BufferPool(4),
+        **kw,
+    )
+    try:
+        out = []
+        for batch in iter_batches(stream, positions, prefetch=3, timeout=20):
+            check(batch, *positions[len(out)])
+            out.append((batch.epoch, batch.batch_index))
+        return out
+    finally:
+        stream.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("comp", ["none", "lz4", "zstd:1", "zstd:3"])
+def test_threaded_server_streams_every_compression(comp: str) -> None:
+    rec = Recorder()
+    positions = [(2, b) for b in range(12)] + [(3, 0)]
+    try:
+        with threaded_server(rec) as (_, target):
+            with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                assert read_all(ch, positions, comp) == positions
+            assert wait_for(lambda: rec.closed == 1)
+        assert rec.opens[0].compression == Compression.parse(comp)
+        assert rec.produced == rec.released == len(positions)
+    finally:
+        rec.shutdown()
+
+
+def test_aio_server_streams() -> None:
+    rec = Recorder()
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    def run() -> None:
+        async def main() -> None:
+            server = grpc.aio.server(options=SERVER_OPTIONS)
+            add_batch_stream_handler(server, rec)
+            state["port"] = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            state["stop"] = asyncio.Event()
+            state["loop"] = asyncio.get_running_loop()
+            started.set()
+            await state["stop"].wait()
+            await server.stop(None)
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=run, name="beton-test-aio-server")
+    t.start()
+    try:
+        assert started.wait(10)
+        with grpc.insecure_channel(f"127.0.0.1:{state['port']}", options=CHANNEL_OPTIONS) as ch:
+            positions = [(0, b) for b in range(6)]
+            assert read_all(ch, positions, "none") == positions
+            assert read_all(ch, positions, "lz4") == positions
+    finally:
+        if "loop" in state:
+            state["loop"].call_soon_threadsafe(state["stop"].set)
+        t.join(10)
+        rec.shutdown()
+    assert not t.is_alive()
+    assert rec.closed == 2 and rec.released == 12
+
+
+def test_unix_socket(tmp_path: Path) -> None:
+    rec = Recorder()
+    try:
+        address = f"unix:{tmp_path / 'beton.sock'}"
+        with threaded_server(rec, address=address) as (_, target):
+            with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                assert read_all(ch, [(0, 0), (0, 1)]) == [(0, 0), (0, 1)]
+    finally:
+        rec.shutdown()
+
+
+def test_compression_not_enabled_is_refused() -> None:
+    rec = Recorder()
+    try:
+        with threaded_server(rec, allowed=frozenset({Codec.NONE})) as (_, target):
+            with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                with pytest.raises(StreamError, match="not enabled") as info:
+                    read_all(ch, [(0, 0)], "zstd:1")
+        assert info.value.code == "INVALID_ARGUMENT"
+        assert rec.opens == []
+    finally:
+        rec.shutdown()
+
+
+def test_producer_error_reaches_the_client_after_earlier_batches() -> None:
+    def fn(epoch: int, b: int) -> dict[str, np.ndarray]:
+        if b == 3:
+            raise SpecError("batch 3 is cursed; change the pipeline")
+        return make_batch(epoch, b)
+
+    rec = Recorder(fn)
+    got: list[int] = []
+    try:
+        with threaded_server(rec) as (_, target):
+            with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                stream = BatchStream(ch, pool=BufferPool(4))
+                with pytest.raises(StreamError, match="cursed") as info:
+                    for batch in iter_batches(stream, [(0, b) for b in range(6)], timeout=20):
+                        got.append(batch.batch_index)
+                stream.close()
+        assert info.value.code == "INVALID_ARGUMENT"
+        assert got == [0, 1, 2]
+    finally:
+        rec.shutdown()
+
+
+def test_client_cancel_closes_the_producer_and_releases_every_batch() -> None:
+    rec = Recorder()
+    try:
+        with threaded_server(rec) as (_, target):
+            with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                stream = BatchStream(ch, pool=BufferPool(12))
+                stream.want([(0, b) for b in range(10)])
+                check(stream.receive(timeout=20), 0, 0)
+                stream.close()
+                assert wait_for(lambda: rec.closed == 1)
+                assert wait_for(lambda: rec.released == rec.produced)
+                with pytest.raises(StreamError, match="closed"):
+                    stream.want([(0, 11)])
+    finally:
+        rec.shutdown()
+
+
+def test_receive_timeout_cancels_a_silent_stream() -> None:
+    gate = threading.Event()
+
+    def fn(epoch: int, b: int) -> dict[str, np.ndarray]:
+        gate.wait(10)
+        return make_batch(epoch, b)
+
+    rec = Recorder(fn)
+    try:
+        with threaded_server(rec) as (_, target):
+            with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                stream = BatchStream(ch)
+                stream.want([(0, 0)])
+                t0 = time.monotonic()
+                with pytest.raises(DaemonUnavailableError, match="no batch within"):
+                    stream.receive(timeout=0.3)
+                assert time.monotonic() - t0 < 5
+                stream.close()
+                gate.set()
+    finally:
+        gate.set()
+        rec.shutdown()
+
+
+def test_bearer_token_required_and_health_exempt() -> None:
+    rec = Recorder()
+    try:
+        with threaded_server(
+            rec, interceptors=(sec.BearerTokenInterceptor(TOKEN),), health_service=True
+        ) as (_, target):
+            for token in (None, "wrong-token"):
+                with secure_or_plain_channel(target, token=token, options=CHANNEL_OPTIONS) as ch:
+                    with pytest.raises(StreamError) as info:
+                        read_all(ch, [(0, 0)])
+                    assert info.value.code == "UNAUTHENTICATED"
+            with secure_or_plain_channel(target, token=TOKEN, options=CHANNEL_OPTIONS) as ch:
+                assert read_all(ch, [(0, 0), (0, 1)]) == [(0, 0), (0, 1)]
+            with grpc.insecure_channel(target) as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=10
+                )
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert len(rec.opens) == 1  # refused calls never reached the daemon
+    finally:
+        rec.shutdown()
+
+
+needs_certs = pytest.mark.skipif(
+    not tls_certs.available(), reason="needs the cryptography package or the openssl command"
+)
+
+
+@needs_certs
+def test_tls_with_token(tmp_path: Path) -> None:
+    files = tls_certs.make_tls_files(tmp_path)
+    creds = sec.server_credentials(
+        sec.TlsConfig(cert_file=files.server_cert, key_file=files.server_key)
+    )
+    rec = Recorder()
+    try:
+        with threaded_server(
+            rec, creds=creds, interceptors=(sec.BearerTokenInterceptor(TOKEN),)
+        ) as (_, target):
+            kw: dict[str, Any] = {"options": CHANNEL_OPTIONS}
+            with secure_or_plain_channel(target, ca_file=files.ca_cert, token=TOKEN, **kw) as ch:
+                assert read_all(ch, [(1, 0), (1, 1)], "lz4") == [(1, 0), (1, 1)]
+            with secure_or_plain_channel(target, ca_file=files.ca_cert, **kw) as ch:
+                with pytest.raises(StreamError) as info:
+                    read_all(ch, [(1, 0)])
+                assert info.value.code == "UNAUTHENTICATED"
+            # a client that does not trust the daemon's CA never completes the handshake
+            with secure_or_plain_channel(target, ca_file=files.other_ca_cert, **kw) as ch:
+                with pytest.raises(DaemonUnavailableError):
+                    read_all(ch, [(1, 0)])
+            # a plain-text client cannot talk to the TLS port
+            with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                with pytest.raises(DaemonUnavailableError):
+                    read_all(ch, [(1, 0)])
+    finally:
+        rec.shutdown()
+
+
+@needs_certs
+def test_mutual_tls(tmp_path: Path) -> None:
+    files = tls_certs.make_tls_files(tmp_path)
+    creds = sec.server_credentials(
+        sec.TlsConfig(
+            cert_file=files.server_cert, key_file=files.server_key, client_ca_file=files.ca_cert
+        )
+    )
+    rec = Recorder()
+    try:
+        with threaded_server(rec, creds=creds) as (_, target):
+            kw: dict[str, Any] = {"ca_file": files.ca_cert, "options": CHANNEL_OPTIONS}
+            with secure_or_plain_channel(
+                target, cert_file=files.client_cert, key_file=files.client_key, **kw
+            ) as ch:
+                assert read_all(ch, [(0, 5)]) == [(0, 5)]
+            with secure_or_plain_channel(target, **kw) as ch:  # no client certificate
+                with pytest.raises(DaemonUnavailableError):
+                    read_all(ch, [(0, 5)])
+        assert len(rec.opens) == 1
+    finally:
+        rec.shutdown()
+
+
+def test_two_daemons_one_dies_mid_epoch() -> None:
+    recs = [Recorder(), Recorder()]
+    lost: list[int] = []
+    n = 16
+    try:
+        with threaded_server(recs[0]) as (_, t0), threaded_server(recs[1]) as (s1, t1):
+            chans = [grpc.insecure_channel(t, options=CHANNEL_OPTIONS) for t in (t0, t1)]
+            streams = [BatchStream(ch, pool=BufferPool(4)) for ch in chans]
+            try:
+                reader = MultiDaemonReader(
+                    [StreamLink(s, timeout=20) for s in streams],
+                    credits_per_daemon=2,
+                    on_daemon_lost=lambda i, e: lost.append(i),
+                )
+                got = []
+                for batch in reader.iter_epoch(4, n):
+                    check(batch, 4, len(got))
+                    got.append(batch.batch_index)
+                    if batch.release is not None:
+                        batch.release()
+                    if len(got) == 5:
+                        s1.stop(None)  # daemon 1 goes away mid-epoch
+                assert got == list(range(n))
+                assert lost == [1]
+                assert reader.alive == (0,)
+            finally:
+                for s in streams:
+                    s.close()
+                for ch in chans:
+                    ch.close()
+        # daemon 1 served only what was asked before it died; daemon 0 made everything else
+        assert recs[1].produced <= 5
+        assert recs[0].produced >= n - recs[1].produced
+    finally:
+        for r in recs:
+            r.shutdown()
