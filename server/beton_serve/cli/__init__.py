@@ -36,6 +36,7 @@ SUBCOMMANDS: list[str] = [
     "beton_serve.cli._convert",
     "beton_serve.cli._health",
     "beton_serve.cli._demo",
+    "beton_serve.cli._bench",
     "beton_serve.cli._stats",
 ]
 #: Used when the first argument is not a subcommand name (only if it is registered).
