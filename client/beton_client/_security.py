@@ -28,6 +28,8 @@ from typing import Any
 
 import grpc
 
+from beton_client.errors import SpecError
+
 __all__ = [
     "channel_credentials",
     "secure_or_plain_channel",
@@ -41,15 +43,15 @@ def _read(path: str, what: str) -> bytes:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror}") from None
+        raise SpecError(f"{what}: cannot read {path!r}: {exc.strerror}") from None
     if b"-----BEGIN" not in data:
-        raise ValueError(f"{what}: {path!r} is not a PEM file")
+        raise SpecError(f"{what}: {path!r} is not a PEM file")
     return data
 
 
 def _check_token(token: str) -> str:
     if not token or any(c.isspace() or not c.isprintable() or ord(c) > 127 for c in token):
-        raise ValueError("the bearer token must be non-empty printable ASCII without spaces")
+        raise SpecError("the bearer token must be non-empty printable ASCII without spaces")
     return token
 
 
@@ -59,7 +61,7 @@ def channel_credentials(
     """TLS credentials trusting ``ca_file`` (system roots if None); a client certificate and key
     (both or neither) enable mutual TLS."""
     if (cert_file is None) != (key_file is None):
-        raise ValueError("give both cert_file and key_file for mutual TLS, or neither")
+        raise SpecError("give both cert_file and key_file for mutual TLS, or neither")
     return grpc.ssl_channel_credentials(
         root_certificates=_read(ca_file, "ca_file") if ca_file else None,
         private_key=_read(key_file, "key_file") if key_file else None,

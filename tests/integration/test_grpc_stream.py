@@ -21,12 +21,17 @@ from beton_client._transport.grpc_codec import (
     CHANNEL_OPTIONS,
     BatchStream,
     BufferPool,
-    DaemonUnavailableError,
-    StreamError,
     iter_batches,
 )
 from beton_client._transport.multi import MultiDaemonReader, StreamLink
-from beton_serve.errors import SpecError
+from beton_client.errors import (
+    AuthError,
+    BetonClientError,
+    ServerUnavailable,
+    SpecError,
+    TransportError,
+)
+from beton_serve.errors import SpecError as ServerSpecError
 from beton_serve.transport import security as sec
 from beton_serve.transport.grpc_codec import (
     SERVER_OPTIONS,
@@ -133,7 +138,7 @@ def read_all(
         **kw,
     )
     try:
-        out = []
+        out: list[tuple[int, int]] = []
         for batch in iter_batches(stream, positions, prefetch=3, timeout=20):
             check(batch, *positions[len(out)])
             out.append((batch.epoch, batch.batch_index))
@@ -218,7 +223,7 @@ def test_compression_not_enabled_is_refused() -> None:
     try:
         with threaded_server(rec, allowed=frozenset({Codec.NONE})) as (_, target):
             with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
-                with pytest.raises(StreamError, match="not enabled") as info:
+                with pytest.raises(SpecError, match="not enabled") as info:
                     read_all(ch, [(0, 0)], "zstd:1")
         assert info.value.code == "INVALID_ARGUMENT"
         assert rec.opens == []
@@ -229,7 +234,7 @@ def test_compression_not_enabled_is_refused() -> None:
 def test_producer_error_reaches_the_client_after_earlier_batches() -> None:
     def fn(epoch: int, b: int) -> dict[str, np.ndarray]:
         if b == 3:
-            raise SpecError("batch 3 is cursed; change the pipeline")
+            raise ServerSpecError("batch 3 is cursed; change the pipeline")
         return make_batch(epoch, b)
 
     rec = Recorder(fn)
@@ -238,7 +243,7 @@ def test_producer_error_reaches_the_client_after_earlier_batches() -> None:
         with threaded_server(rec) as (_, target):
             with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
                 stream = BatchStream(ch, pool=BufferPool(4))
-                with pytest.raises(StreamError, match="cursed") as info:
+                with pytest.raises(SpecError, match="cursed") as info:
                     for batch in iter_batches(stream, [(0, b) for b in range(6)], timeout=20):
                         got.append(batch.batch_index)
                 stream.close()
@@ -259,7 +264,7 @@ def test_client_cancel_closes_the_producer_and_releases_every_batch() -> None:
                 stream.close()
                 assert wait_for(lambda: rec.closed == 1)
                 assert wait_for(lambda: rec.released == rec.produced)
-                with pytest.raises(StreamError, match="closed"):
+                with pytest.raises(BetonClientError, match="closed"):
                     stream.want([(0, 11)])
     finally:
         rec.shutdown()
@@ -279,7 +284,7 @@ def test_receive_timeout_cancels_a_silent_stream() -> None:
                 stream = BatchStream(ch)
                 stream.want([(0, 0)])
                 t0 = time.monotonic()
-                with pytest.raises(DaemonUnavailableError, match="no batch within"):
+                with pytest.raises(ServerUnavailable, match="no batch within"):
                     stream.receive(timeout=0.3)
                 assert time.monotonic() - t0 < 5
                 stream.close()
@@ -297,7 +302,7 @@ def test_bearer_token_required_and_health_exempt() -> None:
         ) as (_, target):
             for token in (None, "wrong-token"):
                 with secure_or_plain_channel(target, token=token, options=CHANNEL_OPTIONS) as ch:
-                    with pytest.raises(StreamError) as info:
+                    with pytest.raises(AuthError) as info:
                         read_all(ch, [(0, 0)])
                     assert info.value.code == "UNAUTHENTICATED"
             with secure_or_plain_channel(target, token=TOKEN, options=CHANNEL_OPTIONS) as ch:
@@ -332,16 +337,16 @@ def test_tls_with_token(tmp_path: Path) -> None:
             with secure_or_plain_channel(target, ca_file=files.ca_cert, token=TOKEN, **kw) as ch:
                 assert read_all(ch, [(1, 0), (1, 1)], "lz4") == [(1, 0), (1, 1)]
             with secure_or_plain_channel(target, ca_file=files.ca_cert, **kw) as ch:
-                with pytest.raises(StreamError) as info:
+                with pytest.raises(BetonClientError) as info:
                     read_all(ch, [(1, 0)])
                 assert info.value.code == "UNAUTHENTICATED"
             # a client that does not trust the daemon's CA never completes the handshake
             with secure_or_plain_channel(target, ca_file=files.other_ca_cert, **kw) as ch:
-                with pytest.raises(DaemonUnavailableError):
+                with pytest.raises(ServerUnavailable):
                     read_all(ch, [(1, 0)])
             # a plain-text client cannot talk to the TLS port
             with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
-                with pytest.raises(DaemonUnavailableError):
+                with pytest.raises(ServerUnavailable):
                     read_all(ch, [(1, 0)])
     finally:
         rec.shutdown()
@@ -364,7 +369,7 @@ def test_mutual_tls(tmp_path: Path) -> None:
             ) as ch:
                 assert read_all(ch, [(0, 5)]) == [(0, 5)]
             with secure_or_plain_channel(target, **kw) as ch:  # no client certificate
-                with pytest.raises(DaemonUnavailableError):
+                with pytest.raises(ServerUnavailable):
                     read_all(ch, [(0, 5)])
         assert len(rec.opens) == 1
     finally:
@@ -385,7 +390,7 @@ def test_two_daemons_one_dies_mid_epoch() -> None:
                     credits_per_daemon=2,
                     on_daemon_lost=lambda i, e: lost.append(i),
                 )
-                got = []
+                got: list[int] = []
                 for batch in reader.iter_epoch(4, n):
                     check(batch, 4, len(got))
                     got.append(batch.batch_index)
@@ -407,3 +412,41 @@ def test_two_daemons_one_dies_mid_epoch() -> None:
     finally:
         for r in recs:
             r.shutdown()
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[b"garbage"], [b"BTB1" + bytes(60)], "out-of-order"],
+    ids=["garbage", "bad-header", "out-of-order"],
+)
+def test_malformed_stream_from_a_daemon_is_a_transport_error(messages: Any) -> None:
+    from beton_wire.framing import BatchEncoder
+
+    if messages == "out-of-order":
+        messages = list(BatchEncoder().encode(0, 9, make_batch(0, 9)))
+
+    def rogue(request_iterator: Iterator[bytes], ctx: Any) -> Iterator[bytes]:
+        next(request_iterator)
+        yield from messages
+
+    pool = cf.ThreadPoolExecutor(2)
+    server = grpc.server(pool, options=SERVER_OPTIONS)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "beton.v1.BatchStream", {"Stream": grpc.stream_stream_rpc_method_handler(rogue)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
+            stream = BatchStream(ch)
+            stream.want([(0, 0)])
+            with pytest.raises(TransportError, match=r"malformed|expected"):
+                stream.receive(timeout=10)
+            stream.close()
+    finally:
+        server.stop(None).wait(10)
+        pool.shutdown(wait=True)

@@ -17,11 +17,12 @@ Memory is bounded by credits: at most ``outstanding`` batches are in flight, eac
 buffer from a :class:`BufferPool` (created with room for prefetch + 1 buffers), plus HTTP/2's
 flow-control window inside grpcio.
 
-Errors: every ``grpc.RpcError`` is translated once, by :func:`translate_rpc_error`, into
-:class:`StreamError`; a lost daemon (UNAVAILABLE, connection reset, cancelled by a failed
-keepalive) is :class:`DaemonUnavailableError`, also a ``ConnectionError``, which is what the
-multi-daemon logic (``_transport.multi``) treats as "reassign this daemon's batches". A malformed
-message raises :class:`beton_wire.framing.FramingError`.
+Errors (``beton_client.errors``): every ``grpc.RpcError`` goes through ``from_rpc_error``
+(UNAUTHENTICATED -> ``AuthError``, INVALID_ARGUMENT -> ``SpecError``, ...). A lost daemon
+(UNAVAILABLE, CANCELLED, a receive timeout, the stream ending early) is ``ServerUnavailable``, a
+``ConnectionError``, which is what the multi-daemon logic (``_transport.multi``) treats as
+"reassign this daemon's batches". A malformed or out-of-order message from the daemon raises
+``TransportError`` (the framing error is its message).
 
 API::
 
@@ -31,7 +32,6 @@ API::
                 max_batch_bytes=DEFAULT_MAX_BATCH_BYTES, metadata=(), pool=None)
         .want(items) .receive(timeout=None) -> DecodedBatch .outstanding .close()
     iter_batches(stream, positions, *, prefetch=2, timeout=None) -> Iterator[DecodedBatch]
-    translate_rpc_error(err) -> StreamError
 
 Threading: a BatchStream is used by one thread. grpcio consumes the request iterator on its own
 thread; :meth:`BatchStream.close` ends it. A receive timeout runs a ``beton-grpc-deadline`` timer
@@ -59,15 +59,14 @@ from beton_wire.framing import (
 )
 from numpy.typing import NDArray
 
+from beton_client.errors import BetonClientError, ServerUnavailable, TransportError, from_rpc_error
+
 __all__ = [
     "CHANNEL_OPTIONS",
     "DEFAULT_METHOD_PATH",
     "BatchStream",
     "BufferPool",
-    "DaemonUnavailableError",
-    "StreamError",
     "iter_batches",
-    "translate_rpc_error",
 ]
 
 DEFAULT_METHOD_PATH = "/beton.v1.BatchStream/Stream"
@@ -82,32 +81,6 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 keepalive, so a vanished daemon surfaces as UNAVAILABLE instead of a hang."""
 
 _SENTINEL = object()
-_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
-
-
-class StreamError(Exception):
-    """The batch stream failed; ``code`` is the gRPC status code name (e.g. ``"UNAUTHENTICATED"``)."""
-
-    def __init__(self, message: str, code: str = "UNKNOWN") -> None:
-        self.code = code
-        super().__init__(message)
-
-
-class DaemonUnavailableError(StreamError, ConnectionError):
-    """The daemon went away (or never answered); another daemon may take over its batches."""
-
-
-def translate_rpc_error(err: grpc.RpcError) -> StreamError:
-    """The one place a ``grpc.RpcError`` becomes a client error (raise it ``from None``)."""
-    code = err.code() if isinstance(err, grpc.Call) else None
-    details = err.details() if isinstance(err, grpc.Call) else str(err)
-    name = code.name if code is not None else "UNKNOWN"
-    msg = f"batch stream failed with {name}: {details}"
-    if code in _UNAVAILABLE:
-        return DaemonUnavailableError(msg, name)
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DaemonUnavailableError(msg + " (no batch within the timeout)", name)
-    return StreamError(msg, name)
 
 
 class BufferPool:
@@ -208,7 +181,7 @@ class BatchStream:
     def want(self, items: Iterable[tuple[int, int]]) -> None:
         """Grant one credit per ``(epoch, batch_index)``; the daemon answers in this order."""
         if self._closed:
-            raise StreamError("the batch stream is closed", "CANCELLED")
+            raise BetonClientError("the batch stream is closed", code="CANCELLED")
         batch = tuple((int(e), int(b)) for e, b in items)
         if batch:
             self._requests.put(WantRequest(batch).to_bytes())
@@ -219,14 +192,17 @@ class BatchStream:
 
         Args:
             timeout: seconds to wait for the whole batch; on expiry the call is cancelled and
-                :class:`DaemonUnavailableError` raised (the stream is then unusable).
+                ``ServerUnavailable`` raised (the stream is then unusable).
 
         Raises:
-            StreamError / DaemonUnavailableError: the call failed or ended early.
-            FramingError: the daemon sent a malformed or unexpected batch.
+            ServerUnavailable: the daemon went away, ended the stream early, or the timeout hit.
+            BetonClientError: any other failure the daemon reported (``from_rpc_error``).
+            TransportError: the daemon sent a malformed or unexpected batch.
         """
         if not self._pending:
-            raise StreamError("receive() without an outstanding want()", "FAILED_PRECONDITION")
+            raise BetonClientError(
+                "receive() without an outstanding want()", code="FAILED_PRECONDITION"
+            )
         timer = None
         if timeout is not None:
             timer = threading.Timer(timeout, self._call.cancel)
@@ -237,18 +213,22 @@ class BatchStream:
                 try:
                     msg = next(self._call)
                 except StopIteration:
-                    raise DaemonUnavailableError(
+                    raise ServerUnavailable(
                         f"the daemon ended the stream with {len(self._pending)} batches owed",
-                        "UNAVAILABLE",
+                        code="UNAVAILABLE",
                     ) from None
                 except grpc.RpcError as err:
                     if timer is not None and not timer.is_alive() and not self._closed:
-                        raise DaemonUnavailableError(
+                        raise ServerUnavailable(
                             f"no batch within {timeout} s; the stream was cancelled",
-                            "DEADLINE_EXCEEDED",
+                            code="DEADLINE_EXCEEDED",
                         ) from None
-                    raise translate_rpc_error(err) from None
-                batch = self._decoder.feed(msg)
+                    raise from_rpc_error(err) from None
+                try:
+                    batch = self._decoder.feed(msg)
+                except FramingError as exc:
+                    self.close()
+                    raise TransportError(f"malformed batch stream: {exc}") from None
                 if batch is not None:
                     break
         finally:
@@ -261,7 +241,8 @@ class BatchStream:
             pool = self._pool
             batch.release = lambda: pool.give_back(buf)
         if (batch.epoch, batch.batch_index) != expected:
-            raise FramingError(
+            self.close()
+            raise TransportError(
                 f"daemon sent batch {(batch.epoch, batch.batch_index)}, expected {expected}"
             )
         return batch

@@ -21,7 +21,7 @@ by ``S * (credits_per_daemon + 1)`` batches; a stream's buffer pool needs ``cred
 buffers (one more for the batch the consumer still holds). Batches that arrive ahead of their
 turn wait in a small reorder buffer.
 
-Failure. A ``ConnectionError`` (the grpc client raises ``DaemonUnavailableError``, a subclass)
+Failure. A ``ConnectionError`` (the grpc client raises ``beton_client.errors.ServerUnavailable``)
 from ``request`` or ``receive`` marks the daemon dead; ``on_daemon_lost(index, exc)`` is called
 (log it); its link is closed. When no daemon is left, :class:`AllDaemonsLostError` is raised.
 Any other exception propagates unchanged.
