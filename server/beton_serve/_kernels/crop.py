@@ -18,7 +18,13 @@ import numpy as np
 
 from beton_serve.pipeline import rng
 
-__all__ = ["center_crop", "center_crop_batch", "random_resized_crop", "rrc_batch"]
+__all__ = [
+    "center_crop",
+    "center_crop_batch",
+    "random_resized_crop",
+    "rrc_batch",
+    "rrc_batch_fixed",
+]
 
 _jit = numba.njit(nogil=True, cache=False, error_model="numpy")
 
@@ -69,6 +75,35 @@ def rrc_batch(seed_key, batch_indices, heights, widths, scale, ratio):  # pragma
             np.uint64(sid),
             int(heights[sid]),
             int(widths[sid]),
+            scale[0],
+            scale[1],
+            lr0,
+            lr1,
+            rmin,
+            rmax,
+        )
+        out[b, 0] = i
+        out[b, 1] = j
+        out[b, 2] = h
+        out[b, 3] = w
+    return out
+
+
+@_jit
+def rrc_batch_fixed(seed_key, batch_indices, height, width, scale, ratio):  # pragma: no cover
+    """Crops ``(B, 4)`` of a batch whose images all are ``height x width``."""
+    n = batch_indices.shape[0]
+    out = np.empty((n, 4), np.int64)
+    lr0 = math.log(ratio[0])
+    lr1 = math.log(ratio[1])
+    rmin = min(ratio[0], ratio[1])
+    rmax = max(ratio[0], ratio[1])
+    for b in range(n):
+        i, j, h, w = random_resized_crop(
+            seed_key,
+            np.uint64(batch_indices[b]),
+            height,
+            width,
             scale[0],
             scale[1],
             lr0,

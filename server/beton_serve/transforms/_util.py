@@ -1,0 +1,55 @@
+"""Small helpers shared by the transform modules (no Numba, no torch at import)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from beton_serve.errors import SpecError
+
+__all__ = ["dtype_name", "mark", "require_image", "to_list"]
+
+
+def mark(fn: Any, *, indices: bool = False, seed: bool = False, python: bool = False) -> Any:
+    """Set the call-convention attributes of a generated function (see ``operation.py``)."""
+    if indices:
+        fn.with_indices = True
+    if seed:
+        fn.with_seed = True
+    if python:
+        fn.python = True
+    return fn
+
+
+def dtype_name(dtype: Any) -> str:
+    """A JSON-safe name for a numpy or torch dtype (``"float16"``, ``"uint8"``)."""
+    if type(dtype).__module__ == "torch":
+        return str(dtype).replace("torch.", "")
+    return np.dtype(dtype).name
+
+
+def to_list(value: Any) -> Any:
+    """Numpy arrays/scalars and tuples to JSON-safe lists/numbers (recursively)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [to_list(v) for v in value]
+    return value
+
+
+def require_image(op: Any, state: Any, *, channels: int | None = 3, dtype: Any = None) -> None:
+    """Raise :class:`SpecError` unless ``state`` is a jit-mode (H, W, C) image."""
+    name = type(op).__name__
+    if not state.jit_mode:
+        raise SpecError(f"{name} works on numpy images before ToTensor; move it before ToTensor()")
+    shape = state.shape
+    if shape is None or len(shape) != 3 or (channels is not None and shape[2] != channels):
+        raise SpecError(
+            f"{name} needs (H, W, {channels or 'C'}) images per sample, got shape {shape}; "
+            "put it after an image decoder"
+        )
+    if dtype is not None and np.dtype(state.dtype) != np.dtype(dtype):
+        raise SpecError(f"{name} needs {np.dtype(dtype)} images, got {state.dtype}")
