@@ -171,14 +171,16 @@ def test_threaded_server_streams_every_compression(comp: str) -> None:
         rec.shutdown()
 
 
-def test_aio_server_streams() -> None:
+def test_aio_server_streams_and_checks_the_token() -> None:
     rec = Recorder()
     started = threading.Event()
     state: dict[str, Any] = {}
 
     def run() -> None:
         async def main() -> None:
-            server = grpc.aio.server(options=SERVER_OPTIONS)
+            server = grpc.aio.server(
+                options=SERVER_OPTIONS, interceptors=[sec.AioBearerTokenInterceptor(TOKEN)]
+            )
             add_batch_stream_handler(server, rec)
             state["port"] = server.add_insecure_port("127.0.0.1:0")
             await server.start()
@@ -194,10 +196,14 @@ def test_aio_server_streams() -> None:
     t.start()
     try:
         assert started.wait(10)
-        with grpc.insecure_channel(f"127.0.0.1:{state['port']}", options=CHANNEL_OPTIONS) as ch:
+        target = f"127.0.0.1:{state['port']}"
+        with secure_or_plain_channel(target, token=TOKEN, options=CHANNEL_OPTIONS) as ch:
             positions = [(0, b) for b in range(6)]
             assert read_all(ch, positions, "none") == positions
             assert read_all(ch, positions, "lz4") == positions
+        with secure_or_plain_channel(target, token="wrong-token", options=CHANNEL_OPTIONS) as ch:
+            with pytest.raises(AuthError):
+                read_all(ch, positions)
     finally:
         if "loop" in state:
             state["loop"].call_soon_threadsafe(state["stop"].set)

@@ -143,7 +143,7 @@ def _header(
     version: int = framing.VERSION,
     codec: int = 0,
     payload: int | None = None,
-    chunk: int = 1 << 20,
+    chunk: int = framing.DEFAULT_CHUNK_BYTES,
     n_chunks: int | None = None,
     arrays: list[tuple[bytes, bytes, tuple[int, ...], int]] | None = None,
     trailing: bytes = b"",
