@@ -22,6 +22,9 @@ from beton_wire.framing import (
     parse_request,
     payload_layout,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 COMPRESSIONS = ["none", "lz4", "zstd:1", "zstd:3"]
 
@@ -349,3 +352,64 @@ def test_buffer_pool_recycles_and_bounds_buffers() -> None:
     assert c.size == 200 and c is not b
     with pytest.raises(RuntimeError):
         pool.acquire(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# property tests
+
+_DTYPES = ["|u1", "|b1", "<i2", "<f2", "<u4", "<f4", "<i8", "<f8", "<c8", ">i4"]
+_array = st.sampled_from(_DTYPES).flatmap(
+    lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=4, max_side=7))
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arrays=st.lists(_array, max_size=5),
+    chunk=st.integers(framing.MIN_CHUNK_BYTES, framing.MIN_CHUNK_BYTES * 3),
+    comp=st.sampled_from(COMPRESSIONS),
+    epoch=st.integers(0, 2**64 - 1),
+)
+def test_roundtrip_property(arrays: list, chunk: int, comp: str, epoch: int) -> None:
+    named = [(f"a{i}", a) for i, a in enumerate(arrays)]
+    enc = BatchEncoder(chunk_bytes=chunk, compression=Compression.parse(comp))
+    got = _decode_all(BatchDecoder(), list(enc.encode(epoch, 3, named)))
+    assert got.epoch == epoch
+    for name, a in named:
+        assert got.arrays[name].dtype == a.dtype and got.arrays[name].shape == a.shape
+        np.testing.assert_array_equal(got.arrays[name], a)
+
+
+_VALID_HEADER = next(iter(BatchEncoder().encode(1, 2, _batch())))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(0, len(_VALID_HEADER) - 1), st.integers(0, 255)), max_size=6
+    ),
+    cut=st.integers(0, len(_VALID_HEADER)),
+)
+def test_corrupted_headers_fail_cleanly_or_stay_consistent(
+    edits: list[tuple[int, int]], cut: int
+) -> None:
+    msg = bytearray(_VALID_HEADER)
+    for pos, val in edits:
+        msg[pos] = val
+    data = bytes(msg[:cut]) if cut < len(msg) else bytes(msg)
+    limit = 1 << 20
+    allocated: list[int] = []
+
+    def allocate(n: int) -> np.ndarray:
+        allocated.append(n)
+        return np.empty(n, np.uint8)
+
+    try:
+        BatchDecoder(max_batch_bytes=limit, allocate=allocate).feed(data)
+    except FramingError:
+        assert allocated == []
+        return
+    # accepted: then it is self-consistent and within the limit
+    hdr = parse_header(data, max_batch_bytes=limit)
+    assert allocated == [hdr.payload_bytes] and hdr.payload_bytes <= limit
+    assert payload_layout(hdr.arrays) == (hdr.offsets, hdr.payload_bytes)
