@@ -171,8 +171,14 @@ def test_threaded_server_streams_every_compression(comp: str) -> None:
         rec.shutdown()
 
 
+def _fails_at_99(epoch: int, b: int) -> dict[str, np.ndarray]:
+    if b == 99:
+        raise ServerSpecError("batch 99 does not exist")
+    return make_batch(epoch, b)
+
+
 def test_aio_server_streams_and_checks_the_token() -> None:
-    rec = Recorder()
+    rec = Recorder(_fails_at_99)
     started = threading.Event()
     state: dict[str, Any] = {}
 
@@ -201,6 +207,9 @@ def test_aio_server_streams_and_checks_the_token() -> None:
             positions = [(0, b) for b in range(6)]
             assert read_all(ch, positions, "none") == positions
             assert read_all(ch, positions, "lz4") == positions
+            with pytest.raises(SpecError, match="does not exist") as info:
+                read_all(ch, [(0, 99)])
+            assert info.value.server_error == "SpecError"
         with secure_or_plain_channel(target, token="wrong-token", options=CHANNEL_OPTIONS) as ch:
             with pytest.raises(AuthError):
                 read_all(ch, positions)
@@ -210,7 +219,7 @@ def test_aio_server_streams_and_checks_the_token() -> None:
         t.join(10)
         rec.shutdown()
     assert not t.is_alive()
-    assert rec.closed == 2 and rec.released == 12
+    assert rec.closed == 3 and rec.released == 12
 
 
 def test_unix_socket(tmp_path: Path) -> None:
@@ -254,6 +263,7 @@ def test_producer_error_reaches_the_client_after_earlier_batches() -> None:
                         got.append(batch.batch_index)
                 stream.close()
         assert info.value.code == "INVALID_ARGUMENT"
+        assert info.value.server_error == "SpecError"
         assert got == [0, 1, 2]
     finally:
         rec.shutdown()

@@ -19,6 +19,7 @@ API (for the daemon)::
     add_batch_stream_handler(server, producer_factory, *, service_name=DEFAULT_SERVICE,
                              method=DEFAULT_METHOD, allowed_codecs=ALL_CODECS,
                              status_for=default_status_for) -> str   # the full method path
+    default_status_for(exc) -> (StatusCode, details, error class name)
     BatchProducer (protocol): submit(epoch, batch_index) -> Future[OutgoingBatch]; close()
     OutgoingBatch(arrays, release=None)
     CallableProducer(fn, executor)        # adapts fn(epoch, batch_index) -> arrays
@@ -60,16 +61,18 @@ from beton_wire.framing import (
 )
 from numpy.typing import NDArray
 
-from beton_serve.errors import BetonError, ConfigError, SpecError, TransportError
+from beton_serve.errors import BetonError, ConfigError, PipelineError, SpecError, TransportError
 
 __all__ = [
     "DEFAULT_METHOD",
     "DEFAULT_SERVICE",
+    "ERROR_METADATA_KEY",
     "SERVER_OPTIONS",
     "BatchProducer",
     "CallableProducer",
     "OutgoingBatch",
     "ProducerFactory",
+    "StatusFor",
     "add_batch_stream_handler",
     "default_status_for",
 ]
@@ -155,15 +158,51 @@ class CallableProducer:
         self._futures.clear()
 
 
-def default_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Map an error raised while opening or serving a stream to a status code and details."""
+ERROR_METADATA_KEY = "beton-error"
+"""Trailing-metadata key carrying the error's class name (the rpc layer's convention)."""
+
+StatusFor = Callable[[BaseException], tuple[Any, ...]]
+"""``status_for(exc) -> (StatusCode, details)`` or ``(StatusCode, details, error_class_name)``;
+the rpc layer's ``beton_serve.rpc._errors.status_for`` fits."""
+
+
+def default_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """Map an error raised while opening or serving a stream to (code, details, class name).
+
+    Same table as the rpc layer: bad requests are INVALID_ARGUMENT, a transport that cannot work
+    FAILED_PRECONDITION, a failed batch INTERNAL.
+    """
+    name = type(exc).__name__
     if isinstance(exc, (FramingError, SpecError, ConfigError)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), name
     if isinstance(exc, TransportError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc), name
+    if isinstance(exc, PipelineError):
+        return grpc.StatusCode.INTERNAL, str(exc), name
     if isinstance(exc, BetonError):
-        return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-    return grpc.StatusCode.INTERNAL, f"unexpected {type(exc).__name__}: {exc}"
+        return grpc.StatusCode.UNKNOWN, str(exc), name
+    log.error("unexpected error in a batch stream", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {name}: {exc}", "InternalError"
+
+
+def _status(
+    exc: BaseException, status_for: StatusFor
+) -> tuple[Any, str, tuple[tuple[str, str], ...]]:
+    got = status_for(exc)
+    md = ((ERROR_METADATA_KEY, str(got[2])),) if len(got) > 2 and got[2] else ()
+    return got[0], str(got[1]), md
+
+
+def _abort_sync(context: grpc.ServicerContext, exc: BaseException, status_for: StatusFor) -> None:
+    code, details, md = _status(exc, status_for)
+    if md:
+        context.set_trailing_metadata(md)
+    context.abort(code, details)
+
+
+async def _abort_aio(context: Any, exc: BaseException, status_for: StatusFor) -> None:
+    code, details, md = _status(exc, status_for)
+    await context.abort(code, details, trailing_metadata=md)
 
 
 def _open(
@@ -205,7 +244,7 @@ def _wants(msg: bytes) -> WantRequest:
 def _make_sync_handler(
     factory: ProducerFactory,
     allowed: frozenset[Codec],
-    status_for: Callable[[BaseException], tuple[grpc.StatusCode, str]],
+    status_for: StatusFor,
 ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
     def handler(
         request_iterator: Iterator[bytes], context: grpc.ServicerContext
@@ -216,8 +255,7 @@ def _make_sync_handler(
         try:
             producer, encoder = _open(first, allowed, factory, context)
         except Exception as exc:
-            code, details = status_for(exc)
-            context.abort(code, details)
+            _abort_sync(context, exc, status_for)
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
         def read_wants() -> None:
@@ -255,9 +293,8 @@ def _make_sync_handler(
                     if batch.release is not None:
                         batch.release()
         except Exception as exc:
-            code, details = status_for(exc)
-            log.warning("batch stream failed: %s", details)
-            context.abort(code, details)
+            log.warning("batch stream failed: %s", exc)
+            _abort_sync(context, exc, status_for)
         finally:
             producer.close()
             while True:  # batches produced for WANTs we will never answer
@@ -290,7 +327,7 @@ def _result(
 def _make_aio_handler(
     factory: ProducerFactory,
     allowed: frozenset[Codec],
-    status_for: Callable[[BaseException], tuple[grpc.StatusCode, str]],
+    status_for: StatusFor,
 ) -> Callable[..., Any]:
     async def handler(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         it = request_iterator.__aiter__()
@@ -301,8 +338,7 @@ def _make_aio_handler(
         try:
             producer, encoder = _open(first, allowed, factory, context)
         except Exception as exc:
-            code, details = status_for(exc)
-            await context.abort(code, details)
+            await _abort_aio(context, exc, status_for)
         q: asyncio.Queue[Any] = asyncio.Queue()
 
         async def read_wants() -> None:
@@ -344,9 +380,8 @@ def _make_aio_handler(
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            code, details = status_for(exc)
-            log.warning("batch stream failed: %s", details)
-            await context.abort(code, details)
+            log.warning("batch stream failed: %s", exc)
+            await _abort_aio(context, exc, status_for)
         finally:
             task.cancel()
             producer.close()
@@ -365,7 +400,7 @@ def add_batch_stream_handler(
     service_name: str = DEFAULT_SERVICE,
     method: str = DEFAULT_METHOD,
     allowed_codecs: frozenset[Codec] | set[Codec] = ALL_CODECS,
-    status_for: Callable[[BaseException], tuple[grpc.StatusCode, str]] = default_status_for,
+    status_for: StatusFor = default_status_for,
 ) -> str:
     """Register the pass-through batch method on ``server`` (before ``server.start()``).
 
@@ -374,8 +409,9 @@ def add_batch_stream_handler(
             :data:`SERVER_OPTIONS` (or at least message limits above the chunk size).
         producer_factory: builds a :class:`BatchProducer` for each call from its OPEN request.
         allowed_codecs: compressions clients may ask for; others get INVALID_ARGUMENT.
-        status_for: maps an exception to ``(StatusCode, details)``; the rpc layer may pass its
-            own so all domain errors are translated in one place.
+        status_for: maps an exception to ``(StatusCode, details[, error class name])``; pass the
+            rpc layer's ``status_for`` so all domain errors are translated in one place. The
+            class name travels as ``beton-error`` trailing metadata.
 
     Returns:
         The full method path, ``/service_name/method``, for the client.
