@@ -33,8 +33,9 @@ server; chunks default to 2 MiB and compression to none.
 
 Threading (threaded server): the handler runs on a gRPC pool thread; one extra thread per call,
 ``beton-grpc-wants``, reads the client's requests and calls ``producer.submit`` as they arrive. It
-ends when the call ends. With aio both run as tasks on the server's loop; compression then runs in
-the loop's default executor so a compressed stream does not stall other calls.
+ends when the call ends and is joined by the call's termination callback. With aio both run as
+tasks on the server's loop; compression then runs in the loop's default executor so a compressed
+stream does not stall other calls.
 """
 
 from __future__ import annotations
@@ -271,6 +272,9 @@ def _make_sync_handler(
 
         reader = threading.Thread(target=read_wants, name="beton-grpc-wants", daemon=True)
         reader.start()
+        # the reader ends when the call does (its request iterator stops); join it there, since
+        # the handler itself cannot wait for the end of its own call
+        context.add_callback(lambda: reader.join(timeout=10.0))
         try:
             while True:
                 try:
