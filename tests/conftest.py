@@ -43,6 +43,36 @@ def _segments() -> set[str]:
     return {p.name for p in SHM.iterdir() if p.name.startswith("beton-")}
 
 
+def _segment_owner(name: str) -> int | None:
+    """The PID embedded in a ``beton-<pid>-<purpose>-<n>`` segment name, if any."""
+    parts = name.split("-")
+    if len(parts) >= 2 and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ours(name: str, pids: set[int]) -> bool:
+    """Whether a new segment belongs to this test: made by us or our children, or orphaned.
+
+    Segments of unrelated live processes (another test session on the same machine) are ignored
+    and never unlinked.
+    """
+    owner = _segment_owner(name)
+    if owner is None:
+        return True
+    return owner == os.getpid() or owner in pids or not _pid_alive(owner)
+
+
 def _children() -> set[int]:
     """Live (non-zombie) direct children of this process, from /proc."""
     me = os.getpid()
@@ -76,11 +106,13 @@ def _beton_threads() -> set[str]:
 def resource_guard(request: pytest.FixtureRequest):
     """Fail the test if it leaks shared memory, child processes or beton threads."""
     segs0, kids0, threads0 = _segments(), _children(), _beton_threads()
+    seen_kids: set[int] = set()
     yield
     deadline = time.monotonic() + 3.0
     while True:
-        segs = _segments() - segs0
         kids = _children() - kids0
+        seen_kids |= kids
+        segs = {n for n in _segments() - segs0 if _ours(n, seen_kids)}
         threads = _beton_threads() - threads0
         if not (segs or kids or threads) or time.monotonic() > deadline:
             break
