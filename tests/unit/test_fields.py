@@ -100,7 +100,7 @@ def test_json_field_bytes_and_unpack() -> None:
 
 
 def test_ndarray_field_validation_and_casting() -> None:
-    for shape in [(), (3, 0), (-1,), (1,) * 33]:
+    for shape in [(), (3, 0), (0, 3), (-1,), (1,) * 33]:
         with pytest.raises(ValueError):
             NDArrayField(np.float32, shape)
     with pytest.raises(ValueError):

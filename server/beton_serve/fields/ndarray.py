@@ -34,13 +34,13 @@ class NDArrayField(Field):
     Args:
         dtype: a numpy dtype with a single, non-object member (e.g. ``np.dtype('float32')``).
         shape: the per-sample shape; at least one dimension, no trailing zero dimension, at most
-            32 dimensions.
+            32 dimensions, and at least one byte in all.
 
     Raises:
         ValueError: for a dtype or shape that FFCV could not read back.
     """
 
-    def __init__(self, dtype: Any, shape: tuple[int, ...]) -> None:
+    def __init__(self, dtype: Any, shape: tuple[int, ...], *, _allow_empty: bool = False) -> None:
         dt = np.dtype(dtype)
         shp = tuple(int(s) for s in shape)
         if dt.fields is not None or dt.subdtype is not None or dt.hasobject:
@@ -55,6 +55,11 @@ class NDArrayField(Field):
         self.dtype = dt
         self.shape = shp
         self.element_size = int(dt.itemsize * int(np.prod(shp, dtype=np.int64)))
+        if self.element_size == 0 and not _allow_empty:  # FFCV may have written one: read it
+            raise ValueError(
+                f"NDArrayField of shape {shp!r} and dtype {dt} holds 0 bytes; zero-size "
+                "allocations are ambiguous in the allocation table (ffcv-format.md §1.6)"
+            )
 
     @property
     def metadata_type(self) -> np.dtype:
@@ -84,7 +89,7 @@ class NDArrayField(Field):
             dt = np.dtype([tuple(e) for e in descr])["f0"]
             if int(np.prod(dims, dtype=np.float64)) * dt.itemsize > 2**62:
                 raise ValueError(f"shape {dims} is too large")
-            return NDArrayField(dt, tuple(dims))
+            return NDArrayField(dt, tuple(dims), _allow_empty=True)
         except (UnicodeDecodeError, TypeError, KeyError, IndexError) as exc:
             raise ValueError(f"NDArrayField dtype text is not a valid dtype: {exc}") from None
         except ValueError as exc:

@@ -165,6 +165,7 @@ class BetonReader:
         self.type_ids: list[int] = []
         self.handlers: dict[str, Any] = {}
         self._arg_blobs: list[bytes] = []
+        self._meta_dtypes: list[np.dtype] = []
         seen: dict[str, int] = {}
         for i in range(nf):
             at = DESC_OFFSET + DESC_SIZE * i
@@ -202,7 +203,7 @@ class BetonReader:
             self.type_ids.append(tid)
             self.handlers[name] = handler
             self._arg_blobs.append(blob.tobytes())
-            self._meta_dtypes = [*getattr(self, "_meta_dtypes", []), meta_dtype]
+            self._meta_dtypes.append(meta_dtype)
 
     def _parse_name(self, raw: NDArray[np.uint8], offset: int, index: int) -> str:
         data = bytes(raw)
