@@ -2,7 +2,7 @@
 
 How a file is produced (ffcv-format.md §1.8 and §1.10):
 
-1. The output goes to ``<fname>.<pid>.tmp`` in the same directory: header (with
+1. The output goes to ``.<fname>.<pid>.<random>.tmp`` in the same directory: header (with
    ``alloc_table_ptr = 0``), then the field descriptors.
 2. Worker threads (``beton-writer-N``) load samples (``dataset[i]``) and run each field's
    ``prepare`` (conversion, resize, JPEG encode: OpenCV releases the GIL there). Chunks of
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -285,7 +286,9 @@ class DatasetWriter:
             descs["arguments"][i] = _as_blob(field.to_binary(), name)
 
         directory = os.path.dirname(os.path.abspath(self.fname))
-        tmp = os.path.join(directory, f".{os.path.basename(self.fname)}.{os.getpid()}.tmp")
+        tmp = os.path.join(
+            directory, f".{os.path.basename(self.fname)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        )
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -294,7 +297,7 @@ class DatasetWriter:
         pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="beton-writer")
         pending: deque[Future] = deque()
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb") as f:
                 f.write(self._header(n, 0).tobytes())
                 f.write(descs.tobytes())
                 packer = _Packer(f, data_start, self.page_size)

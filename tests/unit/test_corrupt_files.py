@@ -72,14 +72,25 @@ def _layout(data: bytes) -> dict:
 
 
 def _read_everything(r: BetonReader) -> int:
-    """Touch every byte a decoder could read; returns the number of bytes read."""
+    """Touch every byte a decoder could read and decode every JPEG; returns allocations read.
+
+    A corrupt JPEG may raise ValueError from simplejpeg (the decoder layer turns that into an
+    error naming the sample); it must never crash the process.
+    """
+    import simplejpeg
+
     total = 0
-    for i, name in enumerate(r.field_names):
-        checks = r.handlers[name].allocation_checks(r.field_metadata(name))
-        for chk in checks:
-            for ptr in chk.ptrs:
-                total += int(memory_read(int(ptr), r.storage_state).sum() >= 0)
-        del i
+    for name in r.field_names:
+        column = r.field_metadata(name)
+        for chk in r.handlers[name].allocation_checks(column):
+            for k, ptr in enumerate(chk.ptrs):
+                data = memory_read(int(ptr), r.storage_state)
+                total += int(data.sum() >= 0)
+                if isinstance(r.handlers[name], RGBImageField) and column["mode"][k] == 0:
+                    try:
+                        simplejpeg.decode_jpeg(data.tobytes(), "RGB", fastdct=True)
+                    except ValueError:
+                        pass
     return total
 
 
