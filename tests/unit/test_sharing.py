@@ -459,3 +459,241 @@ def test_many_consumers_many_epochs_stress() -> None:
     assert eng.live == 0 and st.live == 0
     for c in consumers:
         c.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# SharedSource: the BatchSource look-alike the daemon's streams use
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Out:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class _Plan:
+    outputs: list[_Out]
+
+
+class FakeSource:
+    """A BatchSource stand-in: 'decodes' on a thread pool, writes ids into ``out``, counts."""
+
+    def __init__(self, n_samples: int, batch_size: int, pool, counter: list[int]) -> None:
+        self.n_samples, self.batch_size, self.pool, self.counter = (
+            n_samples,
+            batch_size,
+            pool,
+            counter,
+        )
+        self.plan = _Plan([_Out((2,), "int64")])
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.n_samples // self.batch_size
+
+    def batch_ids(self, epoch: int, b: int) -> np.ndarray:
+        perm = np.random.default_rng(99 + epoch).permutation(self.n_samples)
+        return perm[b * self.batch_size : (b + 1) * self.batch_size]
+
+    def submit(self, epoch, b, out, priority=1):
+        ids = self.batch_ids(epoch, b)
+        with self.lock:
+            self.counter[0] += len(ids)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if out is None:
+            out = [np.empty((len(ids), 2), np.int64)]
+
+        def run():
+            out[0][: len(ids), 0] = ids
+            out[0][: len(ids), 1] = epoch
+            with self.lock:
+                self.in_flight -= 1
+            return [out[0][: len(ids)]]
+
+        return self.pool.submit(run)
+
+
+def _stream(src, epochs: int, ahead: int, got: list, started=None) -> None:
+    """What a daemon stream does: submit in order into its own slots, keep `ahead` in flight."""
+    from collections import deque
+
+    slots = [[np.full((8, 2), -1, np.int64)] for _ in range(ahead)]
+    for e in range(epochs):
+        pending: deque = deque()
+        for b in range(len(src)):
+            if started is not None and (e, b) == (0, 1):
+                started.wait(10)  # every stream has attached before anyone goes past batch 0
+            if len(pending) == ahead:
+                got.append(_take(pending.popleft()))
+            slot = slots[b % ahead]
+            pending.append((e, b, src.submit(e, b, slot), slot))
+        while pending:
+            got.append(_take(pending.popleft()))
+
+
+def _take(p):
+    e, b, fut, slot = p
+    (arr,) = fut.result(10)
+    assert arr.base is slot[0] or arr.base is slot[0].base or np.shares_memory(arr, slot[0])
+    return e, b, arr[:, 0].copy(), bool(fut.decoded_here)
+
+
+def test_shared_source_decodes_once_for_four_streams() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from beton_serve.engine.shared_source import SharedSource
+
+    counter = [0]
+    # Streams attach when they first submit; retain=2 keeps batch 0 for those that start later.
+    reg = SharingRegistry(max_lag=1000, retain=2)
+    key = ShareKey.build(
+        dataset="d", pipeline={}, seed=1, order="RANDOM", batch_size=8, drop_last=True
+    )
+    started = threading.Barrier(4)
+    with ThreadPoolExecutor(2, thread_name_prefix="beton-test-pool") as pool:
+        sources = [FakeSource(96, 8, pool, counter) for _ in range(4)]
+        shared = [SharedSource(s, reg, key) for s in sources]
+        got: list[list] = [[] for _ in shared]
+        run_threads(
+            [
+                lambda s=s, g=g: _stream(s, 2, 3, g, started)
+                for s, g in zip(shared, got, strict=True)
+            ]
+        )
+        for s in shared:
+            s.close()
+    ref = FakeSource(96, 8, None, [0])
+    for g in got:
+        assert [(e, b) for e, b, _, _ in g] == [(e, b) for e in range(2) for b in range(12)]
+        for e, b, ids, _ in g:
+            np.testing.assert_array_equal(ids, ref.batch_ids(e, b))
+    # decoded once: the sources together decoded 2 epochs, and decoded_here marks each once
+    assert counter[0] == 2 * 96
+    assert sum(d for g in got for *_, d in g) == 2 * 12
+    assert reg.groups() == {}
+    assert all(s.max_in_flight <= 3 for s in sources)  # each source's own credit bound holds
+
+
+def test_shared_source_detached_stream_keeps_its_position() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from beton_serve.engine.shared_source import SharedSource
+
+    counter = [0]
+    reg = SharingRegistry(max_lag=2)
+    key = ShareKey.build(
+        dataset="d", pipeline={}, seed=1, order="RANDOM", batch_size=8, drop_last=True
+    )
+    with ThreadPoolExecutor(2, thread_name_prefix="beton-test-pool") as pool:
+        fast = SharedSource(FakeSource(96, 8, pool, counter), reg, key)
+        slow = SharedSource(FakeSource(96, 8, pool, counter), reg, key)
+        slot = [np.zeros((8, 2), np.int64)]
+        first = slow.submit(0, 0, slot).result(10)
+        got_fast: list = []
+        _stream(fast, 1, 2, got_fast)  # the fast one runs the whole epoch without waiting
+        assert slow.detached and fast.shared
+        got_slow = [(0, 0, first[0][:, 0].copy(), True)]
+        for b in range(1, 12):
+            (arr,) = slow.submit(0, b, slot).result(10)
+            got_slow.append((0, b, arr[:, 0].copy(), True))
+        # a new epoch at another position re-attaches (here: alone, so it shares again)
+        fast.close()
+        assert slow.submit(1, 0, slot).result(10)[0][0, 1] == 1
+        assert slow.shared
+        slow.close()
+    ref = FakeSource(96, 8, None, [0])
+    for g in (got_fast, got_slow):
+        assert [b for _, b, _, _ in g] == list(range(12))
+        for e, b, ids, _ in g:
+            np.testing.assert_array_equal(ids, ref.batch_ids(e, b))
+    assert reg.groups() == {}
+    with pytest.raises(BetonError, match="closed"):
+        slow.submit(1, 1, slot)
+
+
+@pytest.mark.slow
+def test_shared_source_on_the_real_engine() -> None:
+    """Four streams over the real Engine/BatchSource: bit-identical to an unshared stream, 1x decode."""
+    from beton_serve.engine import BatchSource, Engine, OrderOption
+    from beton_serve.engine.shared_source import SharedSource
+    from beton_serve.pipeline import compile_pipelines
+    from helpers.fake_pipeline import AddIndex, AddOne, FakeImageDecoder, FakeReader
+
+    reader = FakeReader(n=48)
+    plan = compile_pipelines(
+        reader,
+        {"image": [FakeImageDecoder(), AddOne()], "label": [AddIndex()]},
+        batch_size=8,
+    )
+
+    def make(eng):
+        return BatchSource(
+            engine=eng, plan=plan, order=OrderOption.RANDOM, batch_size=8, seed=5,
+            drop_last=False, batches_ahead=3,
+        )  # fmt: skip
+
+    key = ShareKey.build(
+        dataset="fake", pipeline={"p": 1}, seed=5, order="RANDOM", batch_size=8, drop_last=False
+    )
+    reg = SharingRegistry(max_lag=1000)
+    with Engine(2) as eng:
+        ref = make(eng)
+        expected = [
+            [a.copy() for a in ref.submit(e, b).result(90)] for e in range(2) for b in range(6)
+        ]
+        shared = [SharedSource(make(eng), reg, key) for _ in range(4)]
+        outs: list[list] = [[] for _ in shared]
+
+        def stream(src, out):
+            slot = [np.zeros((8, *o.shape), o.dtype) for o in plan.outputs]
+            for e in range(2):
+                for b in range(len(src)):
+                    fut = src.submit(e, b, slot, priority=0)
+                    arrays = fut.result(60)
+                    out.append(([a.copy() for a in arrays], fut.decoded_here))
+
+        run_threads([lambda s=s, o=o: stream(s, o) for s, o in zip(shared, outs, strict=True)])
+        for s in shared:
+            s.close()
+    for out in outs:
+        assert len(out) == len(expected)
+        for (arrays, _), exp in zip(out, expected, strict=True):
+            for a, x in zip(arrays, exp, strict=True):
+                np.testing.assert_array_equal(a, x)
+    assert sum(d for out in outs for _, d in out) == len(expected)  # each batch decoded once
+    assert reg.groups() == {}
+
+
+def test_retained_batches_serve_late_joiners_without_decoding_again() -> None:
+    eng = FakeEngine(800)
+    group: SharedProducer[Slot] = SharedProducer(
+        eng.produce, eng.free, batches_per_epoch=100, max_lag=10, retain=2
+    )
+    a = group.attach()
+    bs = [a.next() for _ in range(4)]
+    for b in bs:
+        assert b is not None
+        a.release(b)
+    # Batches 2 and 3 are retained, 0 and 1 (the oldest) were freed.
+    assert [b.handle.freed for b in bs if b] == [True, True, False, False]
+    st = group.stats()
+    assert (st.retained, st.live, st.freed) == (2, 2, 2)
+    late = group.attach(0, 2)
+    assert late.shared and group.stats().retained == 0  # it holds them now
+    x = late.next()
+    assert x is not None and x.handle is bs[2].handle  # reused, not decoded again
+    late.release(x)  # retained again: the leader is past it, nobody needs it
+    assert group.stats().retained == 1 and not x.handle.freed
+    assert eng.produced == [(0, i) for i in range(4)]
+    a.close()
+    late.close()  # the last consumer leaves: retained batches are freed
+    assert eng.live == 0 and group.stats().live == 0
+    with pytest.raises(SpecError):
+        SharedProducer(eng.produce, eng.free, batches_per_epoch=5, max_lag=1, retain=-1)
+    with pytest.raises(SpecError):
+        SharingRegistry(max_lag=1, retain=-1)

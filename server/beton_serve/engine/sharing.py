@@ -28,8 +28,10 @@ position (the next batch it will take) and an optional exclusive ``stop``.
   every attached consumer (``leader - max_lag <= p <= slowest + max_lag``), i.e. when joining
   detaches nobody. Batches in ``[p, leader)`` that the group has already freed are produced again
   for the joiner (and for anyone else still needing them), which costs extra decodes but keeps
-  every stream's order exact. A joiner outside that window gets a private stream from its own
-  position: it neither stalls the group nor drags it forward.
+  every stream's order exact; ``retain`` keeps the last few unneeded batches around so that
+  streams starting a little later (N jobs launched together) still decode each batch once. A
+  joiner outside that window gets a private stream from its own position: it neither stalls the
+  group nor drags it forward.
 
 Callables and threads. ``produce(epoch, index) -> handle`` and ``free(handle)`` are supplied by the
 owner (the daemon: acquire a slot of the group's ring, submit the batch to the engine, return a
@@ -72,6 +74,9 @@ __all__ = [
 ]
 
 S = TypeVar("S")
+
+# Handles to free once the lock is dropped, each with the free of the consumer that produced it.
+FreeList = list[tuple[Callable[[Any], None], Any]]
 
 _PENDING, _READY, _FAILED = 0, 1, 2
 
@@ -193,7 +198,8 @@ class SharingStats:
         freed: group batches freed.
         detached: consumers detached for lagging.
         joined_private: consumers that asked to attach but got a private stream.
-        live: group batches produced and not yet freed.
+        live: group batches produced and not yet freed (including retained ones).
+        retained: batches no consumer needs, kept for late joiners (``retain``).
         peak_live: the largest ``live`` seen.
     """
 
@@ -204,15 +210,17 @@ class SharingStats:
     detached: int
     joined_private: int
     live: int
+    retained: int
     peak_live: int
 
 
 class _Entry:
-    __slots__ = ("error", "handle", "holders", "pos", "state")
+    __slots__ = ("error", "free", "handle", "holders", "pos", "state")
 
-    def __init__(self, pos: int, holders: set[Consumer[Any]]) -> None:
+    def __init__(self, pos: int, holders: set[Consumer[Any]], free: Callable[[Any], None]) -> None:
         self.pos = pos
         self.holders = holders
+        self.free = free  # the free of the consumer that produced it
         self.state = _PENDING
         self.handle: Any = None
         self.error: BaseException | None = None
@@ -221,14 +229,25 @@ class _Entry:
 class Consumer(Generic[S]):
     """One stream's view of a :class:`SharedProducer`. Created by :meth:`SharedProducer.attach`.
 
-    A consumer is meant to be driven by one stream (one thread or task at a time); different
-    consumers may run on different threads. Use it as a context manager, or call :meth:`close`.
+    :meth:`next` is meant to be called by one thread at a time (the stream's); :meth:`release`
+    and :meth:`close` may be called from any thread, concurrently with :meth:`next` (e.g. from a
+    future's done-callback on a worker thread). Different consumers may run on different threads.
+    Use it as a context manager, or call :meth:`close`.
     """
 
     def __init__(
-        self, group: SharedProducer[S], pos: int, stop: int | None, *, shared: bool
+        self,
+        group: SharedProducer[S],
+        pos: int,
+        stop: int | None,
+        *,
+        shared: bool,
+        produce: Callable[[int, int], S],
+        free: Callable[[S], None],
     ) -> None:
         self._group = group
+        self._produce = produce
+        self._free = free
         self._pos = pos
         self._stop = stop
         self._shared = shared
@@ -290,10 +309,16 @@ class Consumer(Generic[S]):
     def _next_private(self) -> SharedBatch[S]:
         pos = self._pos
         epoch, index = divmod(pos, self._group.batches_per_epoch)
-        handle = self._group._produce(epoch, index)
-        self._group._count_private()
-        self._pos = pos + 1
-        self._private[pos] = handle
+        handle = self._produce(epoch, index)
+        with self._group._cond:
+            self._group._produced_private += 1
+            closed = self._closed
+            if not closed:
+                self._pos = pos + 1
+                self._private[pos] = handle
+        if closed:  # closed by another thread while we produced
+            self._free(handle)
+            raise BetonError("this sharing consumer was closed while producing a batch")
         return SharedBatch(epoch, index, handle, False)
 
     def release(self, batch: SharedBatch[S]) -> None:
@@ -304,28 +329,25 @@ class Consumer(Generic[S]):
         Raises:
             BetonError: the batch was not handed to this consumer, or was released already.
         """
-        if self._closed:
-            return
         pos = batch.epoch * self._group.batches_per_epoch + batch.index
         if batch.shared:
             self._group._release_shared(self, pos)
             return
-        if pos not in self._private:
-            raise BetonError(
-                f"batch (epoch {batch.epoch}, index {batch.index}) is not held by this consumer"
-            )
-        self._group._free(self._private.pop(pos))
+        with self._group._cond:
+            if self._closed:
+                return
+            if pos not in self._private:
+                raise BetonError(
+                    f"batch (epoch {batch.epoch}, index {batch.index}) is not held by this consumer"
+                )
+            handle = self._private.pop(pos)
+        self._free(handle)
 
     def close(self) -> None:
         """Detach from the group and release every batch still held. Idempotent."""
-        if self._closed:
-            return
-        self._group._close_consumer(self)
-        private = [self._private[k] for k in sorted(self._private)]
-        self._private.clear()
-        self._closed = True
+        private = self._group._close_consumer(self)
         for handle in private:
-            self._group._free(handle)
+            self._free(handle)
 
     def __enter__(self) -> Consumer[S]:
         return self
@@ -347,7 +369,13 @@ class SharedProducer(Generic[S]):
         batches_per_epoch: batches in one epoch (``len(BatchSource)``), > 0.
         max_lag: how many batches a consumer may fall behind the leader before it is detached
             onto a private stream, >= 0. Size it with the ring: the group holds at most
-            ``max_lag + 1`` batches plus those its consumers have taken and not released.
+            ``max_lag + 1`` batches plus those its consumers have taken and not released, plus
+            ``retain``.
+        retain: how many of the most recent batches that no attached consumer needs any more
+            are kept (not freed) for consumers that attach a little later, e.g. N identical
+            jobs started within a few batches of each other; the oldest is freed first. 0 frees
+            a batch as soon as its last holder releases it. Retained batches are freed when the
+            last consumer leaves.
         on_empty: called (without the lock) when the last attached consumer leaves; used by
             :class:`SharingRegistry` to drop the group.
 
@@ -362,8 +390,11 @@ class SharedProducer(Generic[S]):
         *,
         batches_per_epoch: int,
         max_lag: int,
+        retain: int = 0,
         on_empty: Callable[[SharedProducer[S]], None] | None = None,
     ) -> None:
+        if retain < 0:
+            raise SpecError(f"retain must be >= 0 batches, got {retain}")
         if batches_per_epoch <= 0:
             raise SpecError(f"batches_per_epoch must be > 0, got {batches_per_epoch}")
         if max_lag < 0:
@@ -372,7 +403,10 @@ class SharedProducer(Generic[S]):
         self._free = free
         self.batches_per_epoch = int(batches_per_epoch)
         self.max_lag = int(max_lag)
+        self.retain = int(retain)
         self._on_empty = on_empty
+        # Produced batches no consumer holds any more, kept for late joiners: pos -> entry.
+        self._retained: dict[int, _Entry] = {}
         self._cond = threading.Condition(threading.Lock())
         self._consumers: set[Consumer[S]] = set()
         self._entries: dict[int, _Entry] = {}
@@ -382,7 +416,13 @@ class SharedProducer(Generic[S]):
 
     # ---------------------------------------------------------------------- public
     def attach(
-        self, epoch: int = 0, index: int = 0, *, stop: tuple[int, int] | None = None
+        self,
+        epoch: int = 0,
+        index: int = 0,
+        *,
+        stop: tuple[int, int] | None = None,
+        produce: Callable[[int, int], S] | None = None,
+        free: Callable[[S], None] | None = None,
     ) -> Consumer[S]:
         """Attach a consumer that starts at ``(epoch, index)`` and stops before ``stop``.
 
@@ -395,6 +435,11 @@ class SharedProducer(Generic[S]):
             index: the first batch's index in that epoch, in ``[0, batches_per_epoch)``.
             stop: the exclusive end position ``(epoch, index)``, or ``None`` for no end; e.g.
                 ``(epoch + 1, 0)`` for the rest of one epoch.
+            produce: this consumer's own ``produce``, used when *it* produces a batch (for the
+                group, or privately); the group's by default. Give each stream its own when the
+                production bound (e.g. a source's in-flight credit) is per stream.
+            free: the ``free`` matching ``produce``; a batch is freed by the ``free`` of the
+                consumer that produced it.
 
         Raises:
             SpecError: a position out of range, or ``stop`` before the start.
@@ -405,12 +450,20 @@ class SharedProducer(Generic[S]):
             raise SpecError(f"stop {stop} is before the start ({epoch}, {index})")
         with self._cond:
             shared = not self._closed and self._may_join(pos, end)
-            c: Consumer[S] = Consumer(self, pos, end, shared=shared)
+            c: Consumer[S] = Consumer(
+                self,
+                pos,
+                end,
+                shared=shared,
+                produce=produce if produce is not None else self._produce,
+                free=free if free is not None else self._free,
+            )
             if shared:
                 self._consumers.add(c)
                 for k, e in self._entries.items():
                     if k >= pos and (end is None or k < end):
                         e.holders.add(c)
+                        self._retained.pop(k, None)
             else:
                 self._joined_private += 1
         return c
@@ -426,6 +479,7 @@ class SharedProducer(Generic[S]):
                 detached=self._detached,
                 joined_private=self._joined_private,
                 live=len(self._entries),
+                retained=len(self._retained),
                 peak_live=self._peak_live,
             )
 
@@ -449,13 +503,9 @@ class SharedProducer(Generic[S]):
         slowest = min(active) if active else leader
         return leader - self.max_lag <= pos <= slowest + self.max_lag
 
-    def _count_private(self) -> None:
-        with self._cond:
-            self._produced_private += 1
-
     def _next_shared(self, c: Consumer[S], timeout: float | None) -> SharedBatch[S] | None:
         """Take position ``c._pos`` from the group; ``None`` if ``c`` was detached meanwhile."""
-        to_free: list[Any] = []
+        to_free: FreeList = []
         produce_it = False
         with self._cond:
             if not c._shared:
@@ -468,38 +518,34 @@ class SharedProducer(Generic[S]):
                     for o in self._consumers
                     if o._pos <= pos and (o._stop is None or pos < o._stop)
                 }
-                entry = _Entry(pos, holders)
+                entry = _Entry(pos, holders, c._free)
                 self._entries[pos] = entry
                 self._peak_live = max(self._peak_live, len(self._entries))
                 produce_it = True
             entry.holders.add(c)
+            self._retained.pop(pos, None)
             c._taken[pos] = entry
             c._pos = pos + 1
             to_free = self._detach_laggards_locked()
-        for h in to_free:
-            self._free(h)
+        for free, h in to_free:
+            free(h)
         epoch, index = divmod(pos, self.batches_per_epoch)
         if produce_it:
             try:
-                handle = self._produce(epoch, index)
+                handle = c._produce(epoch, index)
             except BaseException as exc:
                 with self._cond:
                     entry.state, entry.error = _FAILED, exc
                     self._cond.notify_all()
                 self._undo_take(c, entry)
                 raise
-            free_now = False
             with self._cond:
                 entry.handle, entry.state = handle, _READY
                 self._produced += 1
-                if not entry.holders:  # everyone left while we produced
-                    if self._entries.get(pos) is entry:
-                        del self._entries[pos]
-                    self._freed += 1
-                    free_now = True
+                to_free = self._unheld_locked(entry) if not entry.holders else []
                 self._cond.notify_all()
-            if free_now:
-                self._free(handle)
+            for free, h in to_free:
+                free(h)
             return SharedBatch(epoch, index, handle, True)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -521,27 +567,20 @@ class SharedProducer(Generic[S]):
 
     def _undo_take(self, c: Consumer[S], entry: _Entry) -> None:
         """Give back a batch ``c`` took but could not use; its position goes back to it."""
-        free = False
+        to_free: FreeList = []
         with self._cond:
             c._taken.pop(entry.pos, None)
             if c._pos == entry.pos + 1:
                 c._pos = entry.pos
             entry.holders.discard(c)
             # A PENDING entry without holders is left to the thread producing it, which frees
-            # it when produce returns.
-            if (
-                not entry.holders
-                and entry.state != _PENDING
-                and self._entries.get(entry.pos) is entry
-            ):
-                del self._entries[entry.pos]
-                if entry.state == _READY:  # it became ready just after a timeout
-                    self._freed += 1
-                    free = True
-        if free:
-            self._free(entry.handle)
+            # it when produce returns; a READY one became ready just after a timeout.
+            if not entry.holders:
+                to_free = self._unheld_locked(entry)
+        for free, h in to_free:
+            free(h)
 
-    def _detach_laggards_locked(self) -> list[Any]:
+    def _detach_laggards_locked(self) -> FreeList:
         """Move consumers more than ``max_lag`` behind the leader to private streams.
 
         Returns the handles that lost their last holder, to be freed once the lock is dropped.
@@ -550,18 +589,18 @@ class SharedProducer(Generic[S]):
             return []
         leader = max(o._pos for o in self._consumers)
         lagging = [o for o in self._consumers if not o.finished and leader - o._pos > self.max_lag]
-        to_free: list[Any] = []
+        to_free: FreeList = []
         for o in lagging:
             self._detached += 1
             to_free.extend(self._leave_locked(o, untaken_only=True))
         return to_free
 
-    def _leave_locked(self, c: Consumer[S], *, untaken_only: bool) -> list[Any]:
+    def _leave_locked(self, c: Consumer[S], *, untaken_only: bool) -> FreeList:
         """Remove ``c`` from the group; drop it from the holders of the batches it has not
         taken (and, unless ``untaken_only``, of those it has). Returns handles to free."""
         self._consumers.discard(c)
         c._shared = False
-        to_free: list[Any] = []
+        to_free: FreeList = []
         for pos in sorted(self._entries):
             e = self._entries[pos]
             if c not in e.holders:
@@ -570,16 +609,49 @@ class SharedProducer(Generic[S]):
                 continue
             e.holders.discard(c)
             c._taken.pop(pos, None)
-            if not e.holders and e.state != _PENDING:
-                del self._entries[pos]
-                if e.state == _READY:
-                    self._freed += 1
-                    to_free.append(e.handle)
+            if not e.holders:
+                to_free.extend(self._unheld_locked(e))
         return to_free
 
+    def _unheld_locked(self, e: _Entry) -> FreeList:
+        """``e`` lost its last holder: retain it for late joiners, or free it.
+
+        A PENDING entry is left to its producer (which calls this again when it is READY); a
+        FAILED one is dropped. Returns what to free once the lock is dropped.
+        """
+        if e.state == _PENDING:
+            return []
+        if self._entries.get(e.pos) is not e:
+            # Orphaned (replaced after a failure, or evicted): free it if it holds a batch.
+            if e.state == _READY:
+                self._freed += 1
+                return [(e.free, e.handle)]
+            return []
+        if e.state == _FAILED:
+            del self._entries[e.pos]
+            return []
+        if self.retain > 0 and self._consumers:
+            self._retained[e.pos] = e
+            return self._evict_locked(self.retain)
+        del self._entries[e.pos]
+        self._freed += 1
+        return [(e.free, e.handle)]
+
+    def _evict_locked(self, keep: int) -> FreeList:
+        """Free retained entries, oldest positions first, until ``keep`` are left."""
+        out: FreeList = []
+        while len(self._retained) > keep:
+            pos = min(self._retained)
+            e = self._retained.pop(pos)
+            del self._entries[pos]
+            self._freed += 1
+            out.append((e.free, e.handle))
+        return out
+
     def _release_shared(self, c: Consumer[S], pos: int) -> None:
-        handle = None
         with self._cond:
+            if c._closed:
+                return  # close released it already
             entry = c._taken.pop(pos, None)
             if entry is None:
                 epoch, index = divmod(pos, self.batches_per_epoch)
@@ -587,30 +659,35 @@ class SharedProducer(Generic[S]):
                     f"batch (epoch {epoch}, index {index}) is not held by this consumer"
                 )
             entry.holders.discard(c)
-            if not entry.holders and entry.state == _READY and self._entries.get(pos) is entry:
-                del self._entries[pos]
-                self._freed += 1
-                handle = entry.handle
-        if handle is not None:
-            self._free(handle)
+            to_free = self._unheld_locked(entry) if not entry.holders else []
+        for free, h in to_free:
+            free(h)
 
-    def _close_consumer(self, c: Consumer[S]) -> None:
+    def _close_consumer(self, c: Consumer[S]) -> list[S]:
+        """Remove ``c`` for good; free what only it held. Returns its private handles, which
+        the caller frees with ``c``'s own ``free``."""
         with self._cond:
+            if c._closed:
+                return []
+            c._closed = True
             was_member = c in self._consumers
             to_free = self._leave_locked(c, untaken_only=False)
             # Shared batches taken before a detach are still held by c: let them go too.
-            for pos, e in sorted(c._taken.items()):
+            for _, e in sorted(c._taken.items()):
                 e.holders.discard(c)
-                if not e.holders and e.state == _READY and self._entries.get(pos) is e:
-                    del self._entries[pos]
-                    self._freed += 1
-                    to_free.append(e.handle)
+                if not e.holders:
+                    to_free.extend(self._unheld_locked(e))
             c._taken.clear()
+            private = [c._private[k] for k in sorted(c._private)]
+            c._private.clear()
             empty = was_member and not self._consumers
-        for h in to_free:
-            self._free(h)
+            if empty:  # nobody left to reuse retained batches
+                to_free.extend(self._evict_locked(0))
+        for free, h in to_free:
+            free(h)
         if empty and self._on_empty is not None:
             self._on_empty(self)
+        return private
 
 
 class SharingRegistry(Generic[S]):
@@ -622,12 +699,16 @@ class SharingRegistry(Generic[S]):
 
     Args:
         max_lag: see :class:`SharedProducer`.
+        retain: see :class:`SharedProducer`.
     """
 
-    def __init__(self, *, max_lag: int) -> None:
+    def __init__(self, *, max_lag: int, retain: int = 0) -> None:
         if max_lag < 0:
             raise SpecError(f"max_lag must be >= 0 batches, got {max_lag}")
+        if retain < 0:
+            raise SpecError(f"retain must be >= 0 batches, got {retain}")
         self.max_lag = int(max_lag)
+        self.retain = int(retain)
         self._lock = threading.Lock()
         self._groups: dict[ShareKey, SharedProducer[S]] = {}
 
@@ -656,6 +737,7 @@ class SharingRegistry(Generic[S]):
                     free,
                     batches_per_epoch=batches_per_epoch,
                     max_lag=self.max_lag,
+                    retain=self.retain,
                     on_empty=lambda g, k=key: self._drop(k, g),  # type: ignore[misc]
                 )
                 self._groups[key] = group
