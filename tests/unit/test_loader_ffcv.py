@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from beton_serve.loader import Loader, OrderOption
+from beton_serve.pipeline import PlanCache
 
 dec = pytest.importorskip("beton_serve.fields.decoders")
 
@@ -82,3 +83,41 @@ def test_center_crop_and_random_order(fixtures_dir, name):
             np.testing.assert_array_equal(
                 lab[:, 0], exp["label"][exp[f"random_order_seed0_epoch{epoch}"], 0]
             )
+
+
+def test_progressive_resizing_takes_effect_next_epoch(fixtures_dir):
+    rrc = dec.RandomResizedCropRGBImageDecoder((32, 32))
+    pipes = {"image": [rrc], "label": None, "weight": None}
+    with Loader(
+        fixtures_dir / "images_jpg.beton", batch_size=16, num_workers=2, pipelines=pipes, seed=0
+    ) as ld:
+        assert next(iter(ld))[0].shape == (16, 32, 32, 3)
+        rrc.output_size = (24, 40)
+        shapes = {b[0].shape for b in ld}
+        assert shapes == {(16, 24, 40, 3)}
+        assert ld.plan.outputs[0].shape == (24, 40, 3)
+
+
+def test_same_seed_bit_identical_random_crops_for_1_and_2_workers(fixtures_dir):
+    tr = pytest.importorskip("beton_serve.transforms")
+    runs = []
+    cache = PlanCache()
+    for workers in (1, 2):
+        pipes = {
+            "image": [dec.RandomResizedCropRGBImageDecoder((32, 32)), tr.RandomHorizontalFlip()],
+            "label": None,
+            "weight": None,
+        }
+        with Loader(
+            fixtures_dir / "images_jpg.beton",
+            batch_size=16,
+            num_workers=workers,
+            order=OrderOption.RANDOM,
+            pipelines=pipes,
+            seed=11,
+            plan_cache=cache,
+        ) as ld:
+            runs.append([_collect(ld)[0] for _ in range(2)])
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    assert not np.array_equal(runs[0][0], runs[0][1])  # epochs differ

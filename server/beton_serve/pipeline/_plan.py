@@ -495,8 +495,8 @@ class Plan:
         direct: dict[int, np.ndarray] = {}
         for i, path in enumerate(self.paths):
             leaf = self._jit_leaf(path)
-            if leaf is None or leaf.children:
-                continue
+            if leaf is None or any(self._jit[c.position] for c in leaf.children):
+                continue  # another jit op reads this buffer
             q = self._alloc[leaf.position]
             st = self._states[leaf.position]
             if (
