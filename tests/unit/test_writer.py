@@ -341,3 +341,118 @@ def test_progress_bar_only_on_request(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_num_workers_default_uses_cpus(tmp_path: Path) -> None:
     w = DatasetWriter(tmp_path / "a.beton", {"x": IntField()})
     assert w.num_workers == len(os.sched_getaffinity(0))
+
+
+# --- FFCV's own read path (ffcv-format.md §1.7 and §3), restated independently of our reader ---
+_FFCV_META = {
+    0: np.dtype("<f8"),
+    1: np.dtype("<i8"),
+    2: np.dtype([("mode", "<u1"), ("width", "<u2"), ("height", "<u2"), ("data_ptr", "<u8")]),
+    3: np.dtype([("ptr", "<u8"), ("size", "<u8")]),
+    4: np.dtype("<u8"),
+    5: np.dtype([("ptr", "<u8"), ("size", "<u8")]),
+    6: np.dtype("<u8"),
+}
+
+
+def _ffcv_read(path: Path) -> dict:
+    """What FFCV 1.0.2's Reader and default decoders would produce, as python values."""
+    raw = np.fromfile(path, dtype=np.uint8)
+    hdr = raw[:24].view(
+        np.dtype(
+            [("v", "<u2"), ("nf", "<u2"), ("ps", "<u4"), ("n", "<u8"), ("a", "<u8")], align=True
+        )
+    )[0]
+    assert hdr["v"] == 2
+    nf, n, a = int(hdr["nf"]), int(hdr["n"]), int(hdr["a"])
+    handlers = {}
+    for i in range(nf):
+        d = raw[24 + 1041 * i : 24 + 1041 * (i + 1)]
+        name = d[1:17].tobytes().decode("ascii").split("\0")[0]
+        handlers[name] = (int(d[0]), d[17:])
+    rec = np.dtype(
+        [(f"f{i}", _FFCV_META[t]) for i, (t, _) in enumerate(handlers.values())], align=True
+    )
+    m = 24 + 1041 * nf
+    meta = raw[m : m + n * rec.itemsize].view(rec)
+    table = raw[a:].view(np.dtype([("sid", "<u8"), ("ptr", "<u8"), ("size", "<u8")]))
+    order = np.argsort(table["ptr"])
+    ptrs, sizes = table["ptr"][order], table["size"][order]
+
+    def read(ptr: int) -> np.ndarray:
+        i = np.searchsorted(ptrs, ptr)
+        return raw[ptr : ptr + int(sizes[i])]
+
+    # QUASI_RANDOM's page map: every sample's entries are in one page.
+    pages: dict[int, set[int]] = {}
+    for sid, ptr in zip(table["sid"].tolist(), table["ptr"].tolist(), strict=True):
+        pages.setdefault(sid, set()).add(ptr // int(hdr["ps"]))
+    assert all(len(p) == 1 for p in pages.values())
+    out: dict = {}
+    for i, (name, (tid, args)) in enumerate(handlers.items()):
+        col = meta[f"f{i}"]
+        if tid in (0, 1):
+            out[name] = col.tolist()
+        elif tid == 2:
+            vals = []
+            for j in range(n):
+                h, w, data = int(col["height"][j]), int(col["width"][j]), read(col["data_ptr"][j])
+                if col["mode"][j] == 1:
+                    assert data.size == h * w * 3  # memcpy into an (h, w, 3) buffer
+                    vals.append(data.reshape(h, w, 3))
+                else:
+                    vals.append(("jpg", h, w, data.tobytes()))
+            out[name] = vals
+        elif tid in (3, 5):
+            max_size = int(col["size"].max())
+            rows = np.zeros((n, max_size), np.uint8)
+            for j in range(n):
+                data = read(col["ptr"][j])
+                assert data.size <= max_size
+                rows[j, : data.size] = data
+            out[name] = (rows, col["size"].tolist())
+        else:
+            shape = [int(x) for x in args[:256].view("<u8") if x]
+            descr = json.loads(args[264 : 264 + int(args[256:264].view("<u8")[0])].tobytes())
+            dt = np.dtype([tuple(x) for x in descr])["f0"]
+            size = int(np.prod(shape)) * dt.itemsize
+            arrs = []
+            for j in range(n):
+                data = read(col[j])
+                assert data.size == size
+                arrs.append(data.view(dt).reshape(shape))
+            out[name] = arrs
+    return out
+
+
+def test_ffcv_read_path_reads_everything_we_write(tmp_path: Path) -> None:
+    import cv2
+
+    items = _all_fields_items(25)
+    items[3] = (*items[3][:3], np.zeros(0, np.uint8), *items[3][4:])  # an empty Bytes value
+    fields = {
+        "img": RGBImageField(write_mode="proportion", jpeg_quality=90),
+        "i": IntField(),
+        "f": FloatField(),
+        "b": BytesField(),
+        "a": NDArrayField(np.float64, (2, 5)),
+        "j": JSONField(),
+    }
+    out = tmp_path / "ours.beton"
+    DatasetWriter(out, fields, page_size=2 * MiB, num_workers=2, seed=7).from_indexed_dataset(
+        ListDS(items), chunksize=3
+    )
+    got = _ffcv_read(out)
+    assert got["i"] == [it[1] for it in items] and got["f"] == [it[2] for it in items]
+    rows, sizes = got["b"]
+    for k, it in enumerate(items):
+        assert rows[k, : sizes[k]].tobytes() == it[3].tobytes()
+        assert np.array_equal(got["a"][k], it[4])
+        img = got["img"][k]
+        if isinstance(img, tuple):
+            _, h, w, data = img
+            assert cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR).shape == (h, w, 3)
+        else:
+            assert np.array_equal(img, it[0])
+    jrows, _ = got["j"]
+    assert JSONField.unpack(jrows) == [it[5] for it in items]
