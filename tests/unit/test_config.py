@@ -1,0 +1,102 @@
+"""The daemon's TOML config: one table of keys, unknown keys rejected, flags override."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tomllib
+from beton_serve.cli import build_parser
+from beton_serve.cli._serve import resolve_socket
+from beton_serve.cli.config import KEYS, ServeConfig, load_config, merge_flags
+from beton_serve.daemon import expand_dataset_args
+from beton_serve.errors import ConfigError
+from beton_wire.address import default_socket_path, socket_path_of, unix_target
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_full_file(tmp_path: Path) -> None:
+    assert load_config(None) == ServeConfig()
+    f = tmp_path / "c.toml"
+    f.write_text(
+        'files = ["a.beton"]\ndatasets = { imagenet = "train-*.beton", two = ["x", "y"] }\n'
+        'socket = "/run/b.sock"\nlisten = ["127.0.0.1:0"]\nworkers = 3\nplugins = ["m"]\n'
+        'idle_timeout = 5\nlog_format = "json"\nlog_level = "debug"\n'
+    )
+    c = load_config(f)
+    assert c.files == ("a.beton",) and c.datasets == {
+        "imagenet": ("train-*.beton",),
+        "two": ("x", "y"),
+    }
+    assert c.workers == 3 and c.idle_timeout == 5.0 and c.listen == ("127.0.0.1:0",)
+    assert c.dataset_args() == ["imagenet=train-*.beton", "two=x,y"]
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("colour = 1\n", ["unknown key", "colour"]),
+        ("workers = 'many'\n", ["workers must be a int"]),
+        ("workers = -1\n", ["workers must be >= 0"]),
+        ("listen = '127.0.0.1:1'\n", ["listen must be a list"]),
+        ("log_format = 'xml'\n", ["log_format"]),
+        ("[[broken\n", ["not valid TOML"]),
+    ],
+)
+def test_errors_name_the_key(tmp_path: Path, text: str, words: list[str]) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(f)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_flags_override_the_file() -> None:
+    base = ServeConfig(files=("a.beton",), workers=2, socket="/x.sock")
+    c = merge_flags(base, {"files": ("b.beton",), "workers": 4, "socket": None, "listen": ()})
+    assert c.files == ("a.beton", "b.beton") and c.workers == 4 and c.socket == "/x.sock"
+    with pytest.raises(ConfigError):
+        merge_flags(base, {"nope": 1})
+
+
+def test_deploy_toml_lists_every_key_with_its_default() -> None:
+    data = tomllib.loads((ROOT / "deploy" / "beton-serve.toml").read_text())
+    assert set(data) <= set(KEYS)
+    for k, v in data.items():
+        default = KEYS[k]
+        assert v == (list(default) if isinstance(default, tuple) else default), k
+
+
+def test_socket_resolution(tmp_path: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    assert default_socket_path(env) == str(tmp_path / "beton-serve" / "beton.sock")
+    assert default_socket_path({}, uid=7) == "/tmp/beton-serve-7/beton.sock"
+    assert socket_path_of(unix_target("/a/b.sock")) == "/a/b.sock" and socket_path_of("h:1") is None
+    assert resolve_socket(ServeConfig(socket="/s.sock"), env) == "/s.sock"
+    assert resolve_socket(ServeConfig(listen=("127.0.0.1:1",)), env) is None
+    assert resolve_socket(ServeConfig(), {"BETON_SERVE_ADDRESS": "unix:///q.sock"}) == "/q.sock"
+    assert resolve_socket(ServeConfig(), env) == default_socket_path(env)
+
+
+def test_cli_treats_a_file_as_serve(fixtures_dir: Path) -> None:
+    p = build_parser()
+    args = p.parse_args(["serve", "x.beton", "--dataset", "a=b*.beton", "--workers", "2"])
+    assert args.files == ["x.beton"] and args.dataset == ["a=b*.beton"] and args.workers == 2
+
+
+def test_dataset_arguments(tmp_path: Path) -> None:
+    for n in ("s-0.beton", "s-1.beton", "one.beton"):
+        (tmp_path / n).write_bytes(b"")
+    t = expand_dataset_args([str(tmp_path / "one.beton")], [f"all={tmp_path}/s-*.beton"])
+    assert t == {
+        "one": [str(tmp_path / "one.beton")],
+        "all": [str(tmp_path / f"s-{i}.beton") for i in (0, 1)],
+    }
+    with pytest.raises(ConfigError, match="matches no file"):
+        expand_dataset_args([], [f"x={tmp_path}/none-*.beton"])
+    with pytest.raises(ConfigError, match="two datasets are named"):
+        expand_dataset_args([str(tmp_path / "one.beton")], [f"one={tmp_path}/s-0.beton"])
+    with pytest.raises(ConfigError, match="NAME=GLOB"):
+        expand_dataset_args([], ["nonsense"])

@@ -1,0 +1,71 @@
+"""One error mapping on each side: domain errors -> status codes (daemon), RpcError -> ours (client)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from beton_client import errors as ce
+from beton_serve.daemon import ShuttingDown
+from beton_serve.errors import (
+    BetonError,
+    ConfigError,
+    FormatError,
+    PipelineError,
+    SpecError,
+    TransportError,
+)
+from beton_serve.rpc import status_for
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "client_cls"),
+    [
+        (SpecError("unknown dataset 'x'"), grpc.StatusCode.INVALID_ARGUMENT, ce.SpecError),
+        (ConfigError("bad"), grpc.StatusCode.INVALID_ARGUMENT, ce.SpecError),
+        (TransportError("no shm"), grpc.StatusCode.FAILED_PRECONDITION, ce.TransportError),
+        (ShuttingDown("bye"), grpc.StatusCode.UNAVAILABLE, ce.ServerUnavailable),
+        (FormatError("/f.beton", 12, "bad pointer"), grpc.StatusCode.DATA_LOSS, ce.DataError),
+        (PipelineError("boom", sample_index=3, op="X"), grpc.StatusCode.INTERNAL, ce.PipelineError),
+        (BetonError("other"), grpc.StatusCode.UNKNOWN, ce.ServerError),
+    ],
+)
+def test_round_trip(exc: BaseException, code: grpc.StatusCode, client_cls: type) -> None:
+    got_code, message, name = status_for(exc)
+    assert got_code == code
+    assert message == str(exc)
+    assert name == type(exc).__name__
+
+    class FakeRpcError(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return got_code
+
+        def details(self) -> str:
+            return message
+
+        def trailing_metadata(self):
+            return (("beton-error", name),)
+
+    err = ce.from_rpc_error(FakeRpcError())
+    assert type(err) is client_cls
+    assert str(err) == message and err.code == code.name and err.server_error == name
+
+
+def test_unexpected_exceptions_are_internal_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    code, message, name = status_for(KeyError("k"))
+    assert code == grpc.StatusCode.INTERNAL and "KeyError" in message and name == "InternalError"
+    assert any("unexpected error" in r.message for r in caplog.records)
+
+
+def test_unreachable_daemon_message_names_the_address() -> None:
+    class Down(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "connect failed"
+
+        def trailing_metadata(self):
+            return ()
+
+    err = ce.from_rpc_error(Down(), target="unix:///tmp/x.sock")
+    assert isinstance(err, ce.ServerUnavailable) and "unix:///tmp/x.sock" in str(err)
