@@ -142,3 +142,39 @@ def test_convert_empty_or_missing_dir(tmp_path: Path, capsys) -> None:
     (tmp_path / "empty" / "cls").mkdir(parents=True)
     assert main(["convert", "imagefolder", str(tmp_path / "empty"), str(tmp_path / "o")]) == 1
     assert "no images" in capsys.readouterr().err
+
+
+def test_default_subcommand_and_registry_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module added to SUBCOMMANDS registers itself; a bare file argument means the default."""
+    import sys
+    import types
+
+    import beton_serve.cli as cli
+
+    seen = {}
+    fake = types.ModuleType("beton_serve_test_fake_serve")
+
+    def register(sub) -> None:
+        p = sub.add_parser("fakecmd")
+        p.add_argument("files", nargs="+")
+        p.set_defaults(func=lambda args: seen.setdefault("files", args.files) and 0)
+
+    fake.register = register  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, fake.__name__])
+    monkeypatch.setattr(cli, "DEFAULT_SUBCOMMAND", "fakecmd")
+    assert cli.main(["a.beton", "b.beton"]) == 0
+    assert seen["files"] == ["a.beton", "b.beton"]
+
+
+def test_library_imports_stay_light() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, beton_serve.fields, beton_serve.format, beton_serve.writer, beton_serve.cli;"
+        "print(sorted(m for m in ('numba', 'cv2', 'torch', 'tqdm') if m in sys.modules))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
