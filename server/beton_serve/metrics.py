@@ -33,6 +33,12 @@ inside ``next(loader)``. The client sends deltas ``(wait_s, wall_s)`` since its 
 last interval spent waiting, ``wait_s / wall_s``. ``rate(wait) / rate(wall)`` in PromQL gives the
 same share over any window, and :meth:`snapshot` also gives the share since the client connected.
 
+Pushing or pulling. Components may *push* (call the recorders as things happen), or the daemon,
+which already keeps per-stream counters for its Stats RPC, can be *pulled*: give
+:meth:`set_refresh` a function that takes the daemon's stats snapshot and passes it to
+:meth:`sync_daemon_stats`; it runs before every scrape and every :meth:`snapshot`, and advances
+the counters by what grew since the previous call.
+
 Cardinality. Streams and clients come and go in a daemon that runs for weeks: call
 :meth:`close_stream` / :meth:`forget_client` when they leave, which removes their label sets, so
 memory stays flat. Datasets and ops are fixed for the daemon's life and are never removed.
@@ -44,6 +50,8 @@ few additions) and may be called from worker threads for every batch.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
 import threading
 import time
@@ -59,6 +67,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from beton_serve.errors import ConfigError
 
 __all__ = ["OP_SECONDS_BUCKETS", "Metrics"]
+
+log = logging.getLogger(__name__)
 
 #: Histogram buckets of ``beton_op_seconds``: an op's time for one batch, 10 µs to 10 s.
 OP_SECONDS_BUCKETS: tuple[float, ...] = (
@@ -149,6 +159,11 @@ class Metrics:
         self._utilisation = 0.0
         self._http: _ThreadingServer | None = None
         self._http_thread: threading.Thread | None = None
+        self._refresh: Callable[[Metrics], None] | None = None
+        self._refresh_lock = threading.Lock()
+        # sync_daemon_stats state: stream -> (batches, samples, wait_us, age_s); dataset -> samples
+        self._synced: dict[str, tuple[int, int, int, float]] = {}
+        self._synced_ds: dict[str, int] = {}
 
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -263,8 +278,9 @@ class Metrics:
             except KeyError:
                 pass
 
-    def batch_delivered(self, stream: str, images: int) -> None:
-        """Count one batch of ``images`` samples handed to the stream's client.
+    def batch_delivered(self, stream: str, images: int, batches: int = 1) -> None:
+        """Count ``batches`` batches (one by default) of ``images`` samples in all, handed to the
+        stream's client.
 
         Raises:
             ConfigError: the stream was not opened with :meth:`open_stream`.
@@ -274,14 +290,14 @@ class Metrics:
             info = self._streams.get(stream)
             if info is None:
                 raise ConfigError(f"stream {stream!r} is not registered; call open_stream first")
-            info.batches += 1
+            info.batches += int(batches)
             info.images += int(images)
             pts = info.points
             if now - pts[-1][0] >= _RATE_POINT_S:
                 pts.append((now, info.batches, info.images))
                 self._trim(pts, now)
             dataset = info.dataset
-        self._m_batches.labels(stream, dataset).inc()
+        self._m_batches.labels(stream, dataset).inc(int(batches))
         self._m_images.labels(stream, dataset).inc(int(images))
 
     def set_slots(self, stream: str, in_use: int, total: int) -> None:
@@ -389,6 +405,85 @@ class Metrics:
             self._utilisation = float(share)
         self._m_util.set(share)
 
+    # ----------------------------------------------------------------------------- pulling
+    def set_refresh(self, refresh: Callable[[Metrics], None] | None) -> None:
+        """Call ``refresh(self)`` before every HTTP scrape and every :meth:`snapshot`.
+
+        For a daemon that keeps its own counters: ``refresh`` fetches them (e.g. the daemon's
+        stats, taken on its event loop) and folds them in with :meth:`sync_daemon_stats`. It
+        runs on the scraping thread, serialised; an exception is logged, and the scrape serves
+        the last values.
+        """
+        self._refresh = refresh
+
+    def _do_refresh(self) -> None:
+        refresh = self._refresh
+        if refresh is None:
+            return
+        with self._refresh_lock:
+            try:
+                refresh(self)
+            except Exception:
+                log.warning("metrics refresh failed; serving the previous values", exc_info=True)
+
+    def sync_daemon_stats(self, stats: Any) -> None:
+        """Fold a daemon stats snapshot into the metrics.
+
+        ``stats`` has the shape of ``beton_serve.daemon.DaemonStats``: ``workers``; ``streams``,
+        each with ``stream_id``, ``dataset``, ``client_name``, ``client_pid``, ``batches_sent``,
+        ``samples_sent``, ``slots_leased``, ``slot_count``, ``client_wait_us`` (the sum the
+        client reported) and ``age_s``; ``datasets``, ``(name, samples_decoded,
+        batches_decoded)`` tuples; optionally ``queue_depth`` and ``worker_utilisation``.
+
+        Streams not seen before are opened, streams gone since the last call are closed (their
+        label sets removed); counters advance by the growth since the last call. Each stream is
+        one client: its stall report is its wait growth over its age growth, under
+        ``client=<stream_id>``.
+        """
+        seen: set[str] = set()
+        for s in stats.streams:
+            sid = str(s.stream_id)
+            seen.add(sid)
+            prev = self._synced.get(sid)
+            if prev is None:
+                client = f"{s.client_name or 'client'}:{s.client_pid}" if s.client_pid else None
+                with contextlib.suppress(ConfigError):
+                    self.open_stream(sid, dataset=str(s.dataset), client=client or s.client_name)
+                prev = (0, 0, 0, 0.0)
+            b0, i0, w0, a0 = prev
+            db, di = int(s.batches_sent) - b0, int(s.samples_sent) - i0
+            if db > 0 or di > 0:
+                self.batch_delivered(sid, max(di, 0), batches=max(db, 0))
+            dwall = float(s.age_s) - a0
+            if dwall > 0:
+                self.report_stall(sid, max(0, int(s.client_wait_us) - w0) / 1e6, dwall)
+            self.set_slots(sid, int(s.slots_leased), int(s.slot_count))
+            self._synced[sid] = (
+                int(s.batches_sent),
+                int(s.samples_sent),
+                int(s.client_wait_us),
+                float(s.age_s),
+            )
+        for sid in [k for k in self._synced if k not in seen]:
+            del self._synced[sid]
+            self.close_stream(sid)
+            self.forget_client(sid)
+        for name, samples, _batches in stats.datasets:
+            name = str(name)
+            if name not in self._synced_ds:
+                self.register_dataset(name)
+            delta = int(samples) - self._synced_ds.get(name, 0)
+            if delta > 0:
+                self.samples_decoded(name, delta)
+            self._synced_ds[name] = int(samples)
+        self.set_workers(int(stats.workers))
+        qd = getattr(stats, "queue_depth", None)
+        if qd is not None:
+            self.set_queue_depth(int(qd))
+        util = getattr(stats, "worker_utilisation", None)
+        if util is not None:
+            self.set_worker_utilisation(min(1.0, max(0.0, float(util))))
+
     # ----------------------------------------------------------------------------- views
     def _trim(self, pts: deque[tuple[float, int, int]], now: float) -> None:
         # Keep the newest point at or before the window's start, so the rate spans the window.
@@ -407,6 +502,7 @@ class Metrics:
             "ops": {name: {"count", "total_s", "mean_s"}}}``. Rates are over the last
             ``rate_window_s`` seconds (0 for a stream that delivered nothing in that window).
         """
+        self._do_refresh()
         now = self._clock()
         with self._lock:
             streams: dict[str, Any] = {}
@@ -475,9 +571,7 @@ class Metrics:
             raise ConfigError("the metrics HTTP server is already running; call stop() first")
         cls = _ThreadingServer6 if ":" in host else _ThreadingServer
         try:
-            server = make_server(
-                host, port, make_wsgi_app(self.registry), cls, handler_class=_QuietHandler
-            )
+            server = make_server(host, port, self._wsgi_app(), cls, handler_class=_QuietHandler)
         except OSError as exc:
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port}: {exc}; pick another --metrics-port"
@@ -491,6 +585,15 @@ class Metrics:
         thread.start()
         self._http, self._http_thread = server, thread
         return server, int(server.server_address[1])
+
+    def _wsgi_app(self) -> Callable[..., Any]:
+        app = make_wsgi_app(self.registry)
+
+        def refreshing_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+            self._do_refresh()
+            return app(environ, start_response)
+
+        return refreshing_app
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the HTTP exporter, if running, and join its thread. Idempotent."""

@@ -227,3 +227,91 @@ def test_recorders_are_thread_safe(metrics: Metrics) -> None:
     assert snap["streams"]["s"]["batches"] == 8000
     assert snap["datasets"]["d"]["samples_decoded"] == 16000
     assert m.registry.get_sample_value("beton_samples_decoded_total", {"dataset": "d"}) == 16000
+
+
+def _stats(streams, datasets, workers=2):
+    from beton_serve.daemon import DaemonStats, StreamStats
+
+    return DaemonStats(
+        pid=1,
+        uptime_s=10.0,
+        workers=workers,
+        streams=tuple(
+            StreamStats(
+                stream_id=sid,
+                dataset=ds,
+                client_name="train.py",
+                client_pid=99,
+                transport="shm",
+                batches_sent=b,
+                samples_sent=b * 4,
+                slots_leased=1,
+                slot_count=5,
+                client_wait_us=w,
+                age_s=age,
+            )
+            for sid, ds, b, w, age in streams
+        ),
+        datasets=tuple(datasets),
+        shm_bytes=0,
+        compiled_plans=1,
+        streams_opened=len(streams),
+    )
+
+
+def test_sync_daemon_stats_pulls_counters_at_scrape_time(metrics: Metrics) -> None:
+    m = metrics
+    state = {
+        "stats": _stats([("s1", "cifar", 10, 500_000, 2.0)], [("cifar", 40, 10)]),
+        "calls": 0,
+    }
+
+    def refresh(mm: Metrics) -> None:
+        state["calls"] += 1
+        mm.sync_daemon_stats(state["stats"])
+
+    m.set_refresh(refresh)
+    _, port = m.start_http(0)
+    got = scrape(port)
+    s1 = (("dataset", "cifar"), ("stream", "s1"))
+    assert state["calls"] == 1
+    assert got[("beton_stream_batches_total", s1)] == 10
+    assert got[("beton_stream_images_total", s1)] == 40
+    assert got[("beton_samples_decoded_total", (("dataset", "cifar"),))] == 40
+    assert got[("beton_client_stall_ratio", (("client", "s1"),))] == pytest.approx(0.25)
+    assert got[("beton_slots_in_use", (("stream", "s1"),))] == 1
+    assert got[("beton_workers", ())] == 2
+
+    # The daemon's counters grew; a second stream opened.
+    state["stats"] = _stats(
+        [("s1", "cifar", 30, 1_500_000, 4.0), ("s2", "cifar", 5, 0, 1.0)], [("cifar", 140, 35)]
+    )
+    got = scrape(port)
+    assert got[("beton_stream_batches_total", s1)] == 30  # advanced by the growth, not re-added
+    assert got[("beton_samples_decoded_total", (("dataset", "cifar"),))] == 140
+    assert got[("beton_client_stall_ratio", (("client", "s1"),))] == pytest.approx(0.5)
+    assert got[("beton_client_wait_seconds_total", (("client", "s1"),))] == pytest.approx(1.5)
+    assert got[("beton_stream_batches_total", (("dataset", "cifar"), ("stream", "s2")))] == 5
+    assert got[("beton_streams_active", ())] == 2
+
+    # s1 closed: its label sets go; the snapshot (which also refreshes) agrees.
+    state["stats"] = _stats([("s2", "cifar", 6, 0, 2.0)], [("cifar", 144, 36)])
+    snap = m.snapshot()
+    assert list(snap["streams"]) == ["s2"] and snap["datasets"]["cifar"]["samples_decoded"] == 144
+    assert snap["streams"]["s2"]["client"] == "train.py:99"
+    got = scrape(port)
+    assert ("beton_stream_batches_total", s1) not in got
+    assert ("beton_client_stall_ratio", (("client", "s1"),)) not in got
+
+
+def test_failed_refresh_serves_the_last_values(metrics: Metrics, caplog) -> None:
+    m = metrics
+    m.set_workers(3)
+
+    def broken(_m: Metrics) -> None:
+        raise RuntimeError("event loop is gone")
+
+    m.set_refresh(broken)
+    _, port = m.start_http(0)
+    assert scrape(port)[("beton_workers", ())] == 3
+    assert "metrics refresh failed" in caplog.text
