@@ -226,3 +226,16 @@ def test_rgb_encode_metadata() -> None:
     f.encode(d, img, rec)
     assert (d["mode"][0], d["width"][0], d["height"][0], d["data_ptr"][0]) == (1, 7, 5, 1000)
     assert np.array_equal(rec.buf[:105].reshape(5, 7, 3), img)
+
+
+def test_ffcv_module_paths_expose_decoders() -> None:
+    decoders = pytest.importorskip("beton_serve.fields.decoders")
+    from beton_serve.fields import basics, ndarray, rgb_image
+    from beton_serve.fields import bytes as bytes_mod
+
+    assert basics.IntDecoder is decoders.IntDecoder
+    assert rgb_image.CenterCropRGBImageDecoder is decoders.CenterCropRGBImageDecoder
+    assert bytes_mod.BytesDecoder is decoders.BytesDecoder
+    assert ndarray.NDArrayDecoder is decoders.NDArrayDecoder
+    with pytest.raises(AttributeError):
+        _ = basics.NoSuchDecoder

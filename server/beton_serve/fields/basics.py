@@ -68,3 +68,19 @@ class IntField(Field):
         from beton_serve.fields.decoders import IntDecoder
 
         return IntDecoder
+
+
+_FFCV_DECODERS = ("IntDecoder", "FloatDecoder")
+
+
+def __getattr__(name: str) -> Any:
+    """FFCV also exposes its decoders here (e.g. ``ffcv.fields.basics.IntDecoder``).
+
+    They are imported lazily from :mod:`beton_serve.fields.decoders`, so importing this module
+    stays free of Numba.
+    """
+    if name in _FFCV_DECODERS:
+        from beton_serve.fields import decoders
+
+        return getattr(decoders, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

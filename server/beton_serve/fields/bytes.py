@@ -78,3 +78,19 @@ class BytesField(Field):
         sizes_i = sizes.astype(np.int64)
         sizes_i[big] = -2
         return [AllocationCheck(f"{type(self).__name__} ptr", ptrs, sizes_i, empty_as_one=True)]
+
+
+_FFCV_DECODERS = ("BytesDecoder",)
+
+
+def __getattr__(name: str) -> Any:
+    """FFCV also exposes its decoders here (e.g. ``ffcv.fields.bytes.BytesDecoder``).
+
+    They are imported lazily from :mod:`beton_serve.fields.decoders`, so importing this module
+    stays free of Numba.
+    """
+    if name in _FFCV_DECODERS:
+        from beton_serve.fields import decoders
+
+        return getattr(decoders, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -148,3 +148,19 @@ class NDArrayField(Field):
 
     def describe(self) -> dict[str, Any]:
         return {"dtype": self.dtype.str, "shape": list(self.shape)}
+
+
+_FFCV_DECODERS = ("NDArrayDecoder",)
+
+
+def __getattr__(name: str) -> Any:
+    """FFCV also exposes its decoders here (e.g. ``ffcv.fields.ndarray.NDArrayDecoder``).
+
+    They are imported lazily from :mod:`beton_serve.fields.decoders`, so importing this module
+    stays free of Numba.
+    """
+    if name in _FFCV_DECODERS:
+        from beton_serve.fields import decoders
+
+        return getattr(decoders, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

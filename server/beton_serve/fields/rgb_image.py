@@ -206,3 +206,23 @@ class RGBImageField(Field):
     def describe(self) -> dict[str, Any]:
         # Write options are not stored in the file; describe() of a read field shows defaults.
         return {}
+
+
+_FFCV_DECODERS = (
+    "SimpleRGBImageDecoder",
+    "RandomResizedCropRGBImageDecoder",
+    "CenterCropRGBImageDecoder",
+)
+
+
+def __getattr__(name: str) -> Any:
+    """FFCV also exposes its decoders here (e.g. ``ffcv.fields.rgb_image.SimpleRGBImageDecoder``).
+
+    They are imported lazily from :mod:`beton_serve.fields.decoders`, so importing this module
+    stays free of Numba.
+    """
+    if name in _FFCV_DECODERS:
+        from beton_serve.fields import decoders
+
+        return getattr(decoders, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
