@@ -162,14 +162,17 @@ def test_round_trip_every_field_type(tmp_path: Path, mode: str) -> None:
         "b": BytesField(),
         "a": NDArrayField(np.float64, (2, 5)),
         "j": JSONField(),
+        "u": NDArrayField(np.uint8, (2, 3)),
     }
+    items = [(*it, np.full((2, 3), k, np.uint8)) for k, it in enumerate(items)]
     out = tmp_path / f"{mode}.beton"
     DatasetWriter(out, fields, num_workers=2, seed=1).from_indexed_dataset(
         ListDS(items), chunksize=4
     )
     with BetonReader(out) as r:
         img = r.field_metadata("img")
-        for k, (im, i, f, b, a, j) in enumerate(items):
+        for k, (im, i, f, b, a, j, u) in enumerate(items):
+            assert r.sample_bytes(k, "u").tobytes() == u.tobytes()
             assert r.field_metadata("i")[k] == i and r.field_metadata("f")[k] == f
             assert r.sample_bytes(k, "b").tobytes() == b.tobytes()
             assert r.field_metadata("b")["size"][k] == b.size

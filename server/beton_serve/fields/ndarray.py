@@ -14,7 +14,7 @@ instead reinterprets the bytes of any array with the same byte size.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -25,6 +25,14 @@ from beton_serve.format._layout import ARGS_SIZE, NDARRAY_ARGS_DTYPE
 __all__ = ["NDArrayField"]
 
 _MAX_DIMS = 32
+
+
+class _Flat(NamedTuple):
+    """A prepared value: the array's bytes, already converted and flattened."""
+
+    data: NDArray[np.uint8]
+
+
 _TEXT_OFFSET = NDARRAY_ARGS_DTYPE.itemsize  # 264
 
 
@@ -120,21 +128,16 @@ class NDArrayField(Field):
         return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
 
     def prepare(self, value: Any, rng: np.random.Generator | None = None) -> Any:
-        return self._as_array(value)
+        return _Flat(self._as_array(value))
 
-    def encode(self, destination: np.ndarray, field: Any, malloc: Malloc) -> None:
-        data = field
-        if not (
-            isinstance(field, np.ndarray)
-            and field.dtype == np.uint8
-            and field.ndim == 1
-            and field.size == self.element_size
-            and self.dtype != np.uint8
-        ):
-            data = self._as_array(field)
+    def encode_prepared(self, destination: np.ndarray, prepared: Any, malloc: Malloc) -> None:
+        data = prepared.data if isinstance(prepared, _Flat) else self._as_array(prepared)
         ptr, buf = malloc(self.element_size)
         buf[:] = data
         destination[0] = ptr
+
+    def encode(self, destination: np.ndarray, field: Any, malloc: Malloc) -> None:
+        self.encode_prepared(destination, field, malloc)
 
     def get_decoder_class(self) -> type:
         from beton_serve.fields.decoders import NDArrayDecoder
