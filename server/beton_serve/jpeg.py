@@ -66,6 +66,7 @@ def decode_into(
     scratch: NDArray[np.uint8],
     min_height: int = 0,
     min_width: int = 0,
+    fast_upsample: bool = False,
 ) -> NDArray[np.uint8]:
     """Decode a JPEG as RGB into ``scratch`` and return the ``(h, w, 3)`` view of the pixels.
 
@@ -76,6 +77,8 @@ def decode_into(
         min_height: if > 0 together with ``min_width``, decode at the smallest DCT scale of
             :func:`scaled_size` that keeps the output at least this tall.
         min_width: as ``min_height``, for the width.
+        fast_upsample: use libjpeg-turbo's plain (not "fancy") chroma upsampling: about 9%
+            faster on 4:2:0 files, chroma edges differ from FFCV's pixels by a few levels.
 
     Returns:
         A view into ``scratch`` of shape ``(h, w, 3)``; it is overwritten by the next call.
@@ -94,7 +97,7 @@ def decode_into(
                     data,
                     colorspace="RGB",
                     fastdct=True,
-                    fastupsample=False,
+                    fastupsample=fast_upsample,
                     min_height=sh,
                     min_width=sw,
                     min_factor=2,
@@ -105,7 +108,7 @@ def decode_into(
             data,
             colorspace="RGB",
             fastdct=True,
-            fastupsample=False,
+            fastupsample=fast_upsample,
             buffer=scratch,
             strict=True,
         )

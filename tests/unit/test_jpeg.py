@@ -75,3 +75,14 @@ def test_scratch_too_small_raises() -> None:
     data = _smooth_jpeg(64, 64)
     with pytest.raises(jpeg.CorruptJPEGError):
         jpeg.decode_into(data, np.empty(10, np.uint8))
+
+
+def test_fast_upsample_is_close_to_fancy() -> None:
+    data = _smooth_jpeg(120, 90, seed=4)
+    scratch = np.empty(120 * 90 * 3, np.uint8)
+    fancy = jpeg.decode_into(data, scratch).astype(np.int16)
+    fast = jpeg.decode_into(data, scratch, fast_upsample=True).astype(np.int16)
+    assert fast.shape == fancy.shape
+    diff = np.abs(fast - fancy)
+    # strongly coloured test pattern: chroma edges move by a few levels on average
+    assert diff.mean() < 4.0 and diff.any()

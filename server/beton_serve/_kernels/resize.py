@@ -67,14 +67,17 @@ def area_table(ssize: int, dsize: int):  # pragma: no cover - compiled
     return start, count, weights
 
 
+_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds half to even
+_ZERO = np.float32(0.0)
+_TOP = np.float32(255.0)
+
+
 @_jit
 def _round_sat(v: np.float32) -> np.uint8:  # pragma: no cover - compiled
-    r = np.rint(v)  # half to even, like cvRound
-    if r < 0:
-        return np.uint8(0)
-    if r > 255:
-        return np.uint8(255)
-    return np.uint8(r)
+    # saturate, then round half to even (cvRound) with the float32 magic-number trick: exact for
+    # |v| < 2**22 under the default rounding mode, and far cheaper than a libm rint call.
+    v = min(max(v, _ZERO), _TOP)
+    return np.uint8((v + _MAGIC) - _MAGIC)
 
 
 @_jit
@@ -82,18 +85,31 @@ def _area_generic(flat, width, top, left, sh, sw, dst, acc, out):  # pragma: no 
     dh, dw = dst.shape[0], dst.shape[1]
     xs, xc, xw = area_table(sw, dw)
     ys, yc, yw = area_table(sh, dh)
-    taps = 0
+    # Taps 0..common-1 exist for every output column: those run as dense loops over independent
+    # columns (they pipeline/vectorise). The few extra taps of wider cells are a flat list,
+    # ordered by tap then column, so each column still sums its taps left to right.
+    common = xc[0]
     for dx in range(dw):
-        taps = max(taps, xc[dx])
-    # Tap k of output column dx reads crop column idx[k, dx] with weight wt[k, dx]; columns with
-    # fewer taps get weight 0, so every inner loop runs over independent output columns.
-    idx = np.empty((taps, dw), np.int64)
-    wt = np.zeros((taps, dw), np.float32)
+        common = min(common, xc[dx])
+    idx = np.empty((common, dw), np.int64)
+    wt = np.empty((common, dw), np.float32)
+    n_extra = 0
     for dx in range(dw):
-        for k in range(taps):
-            idx[k, dx] = min(xs[dx] + k, sw - 1) * 3
+        n_extra += xc[dx] - common
+        for k in range(common):
+            idx[k, dx] = (xs[dx] + k) * 3
+            wt[k, dx] = xw[dx, k]
+    e_dst = np.empty(n_extra, np.int64)
+    e_src = np.empty(n_extra, np.int64)
+    e_w = np.empty(n_extra, np.float32)
+    e = 0
+    for k in range(common, xw.shape[1]):
+        for dx in range(dw):
             if k < xc[dx]:
-                wt[k, dx] = xw[dx, k]
+                e_dst[e] = 3 * dx
+                e_src[e] = (xs[dx] + k) * 3
+                e_w[e] = xw[dx, k]
+                e += 1
     n = sw * 3
     for dy in range(dh):
         # vertical pass first: contiguous source rows, vectorised
@@ -114,13 +130,20 @@ def _area_generic(flat, width, top, left, sh, sw, dst, acc, out):  # pragma: no 
             out[3 * dx] = acc[i] * w
             out[3 * dx + 1] = acc[i + 1] * w
             out[3 * dx + 2] = acc[i + 2] * w
-        for k in range(1, taps):
+        for k in range(1, common):
             for dx in range(dw):
                 i = idx[k, dx]
                 w = wt[k, dx]
                 out[3 * dx] = out[3 * dx] + acc[i] * w
                 out[3 * dx + 1] = out[3 * dx + 1] + acc[i + 1] * w
                 out[3 * dx + 2] = out[3 * dx + 2] + acc[i + 2] * w
+        for q in range(n_extra):
+            o = e_dst[q]
+            i = e_src[q]
+            w = e_w[q]
+            out[o] = out[o] + acc[i] * w
+            out[o + 1] = out[o + 1] + acc[i + 1] * w
+            out[o + 2] = out[o + 2] + acc[i + 2] * w
         drow = dst[dy]
         for dx in range(dw):
             for c in range(3):
