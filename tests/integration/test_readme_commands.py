@@ -104,13 +104,14 @@ def test_readme_commands_run_verbatim_in_a_fresh_venv(tmp_path: Path) -> None:
     _copy_repo(repo)
     assert not (repo / ".venv").exists()
 
-    before = set(Path("/dev/shm").glob("beton-*"))
     out = _run(demo, repo, _fresh_env(), timeout=700)
     # The demo reports both trainers' throughput and data-stall time, and cleans up.
     assert re.search(r"trainer 0\b.*images/s", out), out[-3000:]
     assert re.search(r"trainer 1\b.*images/s", out), out[-3000:]
     assert "stall" in out
-    assert set(Path("/dev/shm").glob("beton-*")) <= before, "the demo left shared memory behind"
+    pid = re.search(r"daemon pid (\d+) serving", out)
+    assert pid is not None, out[-3000:]
+    assert not list(Path("/dev/shm").glob(f"beton-{pid.group(1)}-*")), "shared memory left behind"
 
     shutil.rmtree(repo / ".venv")  # the test command starts from nothing too
     env = _fresh_env()

@@ -286,6 +286,7 @@ def run_served(
         out["transport"] = result.get("transport")
         if daemon is not None:
             out["daemon_cpu_s"] = round(_proc_cpu_s(daemon.pid) - cpu0, 3)
+            out["daemon_pid"] = daemon.pid
         return out
 
 

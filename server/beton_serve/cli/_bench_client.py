@@ -58,14 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         times.append(time.perf_counter() - t0)
         counts.append(n)
     cpu = time.process_time() - cpu0
-    transport = getattr(loader, "transport", None)
+    transport = getattr(loader, "chosen_transport", None)
+    batches_per_epoch = len(loader)
     close = getattr(loader, "close", None)
     if close is not None:
         close()
     result = {
         "epoch_times": times,
         "epoch_images": counts,
-        "batches_per_epoch": len(loader),
+        "batches_per_epoch": batches_per_epoch,
         "cpu_s": cpu,
         "transport": transport if isinstance(transport, str) else None,
     }
