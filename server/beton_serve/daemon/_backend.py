@@ -94,6 +94,10 @@ class Backend(Protocol):
         """Rebuild an op from its spec; raises ``SpecError`` naming what is wrong."""
         ...
 
+    def combine(self, readers: Sequence[Any], name: str) -> Any:
+        """One reader over shards with one schema (one index space, shards in order)."""
+        ...
+
     def compile(
         self, reader: Any, pipelines: Mapping[str, list[Any] | None], batch_size: int
     ) -> PlanLike:
@@ -137,6 +141,11 @@ class EngineBackend:
         args = getattr(handler, "to_binary", None)
         blob = bytes(np.asarray(args()).tobytes()) if callable(args) else b""
         return f"{type(handler).__name__}({blob.rstrip(bytes(1)).hex() or '-'})"
+
+    def combine(self, readers: Sequence[Any], name: str) -> Any:
+        from beton_serve.daemon._shards import ShardedReader
+
+        return ShardedReader(readers, name)
 
     def build_op(self, name: str, params: Mapping[str, Any]) -> Any:
         from beton_serve.pipeline.registry import op_from_spec

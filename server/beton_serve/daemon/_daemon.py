@@ -189,6 +189,32 @@ class _PlanEntry:
     outputs: tuple[OutputInfo, ...]
 
 
+def _sharing_registry(max_lag: int, retain: int) -> Any:
+    from beton_serve.engine.sharing import SharingRegistry
+
+    return SharingRegistry(max_lag=max_lag, retain=retain)
+
+
+def _shared(source: Any, registry: Any, spec_key: str, req: StreamRequest, dataset: str) -> Any:
+    """Wrap a stream's source so that identical streams decode each batch once (issue 6)."""
+    from beton_serve.engine.shared_source import SharedSource
+    from beton_serve.engine.sharing import ShareKey
+
+    key = ShareKey.build(
+        dataset=dataset,
+        pipeline=spec_key,
+        seed=req.seed,
+        order=req.order,
+        batch_size=req.batch_size,
+        drop_last=req.drop_last,
+        distributed=req.distributed,
+        rank=req.rank,
+        world_size=req.world_size,
+        indices=req.indices,
+    )
+    return SharedSource(source, registry, key)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -234,6 +260,8 @@ class Daemon:
     _plans: dict[str, asyncio.Future[_PlanEntry]] = field(default_factory=dict)
     _compile_pool: ThreadPoolExecutor | None = None
     _monitor: asyncio.Task[None] | None = None
+    #: Identical streams share decoding (``beton_serve.engine.sharing``); ``None`` turns it off.
+    sharing: Any = None
 
     @classmethod
     def create(
@@ -245,6 +273,9 @@ class Daemon:
         facts: DaemonFacts | None = None,
         factories: Mapping[str, TransportFactory] | None = None,
         sweep: bool = True,
+        share: bool = True,
+        share_max_lag: int = 8,
+        share_retain: int = 4,
     ) -> Daemon:
         """Sweep stale segments, open every dataset and start the engine.
 
@@ -273,6 +304,7 @@ class Daemon:
             facts=facts,
             factories=fac,
             _compile_pool=ThreadPoolExecutor(1, thread_name_prefix="beton-compile"),
+            sharing=_sharing_registry(share_max_lag, share_retain) if share else None,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -480,6 +512,8 @@ class Daemon:
             batches_ahead=req.batches_ahead + 2,
         )
         source = self.backend.make_source(self.engine, entry.plan, params)
+        if self.sharing is not None:
+            source = _shared(source, self.sharing, self._spec_key(req, ds), req, ds.name)
         slot_count = req.batches_ahead + 2
         ring: SlotTransport = factory.create(layout, slot_count, device_index=neg.device_index)
         ident = req.offer.identity

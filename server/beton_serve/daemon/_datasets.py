@@ -45,15 +45,13 @@ class Dataset:
     batches_decoded: int = 0
     _extra: dict[str, Any] = field(default_factory=dict)
 
+    #: The reader the planner compiles against: the file's own, or the shards combined.
+    combined: Any = None
+
     @property
     def reader(self) -> Any:
-        """The reader the planner compiles against (the only one, for a single file)."""
-        if len(self.readers) != 1:
-            raise SpecError(
-                f"dataset {self.name!r} has {len(self.readers)} shards, and this daemon's engine "
-                "decodes one file per stream; serve the shards as separate datasets"
-            )
-        return self.readers[0]
+        """The reader the planner compiles against (one index space over every shard)."""
+        return self.combined if self.combined is not None else self.readers[0]
 
 
 def expand_dataset_args(files: Sequence[str], named: Sequence[str]) -> dict[str, list[str]]:
@@ -136,6 +134,7 @@ class DatasetTable:
                         f"dataset {name!r}: shard {path} has a different schema from {paths[0]}: "
                         f"{_schema_diff(b, first, r, fields)}"
                     )
+            combined = b.combine(readers, name) if len(readers) > 1 else None
         except BaseException:
             for r in readers:
                 r.close()
@@ -147,6 +146,7 @@ class DatasetTable:
             num_samples=sum(b.num_samples(r) for r in readers),
             fields=fields,
             schema_key=key,
+            combined=combined,
         )
 
     def get(self, name: str) -> Dataset:
@@ -167,6 +167,8 @@ class DatasetTable:
     def close(self) -> None:
         """Close every reader (idempotent)."""
         for ds in self._by_name.values():
+            if ds.combined is not None:
+                ds.combined.close()
             for r in ds.readers:
                 r.close()
         self._by_name = {}

@@ -233,7 +233,8 @@ class Stream:
                     await self._wait_wake(fut)
                     continue
                 pending.popleft()
-                self._submitted.pop(b, None)
+                # A shared source marks batches another identical stream decoded (issue 6).
+                decoded = getattr(self._submitted.pop(b, None), "decoded_here", True)
                 try:
                     arrays = fut.result()
                 except BaseException:
@@ -245,8 +246,9 @@ class Stream:
                 self._published += 1
                 self.counters.batches_sent += 1
                 self.counters.samples_sent += length
-                self.dataset.batches_decoded += 1
-                self.dataset.samples_decoded += length
+                if decoded:
+                    self.dataset.batches_decoded += 1
+                    self.dataset.samples_decoded += length
                 yield BatchOut(
                     epoch=epoch,
                     batch_index=b,
@@ -281,6 +283,10 @@ class Stream:
         if self.closed:
             return
         self.closed = True
+        close_source = getattr(self.source, "close", None)
+        if callable(close_source):  # a shared source leaves its sharing group
+            with contextlib.suppress(Exception):
+                close_source()
         with contextlib.suppress(Exception):
             self.ring.close()
         self._wake.set()

@@ -1,0 +1,198 @@
+"""Served (shm) against in-process throughput, client CPU per batch, and 4 clients on one daemon.
+
+    python benchmarks/bench_served.py [--imagenet-n 500] [--cifar-n 5000] [--epochs 2] [--clients 4]
+
+Uses the issue-3 datasets and pipelines of ``bench_loader.py`` (ImageNet-like JPEG with
+RandomResizedCrop 224 + flip, batch 256; CIFAR-like raw 32x32 + flip, batch 512), order RANDOM.
+
+1. Throughput: one in-process ``beton_serve.loader.Loader`` (2 workers) and one
+   ``beton_client.Loader`` against a daemon subprocess (``--workers 2``), each after a warm-up
+   epoch (compilation), median of ``--epochs`` timed epochs; the ratio served / in-process.
+2. Client-side CPU per batch: the trainer process's own CPU time (user + system) for a served
+   epoch divided by its batches: the cost of receiving a batch (control messages + tensor views).
+3. ``--clients`` processes sharing one daemon against as many processes each running an
+   in-process Loader, all started together, one epoch each: total images/s (all images over the
+   wall time until the last finishes) and total CPU seconds (clients + daemon, from /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests"))
+
+BATCH = {"imagenet": 256, "cifar": 512}
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process (and its reaped children) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / CLK
+
+
+def time_epochs(loader, epochs: int) -> tuple[float, float, int]:
+    """Warm-up epoch, then the median wall time and mean CPU time of ``epochs`` epochs."""
+    for _ in loader:
+        pass
+    walls, cpus = [], []
+    n = 0
+    for _ in range(epochs):
+        c0, t0 = time.process_time(), time.perf_counter()
+        n = 0
+        for b in loader:
+            n += len(b[0])
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.mean(cpus), n
+
+
+_CLIENT = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[4])
+from bench_loader import pipelines
+mode, path, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+batch = {"imagenet": 256, "cifar": 512}[kind]
+if mode == "served":
+    from beton_client import Loader, OrderOption
+    ld = Loader(path, batch_size=batch, order=OrderOption.RANDOM, seed=int(sys.argv[6]),
+                pipelines=pipelines(kind), server=sys.argv[5], spawn=False)
+else:
+    from beton_serve.loader import Loader, OrderOption
+    ld = Loader(path, batch_size=batch, order=OrderOption.RANDOM, seed=int(sys.argv[6]),
+                pipelines=pipelines(kind), num_workers=2)
+print("READY", flush=True)
+sys.stdin.readline()
+t0 = time.perf_counter(); n = 0
+for b in ld:
+    n += len(b[0])
+print(json.dumps({"n": n, "wall": time.perf_counter() - t0}), flush=True)
+ld.close()
+"""
+
+
+def many_clients(
+    mode: str, path: Path, kind: str, clients: int, address: str, daemon_pid: int | None
+) -> dict:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CLIENT, mode, str(path), kind, str(HERE), address, str(i)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(clients)
+    ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "READY"
+    cpu0 = [proc_cpu(p.pid) for p in procs]
+    d0 = proc_cpu(daemon_pid) if daemon_pid else 0.0
+    t0 = time.perf_counter()
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = []
+    cpu1 = []
+    for p in procs:
+        assert p.stdout is not None
+        results.append(json.loads(p.stdout.readline()))
+        cpu1.append(proc_cpu(p.pid))
+    wall = time.perf_counter() - t0
+    d1 = proc_cpu(daemon_pid) if daemon_pid else 0.0
+    for p in procs:
+        p.wait(60)
+    images = sum(r["n"] for r in results)
+    client_cpu = sum(b - a for a, b in zip(cpu0, cpu1, strict=True))
+    return {
+        "images_per_s": images / wall,
+        "wall_s": wall,
+        "client_cpu_s": client_cpu,
+        "daemon_cpu_s": d1 - d0,
+        "total_cpu_s": client_cpu + d1 - d0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--imagenet-n", type=int, default=500)
+    ap.add_argument("--cifar-n", type=int, default=5000)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--kinds", default="cifar,imagenet")
+    args = ap.parse_args()
+
+    from bench_loader import build, pipelines
+    from beton_client import Loader as ServedLoader
+    from beton_client import OrderOption as ServedOrder
+    from beton_serve.loader import Loader as LocalLoader
+    from beton_serve.loader import OrderOption as LocalOrder
+    from helpers.daemon import start_daemon
+
+    kinds = args.kinds.split(",")
+    paths = {k: build(k, args.imagenet_n if k == "imagenet" else args.cifar_n) for k in kinds}
+    report: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bs-", dir="/tmp") as tmp:
+        d = start_daemon(list(paths.values()), Path(tmp), args=["--workers", "2"])
+        try:
+            for kind, path in paths.items():
+                bs = BATCH[kind]
+                local = LocalLoader(
+                    str(path),
+                    batch_size=bs,
+                    order=LocalOrder.RANDOM,
+                    seed=0,
+                    pipelines=pipelines(kind),
+                    num_workers=2,
+                )
+                lw, lc, n = time_epochs(local, args.epochs)
+                local.close()
+                served = ServedLoader(
+                    str(path),
+                    batch_size=bs,
+                    order=ServedOrder.RANDOM,
+                    seed=0,
+                    pipelines=pipelines(kind),
+                    server=d.address,
+                )
+                sw, sc, n2 = time_epochs(served, args.epochs)
+                batches = len(served)
+                served.close()
+                report[kind] = {
+                    "samples": n,
+                    "in_process_img_s": n / lw,
+                    "served_img_s": n2 / sw,
+                    "ratio": (n2 / sw) / (n / lw),
+                    "client_cpu_ms_per_batch": 1000 * sc / batches,
+                    "in_process_cpu_ms_per_batch": 1000 * lc / batches,
+                }
+                print(kind, json.dumps(report[kind]), flush=True)
+                served_many = many_clients("served", path, kind, args.clients, d.address, d.pid)
+                local_many = many_clients("local", path, kind, args.clients, d.address, None)
+                report[kind]["many_served"] = served_many
+                report[kind]["many_in_process"] = local_many
+                print(
+                    kind,
+                    "clients",
+                    json.dumps({"served": served_many, "in_process": local_many}),
+                    flush=True,
+                )
+        finally:
+            d.stop(signal.SIGTERM)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
