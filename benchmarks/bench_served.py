@@ -11,8 +11,9 @@ RandomResizedCrop 224 + flip, batch 256; CIFAR-like raw 32x32 + flip, batch 512)
 2. Client-side CPU per batch: the trainer process's own CPU time (user + system) for a served
    epoch divided by its batches: the cost of receiving a batch (control messages + tensor views).
 3. ``--clients`` processes sharing one daemon against as many processes each running an
-   in-process Loader, all started together, one epoch each: total images/s (all images over the
-   wall time until the last finishes) and total CPU seconds (clients + daemon, from /proc).
+   in-process Loader, all started together, one epoch each after a warm-up epoch (compilation):
+   total images/s (all images over the wall time until the last finishes) and total CPU seconds
+   (clients + daemon, from /proc).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ else:
     from beton_serve.loader import Loader, OrderOption
     ld = Loader(path, batch_size=batch, order=OrderOption.RANDOM, seed=int(sys.argv[6]),
                 pipelines=pipelines(kind), num_workers=2)
+for _ in ld:  # warm-up epoch: compiles the pipelines (in-process) or warms the daemon's cache
+    pass
 print("READY", flush=True)
 sys.stdin.readline()
 t0 = time.perf_counter(); n = 0

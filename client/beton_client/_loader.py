@@ -254,7 +254,8 @@ class Loader:
         order: an :class:`OrderOption` (or an FFCV/beton_serve one with the same names).
         distributed: split each epoch over ranks; rank and world size come from
             ``torch.distributed`` when initialised, else from ``RANK``/``WORLD_SIZE``.
-        seed: the order and augmentation seed (``None``: 0).
+        seed: the order and augmentation seed (``None``: a random one, or 0 for distributed
+            RANDOM so that every rank draws the same permutation, as in-process).
         indices: the sample ids to use (default: all).
         pipelines: FFCV-style ``{name: [ops] | None}``.
         custom_fields: must be empty (custom field classes are loaded into the daemon with
@@ -316,7 +317,14 @@ class Loader:
         self.os_cache = os_cache
         self.order = order
         self.distributed = bool(distributed)
-        self.seed = 0 if seed is None else int(seed)
+        if seed is None:
+            # As the in-process Loader: a fresh seed, except for distributed RANDOM, where every
+            # rank must draw the same permutation.
+            random_order = order_name == "RANDOM"
+            seed = (
+                0 if (self.distributed and random_order) else int(np.random.randint(0, 2**31 - 1))
+            )
+        self.seed = int(seed)
         self.indices = (
             None if indices is None else [int(i) for i in np.asarray(indices).reshape(-1)]
         )

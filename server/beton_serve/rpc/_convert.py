@@ -44,7 +44,7 @@ _ORDERS = {
     pb.ORDER_RANDOM: "RANDOM",
     pb.ORDER_QUASI_RANDOM: "QUASI_RANDOM",
 }
-_DTYPE_CODES = {name: code for code, name in enumerate(DTYPE_NAMES) if name}
+_DTYPE_CODES: dict[str, Any] = {name: code for code, name in enumerate(DTYPE_NAMES) if name}
 #: Largest JSON parameter text accepted for one op.
 MAX_PARAMS_BYTES = 1 << 20
 #: Most indices a request may carry.
