@@ -10,6 +10,7 @@ thread, OpenCV is set to 1 thread), every variant run over the same images in in
 best round kept. The machine is shared and noisy: report ratios from one run.
 
     python benchmarks/bench_ops.py [--n 120] [--rounds 5] [--out 224]
+    python benchmarks/bench_ops.py --cifar      # SimpleRGBImageDecoder + RandomHorizontalFlip
 """
 
 from __future__ import annotations
@@ -66,12 +67,64 @@ def best_of(fns: dict[str, Any], rounds: int) -> dict[str, float]:
     return best
 
 
+def cifar(rounds: int) -> None:
+    """50,000 raw 32x32 images, batches of 512 in random order: decode and flip, one core."""
+    from beton_serve.fields.decoders import SimpleRGBImageDecoder
+    from beton_serve.format import memory_read
+    from beton_serve.pipeline import Compiler, State
+    from beton_serve.pipeline.rng import derive_seed_key
+    from beton_serve.transforms import RandomHorizontalFlip
+
+    n, bs = 50_000, 512
+    data = np.random.default_rng(0).integers(0, 256, n * 3072, dtype=np.uint8)
+    ptrs = (np.arange(n) * 3072).astype(np.uint64)
+    storage = (data, ptrs, np.full(n, 3072, np.uint64))
+    md = np.zeros(
+        n,
+        dtype=np.dtype([("mode", "u1"), ("width", "<u2"), ("height", "<u2"), ("data_ptr", "<u8")]),
+    )
+    md["mode"], md["width"], md["height"], md["data_ptr"] = 1, 32, 32, ptrs
+    dec = SimpleRGBImageDecoder()
+    dec.accept_globals(md, memory_read)
+    s1, _ = dec.declare_state_and_memory(
+        State(jit_mode=True, device="cpu", shape=None, dtype=np.uint8)
+    )
+    decode = Compiler.compile(dec.generate_code())
+    flip_op = RandomHorizontalFlip()
+    flip_op.declare_state_and_memory(s1)
+    flip = Compiler.compile(flip_op.generate_code())
+    a = np.empty((bs, 32, 32, 3), np.uint8)
+    b = np.empty_like(a)
+    key = derive_seed_key(0, 0, 1)
+    perm = np.random.default_rng(1).permutation(n).astype(np.uint64)
+    batches = [perm[i : i + bs] for i in range(0, n - bs + 1, bs)]
+    decode(batches[0], a, md, storage)
+    flip(a, b, batches[0], key)
+    best = best_of(
+        {
+            "decode": lambda: [decode(ids, a, md, storage) for ids in batches],
+            "flip": lambda: [flip(a, b, ids, key) for ids in batches],
+        },
+        rounds,
+    )
+    total = len(batches) * bs
+    both = best["decode"] + best["flip"]
+    print(
+        f"CIFAR-like raw 32x32, batch {bs}: decode {total / best['decode']:.0f} img/s, "
+        f"flip {total / best['flip']:.0f} img/s, both {total / both:.0f} img/s (one core)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=int, default=224)
+    ap.add_argument("--cifar", action="store_true")
     args = ap.parse_args()
+    if args.cifar:
+        cifar(args.rounds)
+        return
 
     import cv2
     import simplejpeg
