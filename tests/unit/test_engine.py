@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from beton_serve.engine import BatchSource, Engine, OrderOption
 from beton_serve.errors import BetonError, PipelineError
-from beton_serve.pipeline import compile_pipelines
+from beton_serve.pipeline import PlanCache, compile_pipelines
 from helpers.fake_pipeline import AddIndex, AddOne, FakeImageDecoder, FakeReader, fake_image
 
 
 def test_pool_runs_tasks_on_named_threads_and_closes():
     with Engine(2) as eng:
         futs = [eng.submit(lambda: threading.current_thread().name).future for _ in range(6)]
-        names = {f.result(5) for f in futs}
+        names = {f.result(60) for f in futs}
         assert names <= {"beton-worker-0", "beton-worker-1"}
         assert eng.alive_workers == 2
     assert eng.alive_workers == 0
@@ -36,7 +36,7 @@ def test_priority_zero_runs_first_and_promote():
         b.promote()
         gate.set()
         for t in (a, b, c):
-            t.future.result(5)
+            t.future.result(60)
     # priority 0 first (FIFO by submission among them), then prefetch work
     assert order == ["prefetch-b", "waited", "prefetch-a"]
 
@@ -48,12 +48,12 @@ def test_dead_worker_is_replaced():
     with Engine(2) as eng:
         f = eng.submit(die).future
         with pytest.raises(SystemExit):
-            f.result(5)
+            f.result(60)
         deadline = time.monotonic() + 5
         while eng.workers_replaced < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert eng.workers_replaced == 1
-        assert eng.submit(lambda: 7).future.result(5) == 7
+        assert eng.submit(lambda: 7).future.result(60) == 7
         assert eng.alive_workers == 2
 
 
@@ -68,11 +68,16 @@ def test_close_cancels_queued_work():
     assert queued.future.cancelled() or queued.future.result(1) == 1
 
 
+#: Compiled once for the module: these tests are about the engine, not numba.
+CACHE = PlanCache()
+
+
 def _plan(reader, batch_size=4, **kw):
     return compile_pipelines(
         reader,
         {"image": [kw.get("decoder") or FakeImageDecoder(), AddOne()], "label": [AddIndex()]},
         batch_size=batch_size,
+        cache=CACHE,
     )
 
 
@@ -94,7 +99,7 @@ def test_batch_source_outputs_match_reference(slices):
         for b in range(3):
             ids = src.batch_ids(1, b)
             out = [np.zeros((8, *o.shape), o.dtype) for o in plan.outputs]
-            img, lab = src.submit(1, b, out).result(10)
+            img, lab = src.submit(1, b, out).result(60)
             assert len(img) == len(ids) == (4 if b == 2 else 8)
             np.testing.assert_array_equal(img, np.stack([fake_image(int(i)) for i in ids]) + 1)
             np.testing.assert_array_equal(lab[:, 0], ids.astype(np.int64) * 1010)
@@ -113,8 +118,9 @@ def test_credit_bounds_batches_in_flight():
         with pytest.raises(TimeoutError, match="2 batches in flight"):
             src.submit(0, 2, timeout=0.1)
         gate.set()
-        f0.result(5), f1.result(5)
-        src.submit(0, 2, timeout=5).result(5)
+        f0.result(60)
+        f1.result(60)
+        src.submit(0, 2, timeout=5).result(60)
 
 
 def test_failing_sample_raises_with_index_and_op():
@@ -122,9 +128,9 @@ def test_failing_sample_raises_with_index_and_op():
     plan = _plan(r, 4, decoder=FakeImageDecoder(fail_on=6))
     with Engine(2) as eng:
         src = BatchSource(engine=eng, plan=plan, batch_size=4)
-        src.submit(0, 0).result(10)
+        src.submit(0, 0).result(60)
         with pytest.raises(PipelineError) as info:
-            src.submit(0, 1).result(10)
+            src.submit(0, 1).result(60)
     assert info.value.sample_index == 6
     assert info.value.op == "FakeImageDecoder#0 (pipeline 'image')"
     assert "corrupt sample" in str(info.value)
@@ -135,12 +141,12 @@ def test_bad_sample_budget_skips_by_replacing_with_next_good_sample():
     plan = _plan(r, 4, decoder=FakeImageDecoder(fail_on=6))
     with Engine(2) as eng:
         src = BatchSource(engine=eng, plan=plan, batch_size=4, bad_sample_budget=1)
-        img, lab = src.submit(0, 1).result(10)  # ids 4..7, 6 fails -> replaced by 7
+        img, lab = src.submit(0, 1).result(60)  # ids 4..7, 6 fails -> replaced by 7
         np.testing.assert_array_equal(lab[:, 0], np.array([4, 5, 7, 7]) * 1010)
         np.testing.assert_array_equal(img[2], fake_image(7) + 1)
         assert src.bad_samples == [(0, 6, "FakeImageDecoder#0 (pipeline 'image')")]
         with pytest.raises(PipelineError, match="budget 1 exhausted"):
-            src.submit(1, 1).result(10)
+            src.submit(1, 1).result(60)
 
 
 def test_same_results_for_one_and_two_workers():
@@ -161,7 +167,7 @@ def test_same_results_for_one_and_two_workers():
             got.append(
                 [
                     np.concatenate(
-                        [a.reshape(len(a), -1).view(np.uint8) for a in f.result(10)], axis=1
+                        [a.reshape(len(a), -1).view(np.uint8) for a in f.result(60)], axis=1
                     )
                     for f in futs
                 ]

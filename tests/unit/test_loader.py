@@ -8,10 +8,17 @@ import threading
 import numpy as np
 import pytest
 from beton_serve.engine import Engine
-from beton_serve.errors import SpecError
+from beton_serve.errors import PipelineError, SpecError
 from beton_serve.loader import Loader, OrderOption, TraversalOrder
 from beton_serve.pipeline import PlanCache
-from helpers.fake_pipeline import AddIndex, AddOne, FakeReader, NumpyToTorch, fake_image
+from helpers.fake_pipeline import (
+    AddIndex,
+    AddOne,
+    FakeImageDecoder,
+    FakeReader,
+    NumpyToTorch,
+    fake_image,
+)
 from helpers.resumability import run_test_save_load_state
 
 #: Compiled once for the whole module: the tests are about the Loader, not about numba.
@@ -135,3 +142,19 @@ def test_resumability(kw, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", "2")
     reader = FakeReader(n=40)
     run_test_save_load_state(lambda: _loader(reader, **kw), stop_after=2, epochs=2)
+
+
+def test_failing_sample_reaches_the_consumer_and_budget_skips():
+    r = FakeReader(n=16)
+    pipes = {"image": [FakeImageDecoder(fail_on=9)], "label": [AddIndex()]}
+    with _loader(r, pipelines=pipes) as ld:
+        it = iter(ld)
+        next(it), next(it)
+        with pytest.raises(PipelineError) as info:
+            next(it)
+        assert info.value.sample_index == 9 and info.value.op.startswith("FakeImageDecoder")
+    assert not _beton_threads()
+    with _loader(r, pipelines=pipes, bad_sample_budget=2) as ld:
+        labs = np.concatenate([np.array(lab)[:, 0] for _, lab in ld]) // 1010
+        np.testing.assert_array_equal(labs, [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 11, 12, 13, 14, 15])
+        assert [s[1] for s in ld.bad_samples] == [9]

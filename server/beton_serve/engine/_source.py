@@ -12,7 +12,8 @@ a function of (seed, epoch, sample id, op position), so results do not depend on
 Bad samples. When a batch fails, each of its samples is re-run alone to find the culprits. With
 ``bad_sample_budget = 0`` (default) the first one raises :class:`PipelineError` naming the sample
 id and the op. Otherwise failing samples are *skipped*: each is replaced, in place, by the next
-good sample of the same batch (cyclically), so the batch keeps its size and layout; the batch is
+good sample of the same batch (cyclically, searched over the whole batch even when it runs as
+slices, so the result does not depend on the split), so the batch keeps its size and layout; it is
 then re-run and the skipped ids are recorded in :attr:`BatchSource.bad_samples`. Once more
 samples than the budget have failed, or when every sample of a batch fails, the error is raised.
 """
@@ -224,7 +225,7 @@ class BatchSource:
         for s in range(parts):
             lo, hi = int(bounds[s]), int(bounds[s + 1])
             task = self.engine.submit(
-                self._run, epoch, ids[lo:hi], [o[lo:hi] for o in out], keys, priority=priority
+                self._run, epoch, ids, lo, hi, [o[lo:hi] for o in out], keys, priority=priority
             )
             tasks.append(task)
             task.future.add_done_callback(done)
@@ -238,15 +239,22 @@ class BatchSource:
             task.promote()
 
     def _run(
-        self, epoch: int, ids: NDArray[np.uint64], outs: list[np.ndarray], keys: NDArray[np.uint64]
+        self,
+        epoch: int,
+        batch: NDArray[np.uint64],
+        lo: int,
+        hi: int,
+        outs: list[np.ndarray],
+        keys: NDArray[np.uint64],
     ) -> list[np.ndarray]:
         plan = self.plan
+        ids = batch[lo:hi]
         ws = plan.acquire_workspace()
         try:
             try:
                 return plan.run(ws, ids, keys, outs)
             except OpFailure as failure:
-                fixed = self._skip_bad(epoch, ws, ids, keys, failure)
+                fixed = self._skip_bad(epoch, ws, batch, lo, hi, keys, failure)
                 try:
                     return plan.run(ws, fixed, keys, outs)
                 except OpFailure as again:
@@ -261,44 +269,57 @@ class BatchSource:
         self,
         epoch: int,
         ws: Any,
-        ids: NDArray[np.uint64],
+        batch: NDArray[np.uint64],
+        lo: int,
+        hi: int,
         keys: NDArray[np.uint64],
         failure: OpFailure,
     ) -> NDArray[np.uint64]:
-        bad: list[tuple[int, OpFailure]] = []
-        for i in range(len(ids)):
-            try:
-                self.plan.run(ws, ids[i : i + 1], keys, None)
-            except OpFailure as f:
-                bad.append((i, f))
+        """Sample ids for ``batch[lo:hi]`` with failing samples replaced (module docstring).
+
+        Replacements are searched in the whole batch, not only in the slice, so the result does
+        not depend on how the batch was split.
+        """
+        verdict: dict[int, OpFailure | None] = {}
+
+        def check(pos: int) -> OpFailure | None:
+            if pos not in verdict:
+                try:
+                    self.plan.run(ws, batch[pos : pos + 1], keys, None)
+                    verdict[pos] = None
+                except OpFailure as f:
+                    verdict[pos] = f
+            return verdict[pos]
+
+        bad = [(i, f) for i in range(lo, hi) if (f := check(i)) is not None]
         if not bad:  # only the whole batch fails: not a sample's fault
             raise PipelineError(f"{failure.cause!r}", op=failure.node.name) from failure.cause
+        fixed = batch[lo:hi].copy()
+        n = len(batch)
+        all_bad = False
+        for i, _ in bad:
+            repl = next((j % n for j in range(i + 1, i + n) if check(j % n) is None), None)
+            if repl is None:
+                all_bad = True
+                break
+            fixed[i - lo] = batch[repl]
         first_i, first = bad[0]
         with self._lock:
             over = len(self.bad_samples) + len(bad) > self.bad_sample_budget
-            if not over and len(bad) < len(ids):
+            if not over and not all_bad:
                 self.bad_samples.extend(
-                    BadSample((epoch, int(ids[i]), f.node.name)) for i, f in bad
+                    BadSample((epoch, int(batch[i]), f.node.name)) for i, f in bad
                 )
-        if over or len(bad) == len(ids):
-            why = (
-                "every sample of the batch failed"
-                if len(bad) == len(ids)
-                else (
-                    f"bad-sample budget {self.bad_sample_budget} exhausted"
-                    if self.bad_sample_budget
-                    else "raise bad_sample_budget to skip failing samples"
-                )
-            )
+        if over or all_bad:
+            if all_bad:
+                why = "every sample of the batch failed"
+            elif self.bad_sample_budget:
+                why = f"bad-sample budget {self.bad_sample_budget} exhausted"
+            else:
+                why = "raise bad_sample_budget to skip failing samples"
             raise PipelineError(
                 f"{type(first.cause).__name__}: {first.cause} ({why})",
-                sample_index=int(ids[first_i]),
+                sample_index=int(batch[first_i]),
                 op=first.node.name,
             ) from first.cause
-        bad_pos = {i for i, _ in bad}
-        good = [i for i in range(len(ids)) if i not in bad_pos]
-        fixed = ids.copy()
-        for i in bad_pos:
-            repl = next((g for g in good if g > i), good[0])
-            fixed[i] = ids[repl]
         return fixed
