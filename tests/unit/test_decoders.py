@@ -219,3 +219,14 @@ def test_corrupt_jpeg_raises_with_sample_id() -> None:
             fn(np.array([0, 1], np.uint64), dst, md, state)
         assert info.value.sample_index == 1
         assert info.value.op == type(op).__name__
+
+
+def test_decoder_reused_on_another_file_uses_new_metadata(fixtures_dir: Path) -> None:
+    op = CenterCropRGBImageDecoder((16, 16), 1.0)
+    with BetonReader(fixtures_dir / "images_raw.beton") as r:
+        a = run_all(op, r, "image", 16)
+    with BetonReader(fixtures_dir / "images_jpg.beton") as r:
+        b = run_all(op, r, "image", 16)
+        fresh = run_all(CenterCropRGBImageDecoder((16, 16), 1.0), r, "image", 16)
+    np.testing.assert_array_equal(b, fresh)
+    assert (a != b).any()

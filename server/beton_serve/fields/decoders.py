@@ -221,6 +221,11 @@ class SimpleRGBImageDecoder(Operation):
     spec_name = "SimpleRGBImageDecoder"
     _cols: _ImageColumns | None = None
 
+    def accept_globals(self, metadata: Any, memory_read: Callable[..., Any]) -> None:
+        """Receive the metadata column; drops columns cached from a previous file."""
+        super().accept_globals(metadata, memory_read)
+        self._cols = None
+
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         md = _require_metadata(self, _RGB_MEMBERS)
         cols = _ImageColumns(md)
