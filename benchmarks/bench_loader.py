@@ -86,21 +86,26 @@ def run_loader(path: Path, kind: str, batch: int, workers: int, epochs: int, cac
         plan_cache=cache,
     )
     n_img = len(ld) * batch
-    rates = []
+    rates, cpu_rates = [], []
     with ld:
         for e in range(epochs + 1):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for _ in ld:
                 pass
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.process_time() - c
             if e == 0:
                 warm = time.perf_counter() - t0
             else:
                 rates.append(n_img / dt)
+                cpu_rates.append(n_img / dc)
+    # images per CPU-second of this process (all its threads): what one core delivers, whatever
+    # else runs on the machine; and CPU-seconds per wall-second (~workers when nothing serialises).
     return {
         "workers": workers,
-        "median_img_s": statistics.median(rates),
+        "median_img_s": round(statistics.median(rates)),
         "epochs": [round(r) for r in rates],
+        "img_per_cpu_s": round(statistics.median(cpu_rates)),
+        "cpu_per_wall": round(statistics.median(rates) / statistics.median(cpu_rates), 2),
         "first_epoch_incl_compile_s": round(warm, 2),
     }
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from beton_serve.errors import SpecError
-from beton_serve.pipeline import Operation, PipelineSpec, PlanCache, compile_pipelines
+from beton_serve.pipeline import (
+    AllocationQuery,
+    Operation,
+    PipelineSpec,
+    PlanCache,
+    compile_pipelines,
+)
 from helpers.fake_pipeline import (
     AddIndex,
     AddOne,
@@ -174,3 +180,34 @@ def test_refresh_picks_up_new_output_size():
 def test_default_label_decoder_class_used():
     plan = compile_pipelines(FakeReader(), {"image": None, "label": [AddIndex()]}, batch_size=2)
     assert isinstance(plan.nodes[0].op, FakeLabelDecoder)
+
+
+class AddShared(Operation):
+    """Uses FFCV's shared-state hooks: a (1,) int64 buffer filled once per batch with len(batch)."""
+
+    def declare_state_and_memory(self, previous_state):
+        return previous_state, None
+
+    def declare_shared_memory(self, previous_state):
+        return AllocationQuery((1,), np.int64)
+
+    def generate_code_for_shared_state(self):
+        def init(shared, indices):
+            shared[0] = len(indices)
+
+        init.with_indices = True
+        return init
+
+    def generate_code(self):
+        def add(inp, dst, shared):
+            for i in range(inp.shape[0]):
+                inp[i, 0] += shared[0]
+            return inp
+
+        return add
+
+
+def test_shared_state_is_filled_once_per_batch_and_passed_last():
+    plan = compile_pipelines(FakeReader(), {"image": None, "label": [AddShared()]}, batch_size=4)
+    (lab,) = _run(plan, [1, 2, 3])
+    np.testing.assert_array_equal(lab[:, 0], [13, 23, 33])
