@@ -147,7 +147,9 @@ def test_random_resized_crop_transform() -> None:
 
 @pytest.mark.parametrize("same", [True, False])
 def test_mixup_image_and_label_share_lambdas(same: bool) -> None:
-    key = R.derive_seed_key(0, 3, "mixup")
+    from beton_serve.transforms.mixup import mixup_key
+
+    key = mixup_key()
     x = images(n=6)
     labels = np.arange(6, dtype=np.int64)[:, None] * 10
     ids = IDS[:6]

@@ -1,12 +1,16 @@
 """``ImageMixup``, ``LabelMixup``, ``MixupToOneHot`` (mirror ``ffcv.transforms.mixup``).
 
 FFCV reseeds Numba's RNG with the batch's last sample id so that the image and label ops draw
-the same mixing weights. Here both ops draw from the shared counter-RNG stream ``"mixup"``
-(their generated functions carry ``seed_stream = "mixup"``: the planner derives their
-``seed_key`` as ``derive_seed_key(seed, epoch, "mixup")`` instead of from the op position), keyed
-by the batch's last sample id: ``lam_i = beta(seed_key, indices[-1], c, alpha, alpha)`` with
-``c = 0`` for every image when ``same_lambda`` else ``c = i``. Image ``i`` is mixed with image
-``i - 1`` (image 0 with the last), as in FFCV.
+the same mixing weights. Here both ops draw from the counter RNG under one fixed key,
+``MIXUP_KEY = derive_seed_key(0, 0, "mixup")``, keyed by the batch's last sample id:
+``lam_i = beta(MIXUP_KEY, indices[-1], c, alpha, alpha)`` with ``c = 0`` for every image when
+``same_lambda`` else ``c = i``. Image ``i`` is mixed with image ``i - 1`` (image 0 with the last),
+as in FFCV.
+
+So, as in FFCV, the weights are a pure function of the batch's composition: reproducible for any
+worker count, different between epochs whenever the order changes the batches (RANDOM,
+QUASI_RANDOM), but repeated under SEQUENTIAL order. They cannot come from the per-op
+``seed_key`` because the image and the label op sit at different op positions and must agree.
 """
 
 from __future__ import annotations
@@ -23,10 +27,17 @@ from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
 from beton_serve.transforms._util import mark
 
-__all__ = ["ImageMixup", "LabelMixup", "MixupToOneHot", "MIXUP_STREAM"]
+__all__ = ["ImageMixup", "LabelMixup", "MixupToOneHot", "MIXUP_STREAM", "mixup_key"]
 
 #: Name of the shared random stream of the mixup ops (see the module docstring).
 MIXUP_STREAM = "mixup"
+
+
+def mixup_key() -> np.uint64:
+    """The fixed key of the mixup weights (see the module docstring)."""
+    from beton_serve.pipeline.rng import derive_seed_key
+
+    return derive_seed_key(0, 0, MIXUP_STREAM)
 
 
 def _lambdas_fn() -> Callable[..., Any]:
@@ -72,7 +83,9 @@ class ImageMixup(Operation):
         alpha = self.alpha
         same = self.same_lambda
 
-        def mixup(images, dst, batch_indices, seed_key):  # pragma: no cover - compiled
+        seed_key = mixup_key()
+
+        def mixup(images, dst, batch_indices):  # pragma: no cover - compiled
             n = images.shape[0]
             lam = lambdas(batch_indices, seed_key, alpha, same)
             for i in range(n):
@@ -85,9 +98,7 @@ class ImageMixup(Operation):
                     o[idx] = a[idx] * li + b[idx] * (1.0 - li)
             return dst
 
-        mark(mixup, indices=True, seed=True)
-        mixup.seed_stream = MIXUP_STREAM  # type: ignore[attr-defined]
-        return mixup
+        return mark(mixup, indices=True)
 
     def spec_params(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "same_lambda": self.same_lambda}
@@ -120,7 +131,9 @@ class LabelMixup(Operation):
         alpha = self.alpha
         same = self.same_lambda
 
-        def mixup(labels, dst, batch_indices, seed_key):  # pragma: no cover - compiled
+        seed_key = mixup_key()
+
+        def mixup(labels, dst, batch_indices):  # pragma: no cover - compiled
             n = labels.shape[0]
             lam = lambdas(batch_indices, seed_key, alpha, same)
             flat = labels.reshape(n, -1)
@@ -131,9 +144,7 @@ class LabelMixup(Operation):
                 dst[i, 2] = lam[i]
             return dst
 
-        mark(mixup, indices=True, seed=True)
-        mixup.seed_stream = MIXUP_STREAM  # type: ignore[attr-defined]
-        return mixup
+        return mark(mixup, indices=True)
 
     def spec_params(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "same_lambda": self.same_lambda}
