@@ -1,18 +1,18 @@
 """Issue 6: N identical jobs on one daemon against one job, and the daemon's decode cost.
 
     python benchmarks/bench_sharing.py [--kind imagenet] [--n 500] [--batch 64] [--clients 4]
-                                       [--repeat 1] [--no-share]
+                                       [--epochs 1] [--repeat 1] [--no-share]
 
 One daemon (``--workers 2``) serves the issue-3 dataset of ``bench_loader.py`` (ImageNet-like JPEG
 with RandomResizedCrop 224 + flip, or CIFAR-like raw 32x32 + flip), order RANDOM. Each job is a
 separate client process (``beton_client.Loader``, the same seed, pipeline and batch size as the
 others, i.e. an identical stream). Each job runs one warm-up epoch (compilation, caches), then
-waits; all jobs then start one timed epoch together.
+waits; all jobs then start ``--epochs`` timed epochs together.
 
 Reported, for 1 job and for ``--clients`` jobs:
 - aggregate delivered images/s: all images delivered over the wall time until the last job ends;
-- decode cost: the growth of the daemon's ``samples_decoded`` (Stats RPC) over the timed epoch,
-  divided by the epoch's samples (1.0 = every batch decoded once, N = no sharing);
+- decode cost: the growth of the daemon's ``samples_decoded`` (Stats RPC) over the timed epochs,
+  divided by their samples (1.0 = every batch decoded once, N = no sharing);
 - daemon and client CPU seconds over the timed epoch (from /proc).
 
 ``--no-share`` runs the same protocol with ``--clients`` jobs whose seeds differ (streams that
@@ -52,8 +52,9 @@ for _ in ld:  # warm-up epoch
 print("READY", flush=True)
 sys.stdin.readline()
 t0 = time.perf_counter(); n = 0
-for b in ld:
-    n += len(b[0])
+for _ in range(int(sys.argv[7])):
+    for b in ld:
+        n += len(b[0])
 print(json.dumps({"n": n, "wall": time.perf_counter() - t0}), flush=True)
 ld.close()
 """
@@ -69,7 +70,9 @@ def decoded(daemon, name: str) -> int:
     return int({d.name: d.samples_decoded for d in daemon.stats().datasets}[name])
 
 
-def run_jobs(daemon, path: Path, kind: str, batch: int, jobs: int, same_seed: bool) -> dict:
+def run_jobs(
+    daemon, path: Path, kind: str, batch: int, jobs: int, same_seed: bool, epochs: int = 1
+) -> dict:
     procs = [
         subprocess.Popen(
             [
@@ -82,6 +85,7 @@ def run_jobs(daemon, path: Path, kind: str, batch: int, jobs: int, same_seed: bo
                 daemon.address,
                 str(batch),
                 str(0 if same_seed else i),
+                str(epochs),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -119,14 +123,14 @@ def run_jobs(daemon, path: Path, kind: str, batch: int, jobs: int, same_seed: bo
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
-    per_epoch = results[0]["n"]
+    per_epoch = results[0]["n"] // epochs
     images = sum(r["n"] for r in results)
     return {
         "jobs": jobs,
         "images": images,
         "wall_s": round(wall, 3),
         "images_per_s": round(images / wall, 1),
-        "decode_cost": round((dec1 - dec0) / per_epoch, 3),
+        "decode_cost": round((dec1 - dec0) / (per_epoch * epochs), 3),
         "daemon_cpu_s": round(d1 - d0, 2),
         "client_cpu_s": round(sum(b - a for a, b in zip(cpu0, cpu1, strict=True)), 2),
     }
@@ -138,6 +142,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=1, help="timed epochs per job")
     ap.add_argument("--repeat", type=int, default=1, help="alternating (1 job, N jobs) pairs")
     ap.add_argument("--no-share", action="store_true", help="also run N jobs with distinct seeds")
     args = ap.parse_args()
@@ -152,12 +157,16 @@ def main() -> None:
         try:
             for r in range(args.repeat):
                 # Alternate, so that load from elsewhere on the machine hits both alike.
-                report[f"one#{r}"] = run_jobs(d, path, args.kind, args.batch, 1, True)
+                report[f"one#{r}"] = run_jobs(d, path, args.kind, args.batch, 1, True, args.epochs)
                 print("one", json.dumps(report[f"one#{r}"]), flush=True)
-                report[f"shared#{r}"] = run_jobs(d, path, args.kind, args.batch, args.clients, True)
+                report[f"shared#{r}"] = run_jobs(
+                    d, path, args.kind, args.batch, args.clients, True, args.epochs
+                )
                 print("shared", json.dumps(report[f"shared#{r}"]), flush=True)
             if args.no_share:
-                report["distinct"] = run_jobs(d, path, args.kind, args.batch, args.clients, False)
+                report["distinct"] = run_jobs(
+                    d, path, args.kind, args.batch, args.clients, False, args.epochs
+                )
                 print("distinct", json.dumps(report["distinct"]), flush=True)
         finally:
             d.stop(signal.SIGTERM)
