@@ -50,6 +50,7 @@ few additions) and may be called from worker threads for every batch.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -66,7 +67,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from beton_serve.errors import ConfigError
 
-__all__ = ["OP_SECONDS_BUCKETS", "Metrics"]
+__all__ = ["OP_SECONDS_BUCKETS", "Metrics", "serve_daemon_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -605,3 +606,37 @@ class Metrics:
         server.server_close()
         if thread is not None:
             thread.join(timeout)
+
+
+def serve_daemon_metrics(
+    get_stats: Callable[[], Any],
+    loop: asyncio.AbstractEventLoop,
+    port: int,
+    host: str = "127.0.0.1",
+    *,
+    timeout: float = 2.0,
+) -> tuple[Metrics, int]:
+    """Export a daemon's stats on ``http://host:port/metrics``, pulled at scrape time.
+
+    Each scrape runs ``get_stats()`` on ``loop`` (the daemon's event loop, where its stats are
+    consistent), waits at most ``timeout`` seconds for it, and folds the result in with
+    :meth:`Metrics.sync_daemon_stats`. Call from the loop's thread; stop with ``metrics.stop()``.
+
+    Returns:
+        ``(metrics, port)``, the port being the bound one (``port=0`` picks a free one).
+
+    Raises:
+        ConfigError: the address cannot be bound.
+    """
+
+    async def _take() -> Any:
+        return get_stats()
+
+    def refresh(m: Metrics) -> None:
+        stats = asyncio.run_coroutine_threadsafe(_take(), loop).result(timeout)
+        m.sync_daemon_stats(stats)
+
+    metrics = Metrics()
+    metrics.set_refresh(refresh)
+    _, bound = metrics.start_http(port, host)
+    return metrics, bound

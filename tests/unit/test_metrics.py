@@ -315,3 +315,36 @@ def test_failed_refresh_serves_the_last_values(metrics: Metrics, caplog) -> None
     _, port = m.start_http(0)
     assert scrape(port)[("beton_workers", ())] == 3
     assert "metrics refresh failed" in caplog.text
+
+
+def test_serve_daemon_metrics_pulls_from_the_event_loop() -> None:
+    import asyncio
+
+    from beton_serve.metrics import serve_daemon_metrics
+
+    calls: list[str] = []
+
+    def get_stats():
+        calls.append(threading.current_thread().name)
+        return _stats([("s9", "imagenet", 3, 0, 1.0)], [("imagenet", 12, 3)])
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, name="beton-test-loop")
+    t.start()
+    try:
+        fut = asyncio.run_coroutine_threadsafe(
+            asyncio.sleep(0, serve_daemon_metrics(get_stats, loop, 0)), loop
+        )
+        m, port = fut.result(5)
+        try:
+            got = scrape(port)
+        finally:
+            m.stop()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        loop.close()
+    assert calls == ["beton-test-loop"]  # the stats were taken on the daemon's loop
+    s9 = (("dataset", "imagenet"), ("stream", "s9"))
+    assert got[("beton_stream_batches_total", s9)] == 3
+    assert got[("beton_samples_decoded_total", (("dataset", "imagenet"),))] == 12

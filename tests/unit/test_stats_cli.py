@@ -208,6 +208,8 @@ def test_stats_against_a_real_daemon(tmp_path, fixtures_dir, capsys) -> None:
             str(sock),
             "--workers",
             "1",
+            "--metrics-port",
+            "0",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -231,6 +233,18 @@ def test_stats_against_a_real_daemon(tmp_path, fixtures_dir, capsys) -> None:
         )
         live = capsys.readouterr().out
         assert "images_raw" in live and str(proc.pid) in live
+        # --metrics-port: Prometheus text from the same daemon, pulled at scrape time.
+        import re
+        import urllib.request
+
+        while not (m := re.search(r"metrics url=(\S+)", (tmp_path / "daemon.log").read_text())):
+            if time.monotonic() > deadline:
+                pytest.fail("no metrics url logged")
+            time.sleep(0.1)
+        with urllib.request.urlopen(m.group(1), timeout=10) as resp:
+            text = resp.read().decode()
+        assert "beton_workers 1.0" in text
+        assert 'beton_samples_decoded_total{dataset="images_raw"} 0.0' in text
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -62,6 +62,13 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help="exit after S seconds without any open stream (0: never)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any free port)",
+    )
     add_logging_args(p)
     p.set_defaults(func=run)
 
@@ -147,7 +154,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
 
         daemon = Daemon.create(datasets, num_workers=cfg.workers or None)
         try:
-            _run_loop(_serve(daemon, cfg, socket_path))
+            _run_loop(_serve(daemon, cfg, socket_path, getattr(args, "metrics_port", None)))
         finally:
             daemon.close()
             if socket_path:
@@ -166,11 +173,14 @@ def _run_loop(coro: Any) -> None:
     uvloop.run(coro)
 
 
-async def _serve(daemon: Any, cfg: ServeConfig, socket_path: str | None) -> None:
+async def _serve(
+    daemon: Any, cfg: ServeConfig, socket_path: str | None, metrics_port: int | None = None
+) -> None:
     from beton_serve.rpc import create_server
 
     handle = create_server(daemon, unix_socket=socket_path, listen=cfg.listen)
     await handle.server.start()
+    metrics = None
     try:
         if socket_path:
             os.chmod(socket_path, stat.S_IRUSR | stat.S_IWUSR)
@@ -185,6 +195,13 @@ async def _serve(daemon: Any, cfg: ServeConfig, socket_path: str | None) -> None
             daemon.workers,
             os.getpid(),
         )
+        if metrics_port is not None:
+            from beton_serve.metrics import serve_daemon_metrics
+
+            metrics, bound = serve_daemon_metrics(
+                daemon.stats, asyncio.get_running_loop(), metrics_port
+            )
+            log.info("metrics url=http://127.0.0.1:%d/metrics", bound)
         for ds in daemon.all_datasets():
             log.info(
                 "dataset name=%s samples=%d shards=%d fields=%s",
@@ -204,6 +221,9 @@ async def _serve(daemon: Any, cfg: ServeConfig, socket_path: str | None) -> None
         await handle.set_serving(False)
         await daemon.drain()
     finally:
+        if metrics is not None:
+            # A scrape in flight waits for this loop (at most 2 s), so stop off the loop.
+            await asyncio.get_running_loop().run_in_executor(None, metrics.stop)
         await handle.server.stop(grace=1.0)
 
 
