@@ -121,3 +121,25 @@ def test_same_seed_bit_identical_random_crops_for_1_and_2_workers(fixtures_dir):
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
     assert not np.array_equal(runs[0][0], runs[0][1])  # epochs differ
+
+
+def test_default_pipelines_yield_tensors_in_file_order(fixtures_dir):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("beton_serve.transforms")
+    exp = np.load(fixtures_dir / "mixed_fields.expected.npz")
+    with Loader(fixtures_dir / "mixed_fields.beton", batch_size=25, num_workers=1, seed=0) as ld:
+        batches = [tuple(x.clone() for x in b) for b in ld]
+    assert len(batches) == 2 and len(batches[0]) == 5  # int, float, array, blob, meta
+    assert all(isinstance(x, torch.Tensor) for x in batches[0])
+    np.testing.assert_array_equal(torch.cat([b[0] for b in batches]).numpy(), exp["int"])
+    np.testing.assert_array_equal(torch.cat([b[2] for b in batches]).numpy(), exp["array"])
+
+
+def test_real_torch_op_before_to_tensor_is_rejected(fixtures_dir):
+    torch = pytest.importorskip("torch")
+    tr = pytest.importorskip("beton_serve.transforms")
+    from beton_serve.errors import SpecError
+
+    pipes = {"int": [dec.IntDecoder(), tr.Convert(torch.float32), tr.ToTensor()]}
+    with pytest.raises(SpecError, match=r"Convert#1 .*after ToTensor"):
+        Loader(fixtures_dir / "mixed_fields.beton", batch_size=5, pipelines=pipes, seed=0)

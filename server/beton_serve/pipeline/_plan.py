@@ -48,7 +48,8 @@ from beton_serve.pipeline.state import State, is_torch_dtype
 
 __all__ = ["OutputSpec", "Plan", "PlanCache", "Workspace", "compile_pipelines", "OpFailure"]
 
-#: Ops that work on torch tensors only (by class name, so user code needs no marker).
+#: Ops that work on torch tensors only (by class name, so ported FFCV code needs no marker; other
+#: ops may set ``torch_op = True``).
 _TORCH_OPS = frozenset(
     {"Convert", "Squeeze", "ModuleWrapper", "ToDevice", "ToTorchImage", "MixupToOneHot"}
 )
@@ -218,7 +219,9 @@ class Plan:
                 op.accept_globals(self._metadata[node.field_name], memory_read)
             else:
                 prev = states[node.parent.position]
-            if prev.jit_mode and type(op).__name__ in _TORCH_OPS | {"ToDevice"}:
+            if prev.jit_mode and (
+                type(op).__name__ in _TORCH_OPS or getattr(op, "torch_op", False)
+            ):
                 raise SpecError(
                     f"{node.name} runs on torch tensors but its input is a numpy array; "
                     "move it after ToTensor()"
@@ -277,6 +280,13 @@ class Plan:
                 self.generation += 1
                 self._free.clear()
         return changed
+
+    def _leaf(self, path: OutputPath) -> Node:
+        """The last jit op of ``path`` (``_declare`` guarantees there is one)."""
+        leaf = self._jit_leaf(path)
+        if leaf is None:  # pragma: no cover - rejected in _declare
+            raise SpecError(f"pipeline '{path.name}' has no numpy stage")
+        return leaf
 
     def _jit_leaf(self, path: OutputPath, jit: dict[int, bool] | None = None) -> Node | None:
         jit = self._jit if jit is None else jit
@@ -345,8 +355,7 @@ class Plan:
     def outputs(self) -> list[OutputSpec]:
         specs = []
         for path in self.paths:
-            leaf = self._jit_leaf(path)
-            assert leaf is not None  # checked in _declare
+            leaf = self._leaf(path)
             st = self._states[leaf.position]
             specs.append(OutputSpec(path.name, tuple(st.shape or ()), np.dtype(st.dtype)))
         return specs
@@ -470,8 +479,7 @@ class Plan:
                 raise OpFailure(node, exc) from exc
         out_arrays = []
         for i, path in enumerate(self.paths):
-            leaf = self._jit_leaf(path)
-            assert leaf is not None
+            leaf = self._leaf(path)
             res = results[leaf.position]
             if outs is None:
                 out_arrays.append(res)
