@@ -143,3 +143,52 @@ def test_real_torch_op_before_to_tensor_is_rejected(fixtures_dir):
     pipes = {"int": [dec.IntDecoder(), tr.Convert(torch.float32), tr.ToTensor()]}
     with pytest.raises(SpecError, match=r"Convert#1 .*after ToTensor"):
         Loader(fixtures_dir / "mixed_fields.beton", batch_size=5, pipelines=pipes, seed=0)
+
+
+def test_torch_module_after_to_tensor_is_wrapped_and_runs(fixtures_dir):
+    torch = pytest.importorskip("torch")
+    tr = pytest.importorskip("beton_serve.transforms")
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    pipes = {
+        "int": [dec.IntDecoder(), tr.ToTensor(), Double()],
+        "float": None,
+        "array": None,
+        "blob": None,
+        "meta": None,
+    }
+    with Loader(
+        fixtures_dir / "mixed_fields.beton",
+        batch_size=5,
+        num_workers=1,
+        pipelines=pipes,
+        seed=0,
+        indices=[4, 5, 6, 7, 8],
+    ) as ld:
+        assert type(ld.plan.client_tail["int"][-1]).__name__ == "ModuleWrapper"
+        (x,) = next(iter(ld))
+    exp = np.load(fixtures_dir / "mixed_fields.expected.npz")
+    np.testing.assert_array_equal(x.numpy(), exp["int"][4:9] * 2)
+
+
+def test_distributed_rank_and_world_from_env(fixtures_dir, monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    pipes = {"int": [dec.IntDecoder()], "float": None, "array": None, "blob": None, "meta": None}
+    with Loader(
+        fixtures_dir / "mixed_fields.beton",
+        batch_size=4,
+        distributed=True,
+        seed=0,
+        drop_last=False,
+        pipelines=pipes,
+    ) as ld:
+        assert (ld.rank, ld.world_size) == (2, 3)
+        assert len(ld) == 5  # ceil(50 / 3) = 17 samples -> 5 batches
+        monkeypatch.setenv("RANK", "0")  # read at construction, not later
+        assert ld.rank == 2
+        n = sum(len(b[0]) for b in ld)
+    assert n == 17
