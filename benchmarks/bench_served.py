@@ -7,7 +7,8 @@ RandomResizedCrop 224 + flip, batch 256; CIFAR-like raw 32x32 + flip, batch 512)
 
 1. Throughput: one in-process ``beton_serve.loader.Loader`` (2 workers) and one
    ``beton_client.Loader`` against a daemon subprocess (``--workers 2``), each after a warm-up
-   epoch (compilation), median of ``--epochs`` timed epochs; the ratio served / in-process.
+   epoch (compilation); ``--epochs`` timed epochs of each, interleaved, medians; the ratio
+   served / in-process.
 2. Client-side CPU per batch: the trainer process's own CPU time (user + system) for a served
    epoch divided by its batches: the cost of receiving a batch (control messages + tensor views).
 3. ``--clients`` processes sharing one daemon against as many processes each running an
@@ -44,20 +45,29 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / CLK
 
 
-def time_epochs(loader, epochs: int) -> tuple[float, float, int]:
-    """Warm-up epoch, then the median wall time and mean CPU time of ``epochs`` epochs."""
-    for _ in loader:
-        pass
-    walls, cpus = [], []
-    n = 0
+def time_interleaved(loaders: list, epochs: int) -> list[tuple[float, float, int]]:
+    """Warm up every loader, then alternate timed epochs between them (the machine is shared and
+    its load drifts, so interleaving keeps the comparison fair). Returns, per loader, the median
+    wall time, the mean CPU time of this process and the samples of an epoch."""
+    for ld in loaders:
+        for _ in ld:
+            pass
+    walls: list[list[float]] = [[] for _ in loaders]
+    cpus: list[list[float]] = [[] for _ in loaders]
+    counts = [0] * len(loaders)
     for _ in range(epochs):
-        c0, t0 = time.process_time(), time.perf_counter()
-        n = 0
-        for b in loader:
-            n += len(b[0])
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    return statistics.median(walls), statistics.mean(cpus), n
+        for i, ld in enumerate(loaders):
+            c0, t0 = time.process_time(), time.perf_counter()
+            n = 0
+            for b in ld:
+                n += len(b[0])
+            walls[i].append(time.perf_counter() - t0)
+            cpus[i].append(time.process_time() - c0)
+            counts[i] = n
+    return [
+        (statistics.median(w), statistics.mean(c), n)
+        for w, c, n in zip(walls, cpus, counts, strict=True)
+    ]
 
 
 _CLIENT = r"""
@@ -160,8 +170,6 @@ def main() -> None:
                     pipelines=pipelines(kind),
                     num_workers=2,
                 )
-                lw, lc, n = time_epochs(local, args.epochs)
-                local.close()
                 served = ServedLoader(
                     str(path),
                     batch_size=bs,
@@ -170,8 +178,9 @@ def main() -> None:
                     pipelines=pipelines(kind),
                     server=d.address,
                 )
-                sw, sc, n2 = time_epochs(served, args.epochs)
+                (lw, lc, n), (sw, sc, n2) = time_interleaved([local, served], args.epochs)
                 batches = len(served)
+                local.close()
                 served.close()
                 report[kind] = {
                     "samples": n,

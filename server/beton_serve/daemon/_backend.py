@@ -69,6 +69,8 @@ class SourceParams:
     world_size: int
     #: In-flight bound handed to the source (the ring size, so ``submit`` never blocks the loop).
     batches_ahead: int = 8
+    #: Split each batch into this many units of work (when the plan allows), for latency.
+    slices: int = 1
 
 
 class Backend(Protocol):
@@ -186,6 +188,7 @@ class EngineBackend:
             rank=params.rank,
             world_size=params.world_size,
             batches_ahead=params.batches_ahead,
+            slices=params.slices,
         )
 
     def close_engine(self, engine: Any) -> None:

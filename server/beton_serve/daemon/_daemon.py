@@ -510,6 +510,9 @@ class Daemon:
             rank=req.rank,
             world_size=req.world_size,
             batches_ahead=req.batches_ahead + 2,
+            # A batch split over the workers arrives sooner; with many streams the pool is busy
+            # anyway and the split costs little (BatchSource splits only sliceable plans).
+            slices=self.workers,
         )
         source = self.backend.make_source(self.engine, entry.plan, params)
         if self.sharing is not None:
