@@ -80,6 +80,7 @@ def _fresh_env() -> dict[str, str]:
 
 
 def _run(command: str, cwd: Path, env: dict[str, str], timeout: float) -> str:
+    """Run ``command`` with bash; returns its stdout (stderr is shown only on failure)."""
     proc = subprocess.run(
         ["bash", "-c", command],
         cwd=cwd,
@@ -89,9 +90,10 @@ def _run(command: str, cwd: Path, env: dict[str, str], timeout: float) -> str:
         text=True,
         timeout=timeout,
     )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{output[-6000:]}"
-    return output
+    assert proc.returncode == 0, (
+        f"`{command}` exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return proc.stdout
 
 
 @pytest.mark.slow
@@ -117,5 +119,7 @@ def test_readme_commands_run_verbatim_in_a_fresh_venv(tmp_path: Path) -> None:
     env = _fresh_env()
     env["PYTEST_ADDOPTS"] = "-k test_guard -p no:cacheprovider"
     out = _run(tests, repo, env, timeout=700)
-    summary = out.strip().splitlines()[-1]
-    assert re.search(r"\b\d+ passed\b", summary) and "failed" not in summary, out[-3000:]
+    # pytest's closing line, e.g. "3 passed, 412 deselected in 9.81s": some ran, none failed.
+    summary = [ln for ln in out.splitlines() if re.search(r"\b\d+ passed\b", ln)]
+    assert summary, out[-3000:]
+    assert not re.search(r"\b(failed|error|errors)\b", summary[-1]), out[-3000:]
