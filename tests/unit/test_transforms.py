@@ -68,8 +68,9 @@ def rint_(sid: int, c: int, lo: int, hi: int) -> int:
     return lo + int(np.floor(ru(sid, c) * (hi - lo)))
 
 
-def test_flip_matches_reference_and_is_slice_independent() -> None:
-    x = images()
+@pytest.mark.parametrize(("h", "w"), [(20, 17), (96, 80)])  # compiled loop / cv2.flip path
+def test_flip_matches_reference_and_is_slice_independent(h: int, w: int) -> None:
+    x = images(h=h, w=w)
     got, state = run(RandomHorizontalFlip(0.5), x.copy(), IDS)
     ref = np.stack([x[i][:, ::-1] if ru(s, 0) < 0.5 else x[i] for i, s in enumerate(IDS)])
     np.testing.assert_array_equal(got, ref)
