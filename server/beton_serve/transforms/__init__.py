@@ -8,9 +8,8 @@ generates or runs its code.
 
 from __future__ import annotations
 
-from beton_serve.transforms.color import RandomBrightness, RandomContrast, RandomSaturation
+from beton_serve.transforms.colorjitter import RandomBrightness, RandomContrast, RandomSaturation
 from beton_serve.transforms.common import Squeeze
-from beton_serve.transforms.crop import RandomResizedCrop
 from beton_serve.transforms.cutout import Cutout
 from beton_serve.transforms.flip import RandomHorizontalFlip
 from beton_serve.transforms.mixup import ImageMixup, LabelMixup, MixupToOneHot
@@ -18,6 +17,7 @@ from beton_serve.transforms.module import ModuleWrapper
 from beton_serve.transforms.normalize import NormalizeImage
 from beton_serve.transforms.ops import Convert, ToDevice, ToTensor, ToTorchImage, View
 from beton_serve.transforms.poisoning import Poison
+from beton_serve.transforms.random_resized_crop import RandomResizedCrop
 from beton_serve.transforms.replace_label import ReplaceLabel
 from beton_serve.transforms.translate import RandomTranslate
 
