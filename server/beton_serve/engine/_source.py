@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -43,10 +43,12 @@ from beton_serve.pipeline._plan import OpFailure, Plan
 __all__ = ["BatchSource", "BadSample"]
 
 
-class BadSample(tuple[int, int, str]):
-    """``(epoch, sample_id, op)`` of a skipped sample."""
+class BadSample(NamedTuple):
+    """A sample skipped under the bad-sample budget."""
 
-    __slots__ = ()
+    epoch: int
+    sample_id: int
+    op: str
 
 
 class BatchSource:
@@ -308,7 +310,7 @@ class BatchSource:
             over = len(self.bad_samples) + len(bad) > self.bad_sample_budget
             if not over and not all_bad:
                 self.bad_samples.extend(
-                    BadSample((epoch, int(batch[i]), f.node.name)) for i, f in bad
+                    BadSample(epoch, int(batch[i]), f.node.name) for i, f in bad
                 )
         if over or all_bad:
             if all_bad:
