@@ -9,25 +9,26 @@ import pytest
 import simplejpeg
 from beton_serve import jpeg
 from beton_serve.errors import PipelineError
-from helpers.ffcv_fixture_reader import FixtureFile, memory_read
+from beton_serve.format import BetonReader, memory_read
 
 
 @pytest.mark.parametrize("name", ["images_jpg", "images_smart"])
 def test_full_decode_is_bit_exact_with_ffcv(fixtures_dir: Path, name: str) -> None:
-    f = FixtureFile(fixtures_dir / f"{name}.beton")
-    col = f.column("image")
+    reader = BetonReader(fixtures_dir / f"{name}.beton")
+    col = reader.field_metadata("image")
     full = np.load(fixtures_dir / f"{name}.decoded_full.npz")
     scratch = np.empty(int(col["height"].max()) * int(col["width"].max()) * 3, np.uint8)
     checked = 0
-    for i in range(f.num_samples):
+    for i in range(reader.num_samples):
         if col["mode"][i] != 0:
             continue
-        data = memory_read(col["data_ptr"][i], f.storage_state)
+        data = memory_read(col["data_ptr"][i], reader.storage_state)
         assert jpeg.read_header(data) == (int(col["height"][i]), int(col["width"][i]))
         img = jpeg.decode_into(data, scratch)
         assert np.shares_memory(img, scratch)
         np.testing.assert_array_equal(img, full[f"image_{i:04d}"])
         checked += 1
+    reader.close()
     assert checked > 50
 
 
