@@ -192,3 +192,29 @@ def test_distributed_rank_and_world_from_env(fixtures_dir, monkeypatch):
         assert ld.rank == 2
         n = sum(len(b[0]) for b in ld)
     assert n == 17
+
+
+@pytest.mark.parametrize(
+    "pipes,match",
+    [
+        (
+            {"image": [dec.IntDecoder()]},
+            r"IntDecoder cannot decode field 'image' \(RGBImageField\); use SimpleRGBImageDecoder",
+        ),
+        (
+            {"lable": [dec.IntDecoder()]},
+            r"no field is named 'lable' \(fields: \['image', 'label'\]\)",
+        ),
+        ({"image": [dec.SimpleRGBImageDecoder()]}, "same size"),  # variable-size images
+    ],
+)
+def test_construction_errors_on_a_real_file(fixtures_dir, pipes, match):
+    from beton_serve.errors import SpecError
+
+    with pytest.raises(SpecError, match=match):
+        Loader(
+            fixtures_dir / "images_raw.beton",
+            batch_size=4,
+            seed=0,
+            pipelines={"label": None, **pipes},
+        )
