@@ -33,6 +33,7 @@ def test_priority_zero_runs_first_and_promote():
         a = eng.submit(order.append, "prefetch-a", priority=1)
         b = eng.submit(order.append, "prefetch-b", priority=1)
         c = eng.submit(order.append, "waited", priority=0)
+        assert eng.queue_depth == 3
         b.promote()
         gate.set()
         for t in (a, b, c):

@@ -157,6 +157,11 @@ class Engine:
         return task
 
     @property
+    def queue_depth(self) -> int:
+        """Queued entries (approximate: a promoted task is counted twice until it runs)."""
+        return self._queue.qsize()
+
+    @property
     def alive_workers(self) -> int:
         with self._lock:
             return sum(t.is_alive() for t in self._threads)
