@@ -158,3 +158,18 @@ def test_failing_sample_reaches_the_consumer_and_budget_skips():
         labs = np.concatenate([np.array(lab)[:, 0] for _, lab in ld]) // 1010
         np.testing.assert_array_equal(labs, [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 11, 12, 13, 14, 15])
         assert [s[1] for s in ld.bad_samples] == [9]
+
+
+def test_edge_cases_small_epochs_and_one_batch_ahead():
+    with _loader(FakeReader(n=3), batch_size=4) as ld:
+        assert len(ld) == 0 and list(ld) == []
+    with _loader(
+        FakeReader(n=3), batch_size=4, drop_last=False, batches_ahead=1, num_workers=1
+    ) as ld:
+        (batch,) = list(ld)
+        np.testing.assert_array_equal(np.array(batch[1])[:, 0], [0, 1010, 2020])
+    with pytest.raises(SpecError, match="batches_ahead"):
+        _loader(batches_ahead=0)
+    with pytest.raises(SpecError, match="indices"):
+        _loader(indices=[0, 99])
+    assert not _beton_threads()
