@@ -175,6 +175,7 @@ class BatchSource:
         priority: int = 1,
         *,
         timeout: float | None = None,
+        slices: int | None = None,
     ) -> Future[list[np.ndarray]]:
         """Run batch ``b`` of ``epoch`` on the engine.
 
@@ -186,6 +187,9 @@ class BatchSource:
                 the caller owns them and must not touch them until the future completes.
                 ``None`` allocates new arrays.
             priority: 0 when a consumer is waiting for this batch, else 1.
+            slices: units of work for this batch (default: the source's ``slices``). Slicing
+                lowers one batch's latency; whole batches cost less per image, so prefetch work
+                is best left whole.
 
         Returns:
             A future of ``[out[i][:n] for each output]``; its exception is a
@@ -203,9 +207,8 @@ class BatchSource:
         result: Future[list[np.ndarray]] = Future()
         result.set_running_or_notify_cancel()
         result.add_done_callback(lambda _f: self._credit.release())
-        parts = (
-            self.slices if (self.slices > 1 and self.plan.sliceable and n >= 2 * self.slices) else 1
-        )
+        want = self.slices if slices is None else int(slices)
+        parts = want if (want > 1 and self.plan.sliceable and n >= 2 * want) else 1
         bounds = np.linspace(0, n, parts + 1).astype(int)
         pending = [parts]
         errors: list[BaseException] = []

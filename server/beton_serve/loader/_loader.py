@@ -81,7 +81,9 @@ class Loader:
         engine: a shared :class:`Engine` to run on instead of private workers.
         plan_cache: share compiled pipelines with other Loaders.
         bad_sample_budget: failing samples that may be skipped (see ``BatchSource``).
-        slices: units of work per batch (default: ``num_workers`` when the plan allows it).
+        slices: units of work for a batch the consumer is already waiting for (default:
+            ``num_workers`` when the plan allows it); prefetched batches run whole, which costs
+            less per image.
 
     Raises:
         SpecError: invalid arguments or pipelines (the message says what to change).
@@ -318,7 +320,10 @@ class EpochIterator:
         if b >= self._end:
             return
         slot = self._slots[b % len(self._slots)]
-        fut = self._source.submit(self.epoch, b, slot, priority=0 if b == self.batch else 1)
+        waited = b == self.batch  # the consumer needs this one next: split it across workers
+        fut = self._source.submit(
+            self.epoch, b, slot, priority=0 if waited else 1, slices=None if waited else 1
+        )
         self._running.futures.append(fut)
         self._next_submit += 1
 
