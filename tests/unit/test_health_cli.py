@@ -95,3 +95,42 @@ def test_registered_in_the_cli(health_server) -> None:
     assert args.func is _health.run
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     assert main(["health", "--server", target, "--timeout", "2"]) == 0
+
+
+def test_tls_listener(tmp_path) -> None:
+    """A TLS-only daemon answers with --tls-ca; without it (or with the wrong CA) it does not."""
+    from helpers.tls_certs import available, make_tls_files
+
+    if not available():
+        pytest.skip("neither the cryptography package nor openssl is available")
+    tls = make_tls_files(tmp_path)
+    with open(tls.server_key, "rb") as k, open(tls.server_cert, "rb") as c:
+        creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-health-tls")
+    server = grpc.server(pool)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    try:
+        target = f"127.0.0.1:{port}"
+        good = _args(target)
+        good.tls_ca = tls.ca_cert
+        assert _health.run(good, environ={}) == _health.EXIT_SERVING
+        wrong = _args(target, timeout=0.5)
+        wrong.tls_ca = tls.other_ca_cert
+        assert _health.run(wrong, environ={}) == _health.EXIT_UNREACHABLE
+        plain = _args(target, timeout=0.5)
+        assert _health.run(plain, environ={}) == _health.EXIT_UNREACHABLE
+    finally:
+        server.stop(grace=None).wait(5)
+        pool.shutdown(wait=True)
+
+
+def test_tls_options_are_checked(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="both"):
+        _health.tls_credentials(None, str(tmp_path / "c.pem"), None)
+    with pytest.raises(ConfigError, match="--tls-ca"):
+        _health.tls_credentials(str(tmp_path / "missing.pem"), None, None)
+    assert _health.tls_credentials(None, None, None) is None

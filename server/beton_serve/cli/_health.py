@@ -12,6 +12,9 @@ exit   meaning
 2      no answer: nothing listens at the address, or the deadline passed
 =====  ======================================================================
 
+A daemon that serves TCP with TLS is checked with ``--tls-ca CA.pem`` (and, for mutual TLS,
+``--tls-cert``/``--tls-key``). No token is needed: the daemon answers health checks without one.
+
 The address uses gRPC target syntax (``unix:///path/to.sock`` or ``host:port``). Without
 ``--server`` it comes from ``BETON_SERVE_ADDRESS``, then the per-user default socket
 (:mod:`beton_wire.address`), the same order the client uses.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from beton_serve.errors import ConfigError
 
@@ -65,17 +69,27 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="health service name to check; '' (the default) means the whole server",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="deadline in seconds (default 3)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA that signed the daemon's cert")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="client private key (mTLS)")
     p.set_defaults(func=run)
     return p
 
 
-def check(target: str, *, service: str = "", timeout: float = 3.0) -> str:
+def check(
+    target: str,
+    *,
+    service: str = "",
+    timeout: float = 3.0,
+    credentials: Any | None = None,
+) -> str:
     """Send one health ``Check`` to ``target``.
 
     Args:
         target: gRPC target syntax, e.g. ``unix:///run/beton-serve/beton-serve.sock``.
         service: the health service name; ``""`` asks about the server as a whole.
         timeout: deadline for connecting and answering, in seconds.
+        credentials: ``grpc.ChannelCredentials`` for a TLS listener; ``None`` for plain.
 
     Returns:
         The serving status name: ``"SERVING"``, ``"NOT_SERVING"``, ``"SERVICE_UNKNOWN"`` or
@@ -85,7 +99,12 @@ def check(target: str, *, service: str = "", timeout: float = 3.0) -> str:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(
@@ -118,12 +137,45 @@ def resolve_target(explicit: str | None, environ: Mapping[str, str]) -> str:
     return unix_target(default_socket_path(environ))
 
 
+def tls_credentials(ca: str | None, cert: str | None, key: str | None) -> Any | None:
+    """Channel credentials from PEM files, or ``None`` when no TLS option is given.
+
+    Raises:
+        ConfigError: a file cannot be read, or only one of ``cert``/``key`` is given.
+    """
+    if ca is None and cert is None and key is None:
+        return None
+    if (cert is None) != (key is None):
+        raise ConfigError("mutual TLS needs both --tls-cert and --tls-key")
+    import grpc
+
+    def read(path: str | None, what: str) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {what} {path}: {exc}") from None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca, "--tls-ca"),
+        private_key=read(key, "--tls-key"),
+        certificate_chain=read(cert, "--tls-cert"),
+    )
+
+
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
     """Run the subcommand; returns the exit status described in the module docstring."""
     import os
 
     target = resolve_target(args.server, os.environ if environ is None else environ)
-    status = check(target, service=args.service, timeout=args.timeout)
+    creds = tls_credentials(
+        getattr(args, "tls_ca", None),
+        getattr(args, "tls_cert", None),
+        getattr(args, "tls_key", None),
+    )
+    status = check(target, service=args.service, timeout=args.timeout, credentials=creds)
     sys.stdout.write(f"{target}: {status}\n")
     if status == "SERVING":
         return EXIT_SERVING
