@@ -178,6 +178,8 @@ class Loader:
         self._slots: list[list[np.ndarray]] | None = None
         self._first_epoch_planned = False
         self._current: weakref.ref[EpochIterator] | None = None
+        #: (epoch, batches yielded) of the latest iterator, even once closed or collected.
+        self._position: tuple[int, int] | None = None
 
     # -- FFCV surface --------------------------------------------------------------------
     def __len__(self) -> int:
@@ -209,13 +211,19 @@ class Loader:
             ]
         it = EpochIterator(self, epoch, start)
         self._current = weakref.ref(it)
+        self._position = (epoch, start)
         return it
 
     def state_dict(self) -> dict[str, Any]:
-        """Where iteration stands: resume with :meth:`load_state_dict` on an equal Loader."""
-        it = self._current() if self._current is not None else None
-        if it is not None and not it.finished and it.batch < len(self):
-            epoch, batch = it.epoch, it.batch
+        """Where iteration stands: resume with :meth:`load_state_dict` on an equal Loader.
+
+        ``epoch`` and ``batch`` count what the latest iterator has *yielded*, also after it was
+        closed or abandoned mid-epoch (its remaining batches were never seen); once an epoch is
+        exhausted they point at the start of the next one.
+        """
+        pos = self._position
+        if pos is not None and pos[1] < len(self):
+            epoch, batch = pos
         else:
             epoch, batch = self.next_epoch, self._resume_batch
         return {
@@ -253,6 +261,7 @@ class Loader:
         if not 0 <= batch <= len(self):
             raise SpecError(f"Loader state batch {batch} is outside the epoch (0..{len(self)})")
         self.next_epoch, self._resume_batch = int(state["epoch"]), batch
+        self._position = None
         if batch == len(self):
             self.next_epoch, self._resume_batch = self.next_epoch + 1, 0
 
@@ -349,6 +358,7 @@ class EpochIterator:
         ids = self._source.batch_ids(self.epoch, b)
         out = self._tail(arrays, ids, self._keys)
         self.batch = b + 1
+        self.loader._position = (self.epoch, self.batch)
         return out
 
     def close(self) -> None:
