@@ -218,3 +218,24 @@ def test_construction_errors_on_a_real_file(fixtures_dir, pipes, match):
             seed=0,
             pipelines={"label": None, **pipes},
         )
+
+
+def test_filter_returns_sample_ids(fixtures_dir):
+    exp = np.load(fixtures_dir / "mixed_fields.expected.npz")
+    pipes = {"int": [dec.IntDecoder()], "float": None, "array": None, "blob": None, "meta": None}
+    with Loader(
+        fixtures_dir / "mixed_fields.beton",
+        batch_size=4,
+        drop_last=False,
+        seed=0,
+        pipelines=pipes,
+        indices=list(range(10, 40)),
+    ) as ld:
+        sub = ld.filter("float", lambda v: np.isfinite(v[0]) and v[0] > 0)
+        want = [
+            i for i in range(10, 40) if np.isfinite(exp["float"][i, 0]) and exp["float"][i, 0] > 0
+        ]
+        assert sub.indices.tolist() == want and 0 < len(want) < 30
+        (got,) = _collect(sub)
+        np.testing.assert_array_equal(got, exp["int"][want])
+        sub.close()

@@ -122,6 +122,9 @@ class Loader:
             self._owns_reader = False
         if isinstance(order, int) and not isinstance(order, OrderOption):
             order = OrderOption(order)
+        self._order_arg = order
+        self._order_kwargs = dict(order_kwargs or {})
+        self._custom_fields = dict(custom_fields or {})
         self.fname = getattr(self.reader, "path", None)
         self.batch_size = int(batch_size)
         self.num_workers = int(num_workers) if num_workers >= 1 else _default_workers()
@@ -264,6 +267,56 @@ class Loader:
         self._position = None
         if batch == len(self):
             self.next_epoch, self._resume_batch = self.next_epoch + 1, 0
+
+    def filter(self, field_name: str, condition: Any) -> Loader:
+        """A Loader over the samples of this one whose ``field_name`` satisfies ``condition``.
+
+        Decodes ``field_name`` alone (its default decoder, no ``ToTensor``) over this Loader's
+        ``indices`` in order, calls ``condition(value)`` per sample, and returns a new Loader with
+        the same arguments and ``indices`` = the **sample ids** that passed (FFCV returns batch
+        positions instead, which is wrong once ``indices`` is set).
+        """
+        if field_name not in self.reader.handlers:
+            raise SpecError(
+                f"filter: unknown field {field_name!r}; the file has {self.reader.field_names}"
+            )
+        from beton_serve.engine import OrderOption as _Order
+
+        only = {name: None for name in self.reader.field_names}
+        only[field_name] = [self.reader.handlers[field_name].get_decoder_class()()]
+        plan = compile_pipelines(self.reader, only, batch_size=self.batch_size)
+        keep: list[int] = []
+        with Engine(1) as eng:
+            src = BatchSource(
+                engine=eng,
+                plan=plan,
+                order=_Order.SEQUENTIAL,
+                batch_size=self.batch_size,
+                indices=self.indices,
+                drop_last=False,
+            )
+            for b in range(len(src)):
+                ids = src.batch_ids(0, b)
+                (values,) = src.submit(0, b).result()
+                keep.extend(int(i) for i, v in zip(ids, values, strict=True) if condition(v))
+        return Loader(
+            self.reader,
+            self.batch_size,
+            self.num_workers,
+            self.os_cache,
+            self._order_arg,
+            self.distributed,
+            self.seed,
+            np.array(keep, dtype=np.uint64),
+            self.pipelines,
+            self._custom_fields,
+            self.drop_last,
+            self.batches_ahead,
+            self.recompile,
+            order_kwargs=self._order_kwargs,
+            engine=self._engine,
+            bad_sample_budget=self._source.bad_sample_budget,
+        )
 
     def close(self) -> None:
         """Stop the current iterator and close the file (if the Loader opened it)."""
