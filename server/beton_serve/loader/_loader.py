@@ -280,9 +280,7 @@ class Loader:
             raise SpecError(
                 f"filter: unknown field {field_name!r}; the file has {self.reader.field_names}"
             )
-        from beton_serve.engine import OrderOption as _Order
-
-        only = {name: None for name in self.reader.field_names}
+        only: dict[str, list[Any] | None] = dict.fromkeys(self.reader.field_names)
         only[field_name] = [self.reader.handlers[field_name].get_decoder_class()()]
         plan = compile_pipelines(self.reader, only, batch_size=self.batch_size)
         keep: list[int] = []
@@ -290,7 +288,7 @@ class Loader:
             src = BatchSource(
                 engine=eng,
                 plan=plan,
-                order=_Order.SEQUENTIAL,
+                order=OrderOption.SEQUENTIAL,
                 batch_size=self.batch_size,
                 indices=self.indices,
                 drop_last=False,
