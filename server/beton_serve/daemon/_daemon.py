@@ -509,7 +509,7 @@ class Daemon:
             distributed=req.distributed,
             rank=req.rank,
             world_size=req.world_size,
-            batches_ahead=req.batches_ahead + 2,
+            batches_ahead=req.batches_ahead + 1,
             # A batch split over the workers arrives sooner; with many streams the pool is busy
             # anyway and the split costs little (BatchSource splits only sliceable plans).
             slices=self.workers,
@@ -517,7 +517,7 @@ class Daemon:
         source = self.backend.make_source(self.engine, entry.plan, params)
         if self.sharing is not None:
             source = _shared(source, self.sharing, self._spec_key(req, ds), req, ds.name)
-        slot_count = req.batches_ahead + 2
+        slot_count = req.batches_ahead + 1
         ring: SlotTransport = factory.create(layout, slot_count, device_index=neg.device_index)
         ident = req.offer.identity
         same_host = bool(ident.boot_id) and ident.boot_id == self.facts.identity.boot_id
