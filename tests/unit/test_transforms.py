@@ -75,6 +75,11 @@ def test_flip_matches_reference_and_is_slice_independent(h: int, w: int) -> None
     ref = np.stack([x[i][:, ::-1] if ru(s, 0) < 0.5 else x[i] for i, s in enumerate(IDS)])
     np.testing.assert_array_equal(got, ref)
     assert 0 < sum(ru(s, 0) < 0.5 for s in IDS) < len(IDS)
+    # a non-contiguous input takes the generic compiled path: same result
+    wide = np.zeros((len(IDS), h, w + 3, 3), np.uint8)
+    wide[:, :, :w] = x
+    strided, _ = run(RandomHorizontalFlip(0.5), wide[:, :, :w], IDS)
+    np.testing.assert_array_equal(strided, ref)
     halves = np.concatenate(
         [run(RandomHorizontalFlip(0.5), x[a:b].copy(), IDS[a:b])[0] for a, b in [(0, 5), (5, 12)]]
     )

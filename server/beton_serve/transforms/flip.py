@@ -23,8 +23,8 @@ class RandomHorizontalFlip(Operation):
     buffer of the input's shape and dtype.
 
     Runs as Python (``python = True``) around GIL-free calls: the flip mask is drawn by a compiled
-    helper; small images (under 16 KiB, e.g. CIFAR) are then copied/flipped by a compiled loop,
-    larger ones by OpenCV's vectorised ``cv2.flip`` (about 4 us for 224x224x3, where a
+    helper; small images (under 16 KiB, e.g. CIFAR) are then copied/flipped by a compiled row
+    loop, larger ones by OpenCV's vectorised ``cv2.flip`` (about 4 us for 224x224x3, where a
     Numba reversed-slice copy takes about 125 us).
     """
 
@@ -54,7 +54,7 @@ class RandomHorizontalFlip(Operation):
                 out[i] = uniform(seed_key, np.uint64(batch_indices[i]), 0) < p
             return out
 
-        def flip_small(images, dst, mask):  # pragma: no cover - compiled
+        def flip_any(images, dst, mask):  # pragma: no cover - compiled
             for i in range(images.shape[0]):
                 if mask[i]:
                     dst[i] = images[i][:, ::-1]
@@ -62,21 +62,44 @@ class RandomHorizontalFlip(Operation):
                     dst[i] = images[i]
             return dst
 
+        def flip_rows(images, dst, mask):  # pragma: no cover - compiled
+            # C-contiguous (N, H, W, C): row views and unsigned offsets let LLVM drop Numba's
+            # negative-index checks (3x faster than the reversed-slice copy on 32x32 images)
+            n, h, w, c = images.shape
+            m = w * c
+            src = images.reshape(n * h, m)
+            out = dst.reshape(n * h, m)
+            for i in range(n):
+                for y in range(h):
+                    srow = src[i * h + y]
+                    drow = out[i * h + y]
+                    if mask[i]:
+                        for x in range(w):
+                            a = np.uint64((w - 1 - x) * c)
+                            b = np.uint64(x * c)
+                            for k in range(c):
+                                drow[b + np.uint64(k)] = srow[a + np.uint64(k)]
+                    else:
+                        for j in range(m):
+                            drow[j] = srow[j]
+            return dst
+
         mask_fn = Compiler.compile(mask_of)
-        small_fn = Compiler.compile(flip_small)
+        any_fn = Compiler.compile(flip_any)
+        rows_fn = Compiler.compile(flip_rows)
 
         def flip(images, dst, batch_indices, seed_key):
             mask = mask_fn(np.asarray(batch_indices), np.uint64(seed_key))
             n = images.shape[0]
-            per_image = images.nbytes // n if n else 0
             if (
-                per_image < 16384
-                or images.ndim != 4
-                or images.shape[3] > 4
+                images.ndim != 4
+                or dst.shape != images.shape
                 or not images.flags.c_contiguous
                 or not dst.flags.c_contiguous
             ):
-                return small_fn(images, dst, mask)
+                return any_fn(images, dst, mask)
+            if images.nbytes < 16384 * n or images.shape[3] > 4:
+                return rows_fn(images, dst, mask)
             import cv2
 
             for i in range(n):
