@@ -175,3 +175,17 @@ def test_same_results_for_one_and_two_workers():
             )
     for a, b in zip(*got, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_close_logs_a_worker_that_does_not_stop(caplog):
+    gate = threading.Event()
+    eng = Engine(1, join_timeout=0.1)
+    eng.submit(gate.wait, 30)
+    time.sleep(0.05)
+    with caplog.at_level("WARNING", logger="beton_serve.engine._pool"):
+        eng.close()
+    assert "did not stop within 0.1 s" in caplog.text
+    gate.set()
+    for t in threading.enumerate():
+        if t.name.startswith("beton-worker-"):
+            t.join(5)
