@@ -133,11 +133,14 @@ class BytesDecoder(Operation):
             width = dst.shape[1]
             for i in range(batch_indices.shape[0]):
                 rec = metadata[batch_indices[i]]
-                n = int(rec["size"])
+                n = min(int(rec["size"]), width)
+                row = dst[i]
                 if n > 0:
-                    data = mem_read(rec["ptr"], storage_state)
-                    dst[i, :n] = data[:n]
-                dst[i, n:width] = 0
+                    src = mem_read(rec["ptr"], storage_state)[:n]
+                    for j in range(n):
+                        row[j] = src[j]
+                for j in range(n, width):
+                    row[j] = 0
             return dst
 
         return decode
@@ -179,8 +182,13 @@ class NDArrayDecoder(Operation):
             n = batch_indices.shape[0]
             flat = dst.reshape(n, -1).view(np.uint8)
             for i in range(n):
-                data = mem_read(metadata[batch_indices[i]], storage_state)
-                flat[i, :nbytes] = data[:nbytes]
+                src = mem_read(metadata[batch_indices[i]], storage_state)[:nbytes]
+                row = flat[i]
+                m = src.shape[0]
+                for j in range(m):
+                    row[j] = src[j]
+                for j in range(m, nbytes):
+                    row[j] = 0
             return dst
 
         return decode
@@ -255,7 +263,15 @@ class SimpleRGBImageDecoder(Operation):
                 size = flat.shape[1]
                 for i in range(n):
                     data = mem_read(metadata[batch_indices[i]]["data_ptr"], storage_state)
-                    flat[i, :size] = data[:size]
+                    row = flat[i]
+                    src = data[:size]
+                    # an explicit loop over row views vectorises; slice assignment does not.
+                    # (a short allocation leaves the tail zero instead of reading past it)
+                    m = src.shape[0]
+                    for j in range(m):
+                        row[j] = src[j]
+                    for j in range(m, size):
+                        row[j] = 0
                 return dst
 
             return copy_raw
