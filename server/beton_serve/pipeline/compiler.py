@@ -18,7 +18,6 @@ __all__ = ["Compiler", "JIT_OPTIONS"]
 #: Options every compiled op uses. ``fastmath`` is off: it lets LLVM reorder float arithmetic,
 #: which would make results depend on the build and break bit-identical batches.
 JIT_OPTIONS: dict[str, Any] = {
-    "nopython": True,
     "nogil": True,
     "cache": False,
     "error_model": "numpy",
