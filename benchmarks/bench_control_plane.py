@@ -40,7 +40,7 @@ def _ready(i: int) -> pb.ServerMessage:
                 ),
                 pb.TensorDesc(name="label", shape=[256, 1], dtype=8, offset=38535168, nbytes=2048),
             ],
-            sample_ids=list(range(i, i + 256)),
+            sample_ids=bytes(8 * 256),
         )
     )
 

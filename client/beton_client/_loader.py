@@ -226,7 +226,7 @@ class _EpochIterator(Iterator[tuple[Any, ...]]):
             )
         else:
             s.held = (b.slot, b.batch_index, wait_us)
-        self.loader.last_sample_ids = np.asarray(b.sample_ids, dtype=np.uint64)
+        self.loader.last_sample_ids = np.frombuffer(b.sample_ids, dtype="<u8").astype(np.uint64)
         out = []
         for a, tail in zip(arrays, s.tails, strict=True):
             for op in tail:

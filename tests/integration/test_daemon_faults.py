@@ -241,7 +241,7 @@ def test_stats_rpc_reports_streams_and_decoded_samples(daemon) -> None:
         next(it)
         st = daemon.stats()
         (mine,) = [s for s in st.streams if s.client_pid == os.getpid()]
-        assert mine.dataset == "mixed_fields" and mine.slot_count == 4 and mine.batches_sent >= 1
+        assert mine.dataset == "mixed_fields" and mine.slot_count == 16 and mine.batches_sent >= 1
         for _ in it:
             pass
     after = daemon.stats()

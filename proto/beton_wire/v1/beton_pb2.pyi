@@ -505,7 +505,7 @@ class BatchReady(_message.Message):
     slot: int
     length: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorDesc]
-    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample_ids: bytes
     data: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(
         self,
@@ -514,7 +514,7 @@ class BatchReady(_message.Message):
         slot: int | None = ...,
         length: int | None = ...,
         tensors: _Iterable[TensorDesc | _Mapping] | None = ...,
-        sample_ids: _Iterable[int] | None = ...,
+        sample_ids: bytes | None = ...,
         data: _Iterable[bytes] | None = ...,
     ) -> None: ...
 

@@ -79,6 +79,24 @@ MAX_BATCHES_AHEAD = 64
 UNATTACHED_TIMEOUT_S = 30.0
 
 
+#: Rings of small slots may grow to this many bytes (deeper prefetch hides per-batch latency).
+SMALL_RING_BYTES = 32 << 20
+#: ... but to at most this many slots.
+MAX_RING_SLOTS = 16
+
+
+def ring_size(batches_ahead: int, slot_bytes: int) -> int:
+    """Slots of a stream's ring: the batch the client holds plus ``batches_ahead`` in flight, and,
+    when slots are small (CIFAR-sized batches), more, up to :data:`SMALL_RING_BYTES` in all.
+
+    Measured here (2 cores): with 38 MB ImageNet slots, 5 slots in flight cost ~15 % throughput
+    against 4 (more live buffers); with 1.5 MB CIFAR slots the per-batch round trip dominates and
+    a deeper ring hides it.
+    """
+    base = batches_ahead + 1
+    return max(base, min(MAX_RING_SLOTS, SMALL_RING_BYTES // max(1, slot_bytes)))
+
+
 def local_identity() -> HostIdentity:
     """This process's host identity (boot id, hostname, uid, pid, IPC namespace)."""
     try:
@@ -509,7 +527,7 @@ class Daemon:
             distributed=req.distributed,
             rank=req.rank,
             world_size=req.world_size,
-            batches_ahead=req.batches_ahead + 1,
+            batches_ahead=ring_size(req.batches_ahead, layout.slot_bytes),
             # A batch split over the workers arrives sooner; with many streams the pool is busy
             # anyway and the split costs little (BatchSource splits only sliceable plans).
             slices=self.workers,
@@ -517,7 +535,7 @@ class Daemon:
         source = self.backend.make_source(self.engine, entry.plan, params)
         if self.sharing is not None:
             source = _shared(source, self.sharing, self._spec_key(req, ds), req, ds.name)
-        slot_count = req.batches_ahead + 1
+        slot_count = ring_size(req.batches_ahead, layout.slot_bytes)
         ring: SlotTransport = factory.create(layout, slot_count, device_index=neg.device_index)
         ident = req.offer.identity
         same_host = bool(ident.boot_id) and ident.boot_id == self.facts.identity.boot_id

@@ -181,15 +181,13 @@ class Stream:
         self._credits = min(self.ring.slot_count, self._credits + max(0, ev.count))
         self._wake.set()
 
-    async def _wait_wake(self, fut: asyncio.Future[Any] | None = None) -> None:
-        waker = asyncio.ensure_future(self._wake.wait())
-        try:
-            await asyncio.wait(
-                {waker} if fut is None else {waker, fut}, return_when="FIRST_COMPLETED"
-            )
-        finally:
-            waker.cancel()
+    async def _wait_wake(self) -> None:
+        """Sleep until a client event or a submitted batch completes (each sets ``_wake``)."""
+        await self._wake.wait()
         self._wake.clear()
+
+    def _on_done(self, _fut: asyncio.Future[Any]) -> None:
+        self._wake.set()
 
     # -- producing one epoch -----------------------------------------------------------------
     async def run_epoch(self, start: StartEpoch) -> AsyncIterator[BatchOut | EpochEnd]:
@@ -220,7 +218,9 @@ class Stream:
                     cfut = self.source.submit(
                         epoch, b_next, self.ring.host_views(slot), priority=0 if waiting else 1
                     )
-                    pending.append((b_next, slot, asyncio.wrap_future(cfut)))
+                    afut = asyncio.wrap_future(cfut)
+                    afut.add_done_callback(self._on_done)
+                    pending.append((b_next, slot, afut))
                     self._submitted[b_next] = cfut
                     b_next += 1
                 if not pending:
@@ -230,7 +230,7 @@ class Stream:
                 if not fut.done():
                     if self._published == 0:  # the client has read everything: it is waiting
                         self._promote(b)
-                    await self._wait_wake(fut)
+                    await self._wait_wake()
                     continue
                 pending.popleft()
                 # A shared source marks batches another identical stream decoded (issue 6).

@@ -215,7 +215,7 @@ def batch_message(item: BatchOut | EpochEnd) -> pb.ServerMessage:
                 )
                 for t in item.tensors
             ],
-            sample_ids=item.sample_ids.tolist(),
+            sample_ids=item.sample_ids.astype("<u8", copy=False).tobytes(),
             data=list(item.published.data),
         )
     )
