@@ -193,7 +193,8 @@ class BatchSource:
 
         Returns:
             A future of ``[out[i][:n] for each output]``; its exception is a
-            :class:`PipelineError` (with ``sample_index`` and ``op`` when known).
+            :class:`PipelineError` (with ``sample_index`` and ``op`` when known), or
+            ``CancelledError`` if the engine was closed before the batch ran.
         """
         ids = self.batch_ids(epoch, b)
         n = len(ids)
@@ -204,11 +205,16 @@ class BatchSource:
                 f"no credit within {timeout} s: {self.batches_ahead} batches in flight"
             )
         keys = self.seed_keys(epoch)
+        want = self.slices if slices is None else int(slices)
+        parts = want if (want > 1 and self.plan.sliceable and n >= 2 * want) else 1
+        if parts == 1:  # the common case: the task's own future is the batch's future
+            task = self.engine.submit(self._run, epoch, ids, 0, n, out, keys, priority=priority)
+            task.future.tasks = [task]  # type: ignore[attr-defined]
+            task.future.add_done_callback(lambda _f: self._credit.release())
+            return task.future
         result: Future[list[np.ndarray]] = Future()
         result.set_running_or_notify_cancel()
         result.add_done_callback(lambda _f: self._credit.release())
-        want = self.slices if slices is None else int(slices)
-        parts = want if (want > 1 and self.plan.sliceable and n >= 2 * want) else 1
         bounds = np.linspace(0, n, parts + 1).astype(int)
         pending = [parts]
         errors: list[BaseException] = []
