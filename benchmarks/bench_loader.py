@@ -111,6 +111,11 @@ def run_loader(path: Path, kind: str, batch: int, workers: int, epochs: int, cac
 
 
 def first_batch_latency(path: Path, kind: str, batch: int, cache) -> float:
+    """Seconds from ``Loader(...)`` to the first batch in hand, pipelines already compiled.
+
+    The iterator is kept alive while timing: dropping it makes its finaliser wait for the
+    prefetched batches still running, which is shutdown time, not first-batch latency.
+    """
     from beton_serve.loader import Loader, OrderOption
 
     t = time.perf_counter()
@@ -123,8 +128,11 @@ def first_batch_latency(path: Path, kind: str, batch: int, cache) -> float:
         pipelines=pipelines(kind),
         plan_cache=cache,
     ) as ld:
-        next(iter(ld))
-        return time.perf_counter() - t
+        it = iter(ld)
+        next(it)
+        dt = time.perf_counter() - t
+        it.close()
+        return dt
 
 
 class _TorchDS:
