@@ -640,7 +640,7 @@ def test_shared_source_on_the_real_engine() -> None:
     key = ShareKey.build(
         dataset="fake", pipeline={"p": 1}, seed=5, order="RANDOM", batch_size=8, drop_last=False
     )
-    reg = SharingRegistry(max_lag=1000)
+    reg = SharingRegistry(max_lag=1000, retain=12)  # streams start at slightly different times
     with Engine(2) as eng:
         ref = make(eng)
         expected = [
@@ -697,3 +697,57 @@ def test_retained_batches_serve_late_joiners_without_decoding_again() -> None:
         SharedProducer(eng.produce, eng.free, batches_per_epoch=5, max_lag=1, retain=-1)
     with pytest.raises(SpecError):
         SharingRegistry(max_lag=1, retain=-1)
+
+
+def test_read_ahead_does_not_count_as_lag() -> None:
+    """A stream that filled its read-ahead is level with an identical one just starting."""
+    eng = FakeEngine(800)
+    reg: SharingRegistry[Slot] = SharingRegistry(max_lag=2)
+    key = ShareKey.build(
+        dataset="d", pipeline={}, seed=0, order="RANDOM", batch_size=BATCH, drop_last=True
+    )
+    kw = {"produce": eng.produce, "free": eng.free, "batches_per_epoch": 100, "ahead": 8}
+    a = reg.attach(key, **kw)
+    held = [a.next() for _ in range(8)]  # its reader has consumed nothing yet
+    b = reg.attach(key, **kw)
+    assert b.shared  # position 8 - ahead 8 = progress 0: level with a joiner at 0
+    got = [b.next() for _ in range(8)]
+    assert [x.handle for x in got if x] == [x.handle for x in held if x]  # shared, not redone
+    assert not a.detached and not b.detached
+    # Without read-ahead, the same positions are 8 apart: the joiner is refused.
+    c = reg.attach(key, produce=eng.produce, free=eng.free, batches_per_epoch=100)
+    assert c.shared  # b and a have progress 0, so c at 0 is level too
+    d_eng = FakeEngine(800)
+    g: SharedProducer[Slot] = SharedProducer(
+        d_eng.produce, d_eng.free, batches_per_epoch=100, max_lag=2
+    )
+    lead = g.attach()
+    for _ in range(8):
+        assert lead.next() is not None
+    assert not g.attach().shared
+    for x in (a, b, c, lead):
+        x.close()
+
+
+def test_each_consumer_produces_and_frees_with_its_own_callables() -> None:
+    """The registry's group uses the producing consumer's callables, not the first attacher's."""
+    e1, e2 = FakeEngine(800), FakeEngine(800)
+    reg: SharingRegistry[Slot] = SharingRegistry(max_lag=1)
+    key = ShareKey.build(
+        dataset="d", pipeline={}, seed=0, order="RANDOM", batch_size=BATCH, drop_last=True
+    )
+    a = reg.attach(key, produce=e1.produce, free=e1.free, batches_per_epoch=100)
+    b = reg.attach(key, produce=e2.produce, free=e2.free, batches_per_epoch=100)
+    for _ in range(3):
+        x = a.next()
+        assert x is not None
+        a.release(x)
+    assert b.detached  # 3 behind with max_lag 1
+    y = b.next()  # private: b's own engine decodes it
+    assert y is not None and not y.shared
+    assert e1.produced == [(0, 0), (0, 1), (0, 2)] and e2.produced == [(0, 0)]
+    b.release(y)
+    assert e2.freed == [y.handle] and e2.live == 0
+    a.close()
+    b.close()
+    assert e1.live == 0

@@ -69,6 +69,26 @@ def register(subparsers: Any) -> None:
         metavar="PORT",
         help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any free port)",
     )
+    share = p.add_argument_group("work sharing between identical streams (issue 6)")
+    share.add_argument(
+        "--share-max-lag",
+        type=int,
+        default=None,
+        metavar="N",
+        help="detach a stream N batches behind its group's leader onto its own decoding "
+        "(default 8)",
+    )
+    share.add_argument(
+        "--share-retain",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the last N batches a group no longer needs, for streams that start a little "
+        "later (default 4)",
+    )
+    share.add_argument(
+        "--no-share", action="store_true", help="decode every stream on its own, never shared"
+    )
     add_logging_args(p)
     p.set_defaults(func=run)
 
@@ -152,7 +172,12 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     with lock:
         from beton_serve.daemon import Daemon
 
-        daemon = Daemon.create(datasets, num_workers=cfg.workers or None)
+        share_kw: dict[str, Any] = {"share": not getattr(args, "no_share", False)}
+        if getattr(args, "share_max_lag", None) is not None:
+            share_kw["share_max_lag"] = args.share_max_lag
+        if getattr(args, "share_retain", None) is not None:
+            share_kw["share_retain"] = args.share_retain
+        daemon = Daemon.create(datasets, num_workers=cfg.workers or None, **share_kw)
         try:
             _run_loop(_serve(daemon, cfg, socket_path, getattr(args, "metrics_port", None)))
         finally:

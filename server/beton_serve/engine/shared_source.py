@@ -191,6 +191,7 @@ class SharedSource:
             batches_per_epoch=len(self.source),
             epoch=epoch,
             index=b,
+            ahead=int(getattr(self.source, "batches_ahead", 0) or 0),
         )
         self._consumer = c
         return c

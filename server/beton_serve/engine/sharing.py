@@ -17,26 +17,29 @@ position (the next batch it will take) and an optional exclusive ``stop``.
   is pulled by the fastest consumer's credits; nobody waits for anybody.
 - ``Consumer.release(batch)`` drops the consumer from the entry's holders; when none are left
   ``free(handle)`` is called, exactly once per produced batch.
-- **Detaching.** After every ``next()``, any attached consumer more than ``max_lag`` positions
-  behind the leader (the furthest position of any attached consumer) is detached: it leaves the
-  holders of every batch it has not taken yet (freeing those nobody else needs) and continues on a
-  *private* stream from its exact position, calling ``produce``/``free`` for itself. Batches it
-  took before being detached stay valid until it releases them. So the group's live entries are
-  bounded by ``max_lag + 1`` plus what consumers have taken and not released, and the fast
-  consumers never wait for the slow one.
-- **Late joiners** share from their own position when that position is within ``max_lag`` of
-  every attached consumer (``leader - max_lag <= p <= slowest + max_lag``), i.e. when joining
-  detaches nobody. Batches in ``[p, leader)`` that the group has already freed are produced again
-  for the joiner (and for anyone else still needing them), which costs extra decodes but keeps
-  every stream's order exact; ``retain`` keeps the last few unneeded batches around so that
-  streams starting a little later (N jobs launched together) still decode each batch once. A
-  joiner outside that window gets a private stream from its own position: it neither stalls the
-  group nor drags it forward.
+- **Detaching.** After every ``next()``, any attached consumer more than ``max_lag`` batches
+  behind the leader is detached. Lag is measured on each consumer's *progress*: its position
+  less its read-ahead (``ahead``, a stream's credits), but not before its start, so prefetching
+  does not count as being ahead. A detached consumer leaves the holders of every batch it has
+  not taken yet (freeing those nobody else needs) and continues on a *private* stream from its
+  exact position, calling its own ``produce``/``free``. Batches it took before being detached
+  stay valid until it releases them. So the group's live entries are bounded by ``max_lag + 1``
+  plus the leader's read-ahead, plus what consumers have taken and not released, plus
+  ``retain``; and the fast consumers never wait for the slow one.
+- **Late joiners** share from their own position ``p`` when it is within ``max_lag`` of every
+  attached consumer's progress (``leader - max_lag <= p <= slowest + max_lag``), i.e. when
+  joining detaches nobody. Batches in ``[p, leader)`` that the group has already freed are
+  produced again for the joiner (and for anyone else still needing them), which costs extra
+  decodes but keeps every stream's order exact; ``retain`` keeps the last few unneeded batches
+  so that streams starting a little later (N jobs launched together) still share them. A joiner
+  outside that window gets a private stream from its own position: it neither stalls the group
+  nor drags it forward.
 
-Callables and threads. ``produce(epoch, index) -> handle`` and ``free(handle)`` are supplied by the
-owner (the daemon: acquire a slot of the group's ring, submit the batch to the engine, return a
-handle carrying the slot and its future; free returns the slot to the ring). The handle must be
-readable by every consumer's transport: one ring per group, mapped by each client. Both are called
+Callables and threads. ``produce(epoch, index) -> handle`` and ``free(handle)`` are supplied by
+the owner, per consumer (the consumer that produces a batch is the one whose ``produce`` runs,
+and its ``free`` frees it). :class:`~beton_serve.engine.shared_source.SharedSource` is the
+daemon's: produce submits the batch to that stream's own ``BatchSource`` into a group buffer,
+free recycles the buffer. The handle must be readable by every consumer. Both are called
 *without* the producer's lock held, from the thread calling ``next()``/``release()``/``close()``,
 so they may block (e.g. waiting for a free slot) without deadlocking releases on other threads.
 ``produce`` should only *start* the work; readiness is the handle's business. A consumer asking
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -62,6 +66,8 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from beton_serve.errors import BetonError, SpecError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BatchTimeoutError",
@@ -244,10 +250,13 @@ class Consumer(Generic[S]):
         shared: bool,
         produce: Callable[[int, int], S],
         free: Callable[[S], None],
+        ahead: int = 0,
     ) -> None:
         self._group = group
         self._produce = produce
         self._free = free
+        self._start = pos
+        self._ahead = ahead
         self._pos = pos
         self._stop = stop
         self._shared = shared
@@ -273,6 +282,12 @@ class Consumer(Generic[S]):
     def detached(self) -> bool:
         """Whether it was attached to the group and has been moved to a private stream."""
         return self._was_shared and not self._shared
+
+    def _progress(self) -> int:
+        # What the consumer's reader has (at least) consumed: its position less its read-ahead,
+        # never before where it started. Lag is measured on this, so a stream that prefetches
+        # `ahead` batches is not "ahead" of an identical one that has not filled its read-ahead.
+        return max(self._start, self._pos - self._ahead)
 
     @property
     def finished(self) -> bool:
@@ -423,6 +438,7 @@ class SharedProducer(Generic[S]):
         stop: tuple[int, int] | None = None,
         produce: Callable[[int, int], S] | None = None,
         free: Callable[[S], None] | None = None,
+        ahead: int = 0,
     ) -> Consumer[S]:
         """Attach a consumer that starts at ``(epoch, index)`` and stops before ``stop``.
 
@@ -440,6 +456,10 @@ class SharedProducer(Generic[S]):
                 production bound (e.g. a source's in-flight credit) is per stream.
             free: the ``free`` matching ``produce``; a batch is freed by the ``free`` of the
                 consumer that produced it.
+            ahead: how many batches this consumer takes ahead of what its reader has consumed
+                (a stream's credits). Lag, for detaching and for joining, is measured on
+                ``max(start, position - ahead)``, so identical readers with different read-ahead
+                depths, or one whose read-ahead is full and one just starting, are level.
 
         Raises:
             SpecError: a position out of range, or ``stop`` before the start.
@@ -457,6 +477,7 @@ class SharedProducer(Generic[S]):
                 shared=shared,
                 produce=produce if produce is not None else self._produce,
                 free=free if free is not None else self._free,
+                ahead=max(0, int(ahead)),
             )
             if shared:
                 self._consumers.add(c)
@@ -498,8 +519,8 @@ class SharedProducer(Generic[S]):
             return False  # nothing to read: a private, finished consumer
         if not self._consumers:
             return True
-        leader = max(c._pos for c in self._consumers)
-        active = [c._pos for c in self._consumers if not c.finished]
+        leader = max(c._progress() for c in self._consumers)
+        active = [c._progress() for c in self._consumers if not c.finished]
         slowest = min(active) if active else leader
         return leader - self.max_lag <= pos <= slowest + self.max_lag
 
@@ -587,11 +608,23 @@ class SharedProducer(Generic[S]):
         """
         if len(self._consumers) < 2:
             return []
-        leader = max(o._pos for o in self._consumers)
-        lagging = [o for o in self._consumers if not o.finished and leader - o._pos > self.max_lag]
+        leader = max(o._progress() for o in self._consumers)
+        lagging = [
+            o for o in self._consumers if not o.finished and leader - o._progress() > self.max_lag
+        ]
         to_free: FreeList = []
         for o in lagging:
             self._detached += 1
+            epoch, index = divmod(o._pos, self.batches_per_epoch)
+            # Logged under the lock: rare, and the message is formatted lazily.
+            log.info(
+                "sharing: a stream %d batches behind the leader (max_lag %d) continues on its "
+                "own from epoch %d batch %d",
+                leader - o._progress(),
+                self.max_lag,
+                epoch,
+                index,
+            )
             to_free.extend(self._leave_locked(o, untaken_only=True))
         return to_free
 
@@ -722,8 +755,10 @@ class SharingRegistry(Generic[S]):
         epoch: int = 0,
         index: int = 0,
         stop: tuple[int, int] | None = None,
+        ahead: int = 0,
     ) -> Consumer[S]:
-        """Attach a stream to its key's group (creating it if needed).
+        """Attach a stream to its key's group (creating it if needed); ``ahead`` as in
+        :meth:`SharedProducer.attach`.
 
         Raises:
             SpecError: bad positions, or ``batches_per_epoch`` differs from the group's (a key
@@ -746,7 +781,7 @@ class SharingRegistry(Generic[S]):
                     f"stream has {batches_per_epoch} batches per epoch but its sharing group "
                     f"has {group.batches_per_epoch}; the share key misses a setting"
                 )
-            return group.attach(epoch, index, stop=stop)
+            return group.attach(epoch, index, stop=stop, produce=produce, free=free, ahead=ahead)
 
     def _drop(self, key: ShareKey, group: SharedProducer[S]) -> None:
         with self._lock:
