@@ -106,9 +106,13 @@ def test_sigterm_drains_exits_0_and_leaves_no_segment(daemon_factory, fixtures_d
         assert not list(SHM.glob(f"beton-{d.pid}-*"))
         assert not os.path.exists(d.socket)
         assert "draining" in d.log()
+        # Batches already published stay readable (the client's mapping outlives the unlink);
+        # then the stream's final status, UNAVAILABLE, surfaces as ServerUnavailable.
         with pytest.raises(ServerUnavailable):
-            for _ in it:
-                pass
+            for _ in range(3):
+                for _ in it:
+                    pass
+                it = iter(ld)
     finally:
         ld.close()
 
