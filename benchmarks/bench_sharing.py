@@ -145,6 +145,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=1, help="timed epochs per job")
     ap.add_argument("--repeat", type=int, default=1, help="alternating (1 job, N jobs) pairs")
     ap.add_argument("--no-share", action="store_true", help="also run N jobs with distinct seeds")
+    ap.add_argument(
+        "--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)"
+    )
     args = ap.parse_args()
 
     from bench_loader import build
@@ -153,7 +156,7 @@ def main() -> None:
     path = build(args.kind, args.n)
     report: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bs-", dir="/tmp") as tmp:
-        d = start_daemon([path], Path(tmp), args=["--workers", "2"])
+        d = start_daemon([path], Path(tmp), args=["--workers", "2", *args.daemon_arg])
         try:
             for r in range(args.repeat):
                 # Alternate, so that load from elsewhere on the machine hits both alike.

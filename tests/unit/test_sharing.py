@@ -601,10 +601,13 @@ def test_shared_source_detached_stream_keeps_its_position() -> None:
         for b in range(1, 12):
             (arr,) = slow.submit(0, b, slot).result(10)
             got_slow.append((0, b, arr[:, 0].copy(), True))
-        # a new epoch at another position re-attaches (here: alone, so it shares again)
+        # alone now: the stream leaves the group and decodes straight into its slot
         fast.close()
-        assert slow.submit(1, 0, slot).result(10)[0][0, 1] == 1
-        assert slow.shared
+        assert slow.solo
+        before = counter[0]
+        (arr,) = slow.submit(1, 0, slot).result(10)
+        assert arr[0, 1] == 1 and np.shares_memory(arr, slot[0])
+        assert counter[0] == before + 8 and not slow.shared
         slow.close()
     ref = FakeSource(96, 8, None, [0])
     for g in (got_fast, got_slow):
@@ -751,3 +754,40 @@ def test_each_consumer_produces_and_frees_with_its_own_callables() -> None:
     a.close()
     b.close()
     assert e1.live == 0
+
+
+def test_a_lone_stream_decodes_straight_into_its_slot() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from beton_serve.engine.shared_source import SharedSource
+
+    counter = [0]
+    reg = SharingRegistry(max_lag=8, retain=4)
+    key = ShareKey.build(
+        dataset="d", pipeline={}, seed=1, order="RANDOM", batch_size=8, drop_last=True
+    )
+    with ThreadPoolExecutor(2, thread_name_prefix="beton-test-pool") as pool:
+        src = FakeSource(96, 8, pool, counter)
+        alone = SharedSource(src, reg, key)
+        slot = [np.zeros((8, 2), np.int64)]
+        fut = alone.submit(0, 0, slot)
+        (arr,) = fut.result(10)
+        assert alone.solo and reg.groups() == {}  # no group, no copy: the source's own future
+        assert getattr(fut, "decoded_here", True) and np.shares_memory(arr, slot[0])
+        # An identical stream opens: both move to the group at their next submit.
+        other = SharedSource(FakeSource(96, 8, pool, counter), reg, key)
+        assert not alone.solo and reg.members(key) == 2
+        a1 = alone.submit(0, 1, slot)
+        a1.result(10)
+        assert alone.shared and len(reg.groups()) == 1
+        other_slot = [np.zeros((8, 2), np.int64)]
+        o1 = other.submit(0, 1, other_slot)  # joins at its own position and reuses batch 1
+        o1.result(10)
+        assert a1.decoded_here and not o1.decoded_here
+        other.close()
+        assert reg.members(key) == 1
+        alone.submit(0, 2, slot).result(10)  # alone again: back to solo
+        assert reg.groups() == {} and not alone.shared
+        alone.close()
+        assert reg.members(key) == 0
+    assert counter[0] == 3 * 8

@@ -726,9 +726,13 @@ class SharedProducer(Generic[S]):
 class SharingRegistry(Generic[S]):
     """The daemon's table of sharing groups, one :class:`SharedProducer` per :class:`ShareKey`.
 
-    A group is created by the first :meth:`attach` for its key (with that caller's
-    ``produce``/``free``, which therefore must not depend on which stream asked) and dropped when
-    its last consumer closes or is detached; a later attach for the key starts a fresh group.
+    A group is created by the first :meth:`attach` for its key (its ``produce``/``free`` are the
+    defaults of consumers that bring none) and dropped when its last consumer closes; a later
+    attach for the key starts a fresh group.
+
+    It also counts *members* per key (:meth:`add_member`/:meth:`remove_member`): the open streams
+    that could share, whether attached yet or not. A stream alone with its key can skip the group
+    entirely (``SharedSource`` then decodes straight into its own slots, at no cost).
 
     Args:
         max_lag: see :class:`SharedProducer`.
@@ -744,6 +748,26 @@ class SharingRegistry(Generic[S]):
         self.retain = int(retain)
         self._lock = threading.Lock()
         self._groups: dict[ShareKey, SharedProducer[S]] = {}
+        self._members: dict[ShareKey, int] = {}
+
+    def add_member(self, key: ShareKey) -> None:
+        """Count one more open stream with ``key``."""
+        with self._lock:
+            self._members[key] = self._members.get(key, 0) + 1
+
+    def remove_member(self, key: ShareKey) -> None:
+        """Count one open stream with ``key`` fewer (call once per :meth:`add_member`)."""
+        with self._lock:
+            n = self._members.get(key, 0) - 1
+            if n > 0:
+                self._members[key] = n
+            else:
+                self._members.pop(key, None)
+
+    def members(self, key: ShareKey) -> int:
+        """Open streams with ``key``."""
+        with self._lock:
+            return self._members.get(key, 0)
 
     def attach(
         self,
