@@ -72,7 +72,9 @@ def pipelines(kind: str):
     return {"image": img, "label": [IntDecoder(), ToTensor()]}
 
 
-def run_loader(path: Path, kind: str, batch: int, workers: int, epochs: int, cache) -> dict:
+def run_loader(
+    path: Path, kind: str, batch: int, workers: int, epochs: int, cache, subset: int | None = None
+) -> dict:
     from beton_serve.loader import Loader, OrderOption
 
     t0 = time.perf_counter()
@@ -84,6 +86,7 @@ def run_loader(path: Path, kind: str, batch: int, workers: int, epochs: int, cac
         seed=0,
         pipelines=pipelines(kind),
         plan_cache=cache,
+        indices=None if subset is None else range(subset),
     )
     n_img = len(ld) * batch
     rates, cpu_rates = [], []
@@ -103,6 +106,8 @@ def run_loader(path: Path, kind: str, batch: int, workers: int, epochs: int, cac
     return {
         "workers": workers,
         "median_img_s": round(statistics.median(rates)),
+        # the best epoch approximates a window in which no other process took a core
+        "best_img_s": round(max(rates)),
         "epochs": [round(r) for r in rates],
         "img_per_cpu_s": round(statistics.median(cpu_rates)),
         "cpu_per_wall": round(statistics.median(rates) / statistics.median(cpu_rates), 2),
@@ -221,6 +226,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--only", choices=["imagenet", "cifar"])
     ap.add_argument("--skip-torch", action="store_true")
+    # shorter epochs fit in the gaps between other processes' bursts on a shared machine
+    ap.add_argument("--subset", type=int, help="loader epochs over the first N samples only")
     args = ap.parse_args()
     from beton_serve.pipeline import PlanCache
 
@@ -231,14 +238,15 @@ def main() -> None:
             continue
         path = build(kind, n)
         cache = PlanCache()
-        two = run_loader(path, kind, batch, 2, args.epochs, cache)
-        one = run_loader(path, kind, batch, 1, max(1, args.epochs - 1), cache)
+        two = run_loader(path, kind, batch, 2, args.epochs, cache, args.subset)
+        one = run_loader(path, kind, batch, 1, max(1, args.epochs - 1), cache, args.subset)
         res = {
             "n": n,
             "batch": batch,
             "two_workers": two,
             "one_worker": one,
             "scaling_1_to_2": round(two["median_img_s"] / one["median_img_s"], 2),
+            "scaling_1_to_2_best": round(two["best_img_s"] / one["best_img_s"], 2),
             "vs_ffcv": round(two["median_img_s"] / ref[kind], 2),
             "first_batch_warm_s": round(first_batch_latency(path, kind, batch, cache), 3),
         }
