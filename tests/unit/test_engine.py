@@ -189,3 +189,25 @@ def test_close_logs_a_worker_that_does_not_stop(caplog):
     for t in threading.enumerate():
         if t.name.startswith("beton-worker-"):
             t.join(5)
+
+
+class _Uncompilable(AddOne):
+    def generate_code(self):
+        def bad(inp, dst):
+            object()  # nopython mode cannot type this
+            return inp
+
+        return bad
+
+
+def test_numba_compile_error_names_the_op_and_the_fix():
+    r = FakeReader(n=8)
+    plan = compile_pipelines(r, {"image": [_Uncompilable()], "label": None}, batch_size=4)
+    with Engine(1) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=4, bad_sample_budget=8)
+        with pytest.raises(
+            PipelineError, match=r"numba could not compile.*after ToTensor\(\)"
+        ) as info:
+            src.submit(0, 0).result(60)
+    assert info.value.op == "_Uncompilable#1 (pipeline 'image')"
+    assert src.bad_samples == []

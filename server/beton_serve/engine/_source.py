@@ -265,6 +265,16 @@ class BatchSource:
             try:
                 return plan.run(ws, ids, keys, outs)
             except OpFailure as failure:
+                if type(failure.cause).__module__.startswith("numba"):
+                    # A compile (typing) error, not a bad sample: every sample would fail alike.
+                    first = str(failure.cause).strip().splitlines()[0]
+                    raise PipelineError(
+                        f"numba could not compile this op ({type(failure.cause).__name__}: "
+                        f"{first}); ops before ToTensor() run as Numba nopython code: move an op "
+                        "that uses torch or Python objects after ToTensor(), or mark its "
+                        "function python = True",
+                        op=failure.node.name,
+                    ) from failure.cause
                 fixed = self._skip_bad(epoch, ws, batch, lo, hi, keys, failure)
                 try:
                     return plan.run(ws, fixed, keys, outs)
