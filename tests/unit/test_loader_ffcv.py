@@ -239,3 +239,29 @@ def test_filter_returns_sample_ids(fixtures_dir):
         (got,) = _collect(sub)
         np.testing.assert_array_equal(got, exp["int"][want])
         sub.close()
+
+
+@pytest.mark.parametrize("order", [OrderOption.RANDOM, OrderOption.QUASI_RANDOM])
+def test_resumability_with_random_augmentations(fixtures_dir, order):
+    from helpers.resumability import run_test_save_load_state
+
+    tr = pytest.importorskip("beton_serve.transforms")
+    cache = PlanCache()
+
+    def make():
+        pipes = {
+            "image": [dec.RandomResizedCropRGBImageDecoder((24, 24)), tr.RandomHorizontalFlip()],
+            "label": [dec.IntDecoder()],
+            "weight": None,
+        }
+        return Loader(
+            fixtures_dir / "images_jpg.beton",
+            batch_size=8,
+            num_workers=2,
+            order=order,
+            seed=4,
+            pipelines=pipes,
+            plan_cache=cache,
+        )
+
+    run_test_save_load_state(make, stop_after=3, epochs=2)
