@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -172,4 +173,23 @@ def test_edge_cases_small_epochs_and_one_batch_ahead():
         _loader(batches_ahead=0)
     with pytest.raises(SpecError, match="indices"):
         _loader(indices=[0, 99])
+    assert not _beton_threads()
+
+
+class _Slow(AddOne):
+    """A Python op (``python = True``) that takes 0.5 s per batch."""
+
+    def generate_code(self):
+        def slow(inp, dst):
+            time.sleep(0.5)
+            return inp
+
+        slow.python = True
+        return slow
+
+
+def test_batch_timeout_raises_and_cleans_up():
+    with _loader(pipelines={"image": [_Slow()], "label": None}, batch_timeout=0.05) as ld:
+        with pytest.raises(PipelineError, match=r"did not arrive within 0\.05 s"):
+            next(iter(ld))
     assert not _beton_threads()

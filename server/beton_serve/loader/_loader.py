@@ -40,7 +40,7 @@ from beton_serve.engine import (
     TraversalOrder,
     distributed_rank_world,
 )
-from beton_serve.errors import SpecError
+from beton_serve.errors import PipelineError, SpecError
 from beton_serve.pipeline import PlanCache, compile_pipelines
 from beton_serve.pipeline.pipeline_spec import PipelineSpec
 
@@ -81,6 +81,8 @@ class Loader:
         engine: a shared :class:`Engine` to run on instead of private workers.
         plan_cache: share compiled pipelines with other Loaders.
         bad_sample_budget: failing samples that may be skipped (see ``BatchSource``).
+        batch_timeout: seconds ``next()`` waits for one batch before raising
+            ``PipelineError`` (``None``: forever). The first batch includes Numba compilation.
         slices: units of work for a batch the consumer is already waiting for (default:
             ``num_workers`` when the plan allows it); prefetched batches run whole, which costs
             less per image.
@@ -111,6 +113,7 @@ class Loader:
         plan_cache: PlanCache | None = None,
         bad_sample_budget: int = 0,
         slices: int | None = None,
+        batch_timeout: float | None = 600.0,
     ) -> None:
         if isinstance(fname, str | os.PathLike):
             from beton_serve.format import BetonReader
@@ -133,6 +136,7 @@ class Loader:
         self.drop_last = bool(drop_last)
         self.batches_ahead = int(batches_ahead)
         self.recompile = bool(recompile)
+        self.batch_timeout = batch_timeout
         if seed is None:
             if self.distributed and order is OrderOption.RANDOM:
                 _log.warning("distributed RANDOM order without a seed: using seed=0 on every rank")
@@ -400,7 +404,14 @@ class EpochIterator:
         fut = self._running.futures.popleft()
         BatchSource.promote(fut)
         try:
-            arrays = fut.result()
+            arrays = fut.result(timeout=self.loader.batch_timeout)
+        except FutureTimeout:
+            self.close()
+            raise PipelineError(
+                f"batch {self.batch} of epoch {self.epoch} did not arrive within "
+                f"{self.loader.batch_timeout} s; a worker may be stuck in an op "
+                "(raise batch_timeout if batches are legitimately this slow)"
+            ) from None
         except BaseException:
             self.close()
             raise
