@@ -38,6 +38,7 @@ engine worker that finished it, or in ``submit`` itself when the batch was alrea
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -145,20 +146,25 @@ class SharedSource:
         result.tasks = getattr(produced.future, "tasks", ())  # type: ignore[attr-defined]
 
         def deliver(f: Future[list[np.ndarray]]) -> None:
+            views: list[np.ndarray] = []
+            error: BaseException | None = None
             try:
                 arrays = f.result()
                 dst = out if out is not None else [np.empty_like(a) for a in arrays]
-                views = []
                 for d, a in zip(dst, arrays, strict=True):
                     view = d[: len(a)]
                     np.copyto(view, a)
                     views.append(view)
             except BaseException as exc:
-                consumer.release(batch)
-                result.set_exception(exc)
-                return
-            consumer.release(batch)
-            result.set_result(views)
+                error = exc
+            finally:
+                # Never let a bookkeeping error leave the stream's future pending.
+                with contextlib.suppress(BetonError):
+                    consumer.release(batch)
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(views)
 
         produced.future.add_done_callback(deliver)
         return result
