@@ -17,6 +17,7 @@ import pytest
 from beton_client import (
     BetonClientError,
     Loader,
+    OrderOption,
     ServerUnavailable,
     SpecError,
     TransportError,
@@ -253,3 +254,44 @@ def test_stats_rpc_reports_streams_and_decoded_samples(daemon) -> None:
     assert decoded["mixed_fields"] >= 50
     assert after.workers == 2 and after.compiled_plans >= 1
     assert json.loads(json.dumps({"pid": after.pid}))["pid"] == daemon.pid
+
+
+def _write_ints(path: Path, start: int, n: int, dtype: type = np.int64) -> None:
+    from beton_serve.fields import IntField, NDArrayField
+    from beton_serve.writer import DatasetWriter
+
+    class Rows:
+        def __len__(self) -> int:
+            return n
+
+        def __getitem__(self, i: int):
+            return (start + i, np.full((2,), start + i, dtype))
+
+    DatasetWriter(
+        path, {"id": IntField(), "arr": NDArrayField(dtype, (2,))}, num_workers=1
+    ).from_indexed_dataset(Rows())
+
+
+def test_dataset_flag_serves_shards_as_one_dataset(daemon_factory, short_tmp: Path) -> None:
+    for i, (start, n) in enumerate([(0, 6), (6, 5), (11, 7)]):
+        _write_ints(short_tmp / f"train-{i}.beton", start, n)
+    d = daemon_factory([], args=["--dataset", f"train={short_tmp}/train-*.beton"])
+    assert "dataset name=train samples=18 shards=3" in d.log()
+    pipes = {"id": [IntDecoder(), ToTensor()], "arr": None}
+    with Loader("train", batch_size=4, drop_last=False, pipelines=pipes, server=d.address) as ld:
+        ids = np.concatenate([b[0].numpy().reshape(-1) for b in ld])
+    assert ids.tolist() == list(range(18))
+    with Loader(
+        "train", batch_size=4, order=OrderOption.RANDOM, seed=5, pipelines=pipes, server=d.address
+    ) as ld:
+        got = np.concatenate([b[0].numpy().reshape(-1) for b in ld])
+    assert len(got) == 16 and len(set(got.tolist())) == 16 and set(got.tolist()) <= set(range(18))
+    assert sorted(got.tolist()) != got.tolist()  # shuffled over the whole index space
+
+
+def test_shards_with_different_schemas_are_refused(short_tmp: Path) -> None:
+    _write_ints(short_tmp / "part-0.beton", 0, 3)
+    _write_ints(short_tmp / "part-1.beton", 3, 3, dtype=np.float32)
+    d = start_daemon([], short_tmp, args=["--dataset", f"x={short_tmp}/part-*.beton"], wait=False)
+    assert d.proc.wait(60) == 1
+    assert "field 'arr' differs" in d.log() and "part-1.beton" in d.log()
