@@ -31,7 +31,7 @@ import queue
 import sys
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,17 @@ _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 1 << 30),
     ("grpc.max_send_message_length", 64 << 20),
 )
+
+
+def _shm_receiver(setup: Any) -> Receiver:
+    s = setup.shm
+    return ShmReceiver(s.segment, s.segment_bytes, s.slot_count, s.slot_bytes)
+
+
+#: Receivers by transport kind: ``make(TransportSetup message) -> Receiver``. The seam for the
+#: cuda_ipc and grpc transports (issue 5): register their factory here; the kinds listed are
+#: also what the client announces in ``Capabilities.transports``.
+RECEIVERS: dict[str, Callable[[Any], Receiver]] = {"shm": _shm_receiver}
 
 
 class OrderOption(enum.Enum):
@@ -402,7 +413,7 @@ class Loader:
                 torch=facts["has_torch"],
                 cuda=facts["has_cuda"],
                 cupy=facts["has_cupy"],
-                transports=["shm"],
+                transports=sorted(RECEIVERS),
                 cuda_devices=[
                     pb.CudaDevice(index=d["index"], uuid=d["uuid"]) for d in facts["cuda_devices"]
                 ],
@@ -431,13 +442,14 @@ class Loader:
 
     def _receiver(self, reply: Any) -> Receiver:
         setup = reply.transport
-        if setup.kind == "shm":
-            s = setup.shm
-            return ShmReceiver(s.segment, s.segment_bytes, s.slot_count, s.slot_bytes)
-        raise TransportError(
-            f"the daemon chose the {setup.kind!r} transport, which this client does not support "
-            "yet; use transport='shm' on the daemon's host"
-        )
+        make = RECEIVERS.get(setup.kind)
+        if make is None:
+            raise TransportError(
+                f"the daemon chose the {setup.kind!r} transport, which this client cannot "
+                f"receive (it supports {sorted(RECEIVERS)}); pass transport='shm' on the "
+                "daemon's host"
+            )
+        return make(setup)
 
     # -- FFCV API --------------------------------------------------------------------------
     def __len__(self) -> int:
