@@ -171,6 +171,15 @@ class EngineBackend:
     def make_engine(self, num_workers: int | None) -> Any:
         from beton_serve.engine import Engine  # type: ignore[attr-defined]
 
+        # The daemon's worker threads are its parallelism: OpenCV's own thread pool (used by
+        # cv2.resize/cv2.flip inside ops) would oversubscribe the cores. Process-wide, which is
+        # fine in the daemon's own process (the in-process Loader leaves it alone).
+        try:
+            import cv2
+
+            cv2.setNumThreads(1)
+        except ImportError:  # pragma: no cover - cv2 is a hard dependency
+            pass
         return Engine(num_workers=num_workers)
 
     def make_source(self, engine: Any, plan: PlanLike, params: SourceParams) -> BatchSourceLike:
