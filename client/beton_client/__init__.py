@@ -8,6 +8,7 @@ pipeline has client-side ops).
 from __future__ import annotations
 
 from beton_client._loader import Loader, OrderOption
+from beton_client._resume import RetryPolicy
 from beton_client.errors import (
     AuthError,
     BetonClientError,
@@ -26,6 +27,7 @@ __all__ = [
     "Loader",
     "OrderOption",
     "PipelineError",
+    "RetryPolicy",
     "ServerError",
     "ServerUnavailable",
     "SpecError",

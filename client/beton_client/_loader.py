@@ -43,6 +43,7 @@ from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
 from beton_client._ops import PipelinePlan, SpecOp, build_tail, device_of, split_pipelines
+from beton_client._resume import RetryPolicy, check_state, make_state, retriable, retry
 from beton_client._transport import Receiver, ShmReceiver, TensorInfo
 from beton_client.errors import (
     BetonClientError,
@@ -53,7 +54,7 @@ from beton_client.errors import (
     from_rpc_error,
 )
 
-__all__ = ["Loader", "OrderOption"]
+__all__ = ["Loader", "OrderOption", "RetryPolicy"]
 
 #: Seconds an auto-spawned daemon waits without clients before exiting.
 SPAWN_IDLE_TIMEOUT_S = 300.0
@@ -174,23 +175,38 @@ def _close_stream(requests: queue.SimpleQueue[Any], call: Any, receiver: Receive
 class _EpochIterator(Iterator[tuple[Any, ...]]):
     """Yields one epoch's batches; releases the previous slot when the next batch is asked for."""
 
-    def __init__(self, loader: Loader, stream: _Stream, epoch: int) -> None:
+    def __init__(self, loader: Loader, stream: _Stream, epoch: int, start: int = 0) -> None:
         self.loader = loader
         self.stream = stream
         self.epoch = epoch
-        self.index = 0
+        self.index = start
         self.done = False
         stream.release_held()
-        stream.send(
+        self._send_start()
+
+    def _send_start(self) -> None:
+        s = self.stream
+        s.send(
             pb.ClientMessage(
                 start=pb.Start(
-                    stream_id=stream.reply.stream_id,
-                    epoch=epoch,
-                    next_batch=0,
-                    credits=stream.reply.max_credits,
+                    stream_id=s.reply.stream_id,
+                    epoch=self.epoch,
+                    next_batch=self.index,
+                    credits=s.reply.max_credits,
                 )
             )
         )
+
+    def _recv(self) -> Any:
+        """The next message; a lost daemon is reconnected and the epoch resumed at ``index``."""
+        while True:
+            try:
+                return self.stream.recv()
+            except ServerUnavailable as err:
+                if not retriable(err, self.loader.reconnect):
+                    raise
+                self.stream = self.loader._reconnect(err)
+                self._send_start()
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -204,7 +220,8 @@ class _EpochIterator(Iterator[tuple[Any, ...]]):
             raise StopIteration
         s.release_held()
         t0 = time.perf_counter()
-        msg = s.recv()
+        msg = self._recv()
+        s = self.stream  # a new one if the daemon was reconnected
         wait_us = int((time.perf_counter() - t0) * 1e6)
         kind = msg.WhichOneof("kind")
         if kind == "end":
@@ -244,9 +261,10 @@ class _EpochIterator(Iterator[tuple[Any, ...]]):
                 a = op(a)
             out.append(a)
         self.index += 1
+        self.loader._position = (self.epoch, self.index)
         if self.index == s.num_batches:
             # Read the end-of-epoch marker eagerly so that the loop ends without another wait.
-            end = s.recv()
+            end = self._recv()
             if end.WhichOneof("kind") != "end":
                 raise ServerError(f"expected the end of epoch {self.epoch}, got another batch")
             self.done = True
@@ -281,10 +299,15 @@ class Loader:
             cannot work raises :class:`TransportError` with the reason.
         copy: copy every batch out of the daemon's slot (see "Batch lifetime").
         spawn: start a daemon for ``fname_or_dataset`` when none answers (Unix sockets only).
+        reconnect: when the daemon goes away mid-stream (killed, restarted), re-open the stream
+            under this :class:`RetryPolicy` (``True``: the default, a 30 s budget with
+            exponential backoff; ``False``: never) and resume at the exact batch not yet
+            yielded, so that every sample is delivered exactly once per epoch.
 
     Raises:
         SpecError: invalid arguments or pipelines (also as reported by the daemon).
-        ServerUnavailable: no daemon answers and none could be spawned.
+        ServerUnavailable: no daemon answers and none could be spawned (also while iterating,
+            once the reconnection budget is spent).
         TransportError: the transport cannot work.
     """
 
@@ -307,6 +330,7 @@ class Loader:
         transport: str = "auto",
         copy: bool = False,
         spawn: bool = True,
+        reconnect: RetryPolicy | bool = True,
     ) -> None:
         environ = os.environ
         if transport not in _TRANSPORTS:
@@ -347,7 +371,13 @@ class Loader:
         self.transport = transport
         self.copy = bool(copy)
         self.rank, self.world_size = _rank_world(environ) if self.distributed else (0, 1)
+        if isinstance(reconnect, RetryPolicy):
+            self.reconnect = reconnect
+        else:
+            self.reconnect = RetryPolicy() if reconnect else RetryPolicy(budget_s=0.0)
         self.next_epoch = 0
+        self._resume_batch = 0
+        self._position: tuple[int, int] | None = None
         self.last_sample_ids: np.ndarray = np.empty(0, np.uint64)
         self._current: _EpochIterator | None = None
         self._stream: _Stream | None = None
@@ -361,9 +391,7 @@ class Loader:
             from beton_client._spawn import ensure_daemon
 
             ensure_daemon(sock, text, idle_timeout=SPAWN_IDLE_TIMEOUT_S)
-        self._channel = grpc.insecure_channel(server, options=list(_CHANNEL_OPTIONS))
-        self._stub = pb_grpc.BetonServeStub(self._channel)
-        self._finalizer = weakref.finalize(self, self._channel.close)
+        self._connect()
         try:
             self._stream = self._open()
         except BaseException:
@@ -371,6 +399,42 @@ class Loader:
             raise
 
     # -- the stream ------------------------------------------------------------------------
+    def _connect(self) -> None:
+        """(Re)create the channel and stub (a fresh channel skips gRPC's own reconnect backoff)."""
+        old = getattr(self, "_finalizer", None)
+        if old is not None:
+            old()
+        self._channel = grpc.insecure_channel(self.server, options=list(_CHANNEL_OPTIONS))
+        self._stub = pb_grpc.BetonServeStub(self._channel)
+        self._finalizer = weakref.finalize(self, self._channel.close)
+
+    def _reconnect(self, err: BaseException) -> _Stream:
+        """Re-open the stream on a new channel under :attr:`reconnect` (see ``_resume``).
+
+        Raises:
+            ServerUnavailable: the retry budget ran out.
+            ServerError: the new daemon's stream has another length (the dataset changed).
+        """
+        old = self._stream
+        want = old.num_batches if old is not None else None
+        if old is not None:
+            old.close()
+        self._stream = None
+
+        def attempt() -> _Stream:
+            self._connect()
+            return self._open()
+
+        stream = retry(attempt, self.reconnect, what=f"reconnect to {self.server}", first_error=err)
+        if want is not None and stream.num_batches != want:
+            stream.close()
+            raise ServerError(
+                f"the daemon at {self.server} came back with {stream.num_batches} batches per "
+                f"epoch instead of {want}: the dataset changed, so the position cannot be resumed"
+            )
+        self._stream = stream
+        return stream
+
     def _request(self) -> tuple[pb.OpenStreamRequest, list[PipelinePlan]]:
         from beton_client._transport.identity import gather_facts
 
@@ -468,11 +532,50 @@ class Loader:
         if abandoned or self._key(req) != stream.key:
             stream.close()
             self._stream = None
-            self._stream = stream = self._open()
-        epoch = self.next_epoch
-        self.next_epoch += 1
-        self._current = _EpochIterator(self, stream, epoch)
+            try:
+                stream = self._open()
+            except ServerUnavailable as err:
+                if not retriable(err, self.reconnect):
+                    raise
+                stream = self._reconnect(err)
+            self._stream = stream
+        epoch, start = self.next_epoch, self._resume_batch
+        self.next_epoch, self._resume_batch = epoch + 1, 0
+        self._position = (epoch, start)
+        self._current = _EpochIterator(self, stream, epoch, start)
         return self._current
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands: the epoch and the batches of it already yielded.
+
+        The same format as ``beton_serve.loader.Loader.state_dict`` (``{"version", "epoch",
+        "batch", "seed", "len", "rank", "world_size"}``, plus ``num_indices`` when ``indices``
+        was given). Restore it with :meth:`load_state_dict` on a Loader built with the same
+        arguments: the next ``iter`` yields exactly the batches that were not yet yielded.
+        """
+        if self._position is not None:
+            epoch, batch = self._position
+        else:
+            epoch, batch = self.next_epoch, self._resume_batch
+        return make_state(
+            epoch=epoch,
+            batch=batch,
+            seed=self.seed,
+            length=len(self),
+            rank=self.rank,
+            world_size=self.world_size,
+            num_indices=None if self.indices is None else len(self.indices),
+        )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next ``iter(loader)`` continue from ``state`` (see :meth:`state_dict`).
+
+        Raises:
+            SpecError: the state comes from a Loader with another seed, length, rank or version.
+        """
+        mine = self.state_dict()
+        self.next_epoch, self._resume_batch = check_state(state, mine)
+        self._position = None
 
     @property
     def reader_outputs(self) -> list[str]:

@@ -1,0 +1,187 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""Exactly-once resume: a daemon SIGKILLed mid-epoch and restarted on the same socket, and a
+trainer restarted from ``state_dict()``; a second daemon on a served address is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from beton_client import Loader, OrderOption, RetryPolicy, ServerUnavailable
+from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+from beton_serve.transforms import RandomHorizontalFlip, ToTensor
+from helpers.daemon import SHM, daemon_factory, short_tmp, start_daemon  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def _pipelines() -> dict:
+    # Random crops and flips: a resumed batch only equals the reference if the daemon
+    # reproduces (seed, epoch, sample) exactly.
+    return {
+        "image": [
+            RandomResizedCropRGBImageDecoder((16, 16)),
+            RandomHorizontalFlip(0.5),
+            ToTensor(),
+        ],
+        "label": [IntDecoder(), ToTensor()],
+        "weight": None,
+    }
+
+
+KW = dict(batch_size=4, order=OrderOption.RANDOM, seed=99, batches_ahead=2, copy=True)
+
+
+def _loader(address: str, **kw: object) -> Loader:
+    args = {**KW, **kw}
+    return Loader("images_jpg", pipelines=_pipelines(), server=address, **args)  # type: ignore[arg-type]
+
+
+def _epoch(ld: Loader) -> list[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+    out = []
+    for image, label in ld:
+        out.append((image.clone(), label.clone(), ld.last_sample_ids.copy()))
+    return out
+
+
+def _same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for (xi, xl, xs), (yi, yl, ys) in zip(a, b, strict=True):
+        assert np.array_equal(xs, ys)
+        assert torch.equal(xl, yl)
+        assert torch.equal(xi, yi)
+
+
+def test_sigkilled_daemon_restarted_on_the_same_socket_resumes_exactly_once(
+    daemon_factory, fixtures_dir: Path
+) -> None:
+    beton = fixtures_dir / "images_jpg.beton"
+    d1 = daemon_factory([beton])
+    with _loader(d1.address) as ref_ld:
+        reference = [_epoch(ref_ld) for _ in range(2)]
+    n = len(reference[0])
+    assert n == 16
+    ids = np.concatenate([s for _, _, s in reference[1]])
+    assert sorted(ids.tolist()) == list(range(64))
+
+    ld = _loader(d1.address, reconnect=RetryPolicy(budget_s=60.0, initial_s=0.05, max_s=0.5))
+    try:
+        first = _epoch(ld)
+        it = iter(ld)
+        got = []
+        for _ in range(5):
+            image, label = next(it)
+            got.append((image.clone(), label.clone(), ld.last_sample_ids.copy()))
+        stale = d1.segments()
+        d1.proc.send_signal(signal.SIGKILL)
+        d1.proc.wait(10)
+        assert os.path.exists(d1.socket)  # the dead daemon's socket file is left behind
+        assert all((SHM / s).exists() for s in stale)
+        # Restart without waiting: the client's next() retries with backoff until it answers.
+        d2 = daemon_factory([beton], socket=d1.socket, wait=False)
+        t0 = time.monotonic()
+        image, label = next(it)
+        waited = time.monotonic() - t0
+        got.append((image.clone(), label.clone(), ld.last_sample_ids.copy()))
+        got.extend((i.clone(), lab.clone(), ld.last_sample_ids.copy()) for i, lab in it)
+        assert d2.proc.poll() is None and d2.pid != d1.pid
+        # The new daemon decoded the rest of the epoch: at most the 11 unread batches.
+        decoded = {x.name: x.samples_decoded for x in d2.stats().datasets}["images_jpg"]
+        assert 0 < decoded <= 4 * (n - 5)
+        assert "swept" in d2.log()  # the stale segments were removed ...
+        assert not any((SHM / s).exists() for s in stale)
+        assert waited > 0.0
+        _same(first, reference[0])
+        _same(got, reference[1])  # ... and the interrupted epoch equals the uninterrupted one
+        seen = np.concatenate([s for _, _, s in got])
+        assert len(seen) == 64 and len(set(seen.tolist())) == 64  # no duplicate, no gap
+        # The next epoch runs on the new daemon as usual.
+        assert len(_epoch(ld)) == n
+    finally:
+        ld.close()
+
+
+def test_state_dict_resumes_across_a_trainer_restart(daemon_factory, fixtures_dir: Path) -> None:
+    d = daemon_factory([fixtures_dir / "images_jpg.beton"])
+    with _loader(d.address) as ref_ld:
+        reference = [_epoch(ref_ld) for _ in range(2)]
+    a = _loader(d.address)
+    try:
+        _epoch(a)
+        it = iter(a)
+        part = []
+        for _ in range(6):
+            image, label = next(it)
+            part.append((image.clone(), label.clone(), a.last_sample_ids.copy()))
+        state = a.state_dict()
+        assert (state["epoch"], state["batch"], state["seed"], state["len"]) == (1, 6, 99, 16)
+    finally:
+        a.close()
+    b = _loader(d.address)
+    try:
+        b.load_state_dict(state)
+        rest = _epoch(b)
+        _same(part + rest, reference[1])
+        assert b.state_dict()["epoch"] == 2 and b.state_dict()["batch"] == 0
+        with pytest.raises(Exception, match="seed"):
+            _loader(d.address, seed=1).load_state_dict(state)
+    finally:
+        b.close()
+
+
+def test_budget_spent_raises_server_unavailable(daemon_factory, fixtures_dir: Path) -> None:
+    d = daemon_factory([fixtures_dir / "images_jpg.beton"])
+    ld = _loader(d.address, reconnect=RetryPolicy(budget_s=1.0, initial_s=0.05, max_s=0.2))
+    try:
+        it = iter(ld)
+        next(it)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="gave up after"):
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 10
+    finally:
+        ld.close()
+
+
+def test_a_second_daemon_on_a_served_socket_is_refused(short_tmp: Path, fixtures_dir: Path) -> None:
+    beton = fixtures_dir / "mixed_fields.beton"
+    d1 = start_daemon([beton], short_tmp)
+    try:
+        d2 = start_daemon([beton], short_tmp, socket=d1.socket, wait=False)
+        try:
+            rc = d2.proc.wait(60)
+        finally:
+            d2.stop(signal.SIGKILL)
+        assert rc != 0
+        assert "lock" in d2.log().lower() or "already" in d2.log().lower(), d2.log()
+        assert d1.proc.poll() is None  # the first one still serves
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from beton_client import Loader; "
+                "from beton_serve.fields.decoders import IntDecoder; "
+                "p={'int':[IntDecoder()],'float':None,'array':None,'blob':None,'meta':None}; "
+                "ld=Loader(sys.argv[1], batch_size=10, pipelines=p, server=sys.argv[2]); "
+                "print(sum(len(b[0]) for b in ld)); ld.close()",
+                str(beton),
+                d1.address,
+            ],
+            capture_output=True,
+            timeout=60,
+        )
+        # Auto-spawn against a served socket attaches to the running daemon, spawning none.
+        assert out.returncode == 0, out.stderr.decode()[-2000:]
+        assert out.stdout.strip() == b"50"
+    finally:
+        d1.stop()
