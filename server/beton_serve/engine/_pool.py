@@ -12,8 +12,11 @@ decoder call that releases the GIL (simplejpeg, cv2), so threads scale like proc
 writing straight into the destination buffers, with no pickling and no second copy.
 
 Lifecycle: workers are named ``beton-worker-N``. A task that raises an ``Exception`` fails its
-future only. A task that raises a ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``)
-ends its worker thread; the pool logs it and starts a replacement. :meth:`Engine.close` cancels
+future only. A task that raises a ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``, a
+simulated worker crash) ends its worker thread; the pool logs it, starts a replacement and
+**re-queues the task** at priority 0 so that its batch is redone, not lost (tasks are pure
+functions of their arguments, so a re-run writes the same result). A task that kills
+``max_task_retries + 1`` workers is a poison task: its future fails with ``PipelineError``. :meth:`Engine.close` cancels
 queued tasks, wakes every worker, joins each with a timeout and logs any that did not stop.
 """
 
@@ -24,11 +27,12 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from beton_serve.errors import BetonError
+from beton_serve.errors import BetonError, PipelineError
 
 __all__ = ["Engine", "Task"]
 
@@ -41,7 +45,7 @@ _STOP_PRIORITY = float("inf")
 class Task:
     """One unit of work. ``future`` completes with the function's result or exception."""
 
-    __slots__ = ("_claimed", "_engine", "args", "fn", "future", "seq")
+    __slots__ = ("_claimed", "_engine", "_running", "args", "deaths", "fn", "future", "seq")
 
     def __init__(
         self, engine: Engine, seq: int, fn: Callable[..., Any], args: tuple[Any, ...]
@@ -52,13 +56,19 @@ class Task:
         self.args = args
         self.future: Future[Any] = Future()
         self._claimed = False
+        self._running = False
+        #: Workers this task killed (each death re-queues it, see the module docstring).
+        self.deaths = 0
 
     def claim(self) -> bool:
-        """True exactly once, for the worker that runs the task (False if cancelled)."""
+        """True exactly once per run, for the worker that runs the task (False if cancelled)."""
         with self._engine._lock:
             if self._claimed:
                 return False
             self._claimed = True
+            if self._running:  # a re-run after a worker died: the future already runs
+                return not self.future.done()
+            self._running = True
         return self.future.set_running_or_notify_cancel()
 
     def promote(self) -> None:
@@ -78,11 +88,18 @@ class Engine:
     Args:
         num_workers: number of threads; ``None`` or ``< 1`` means the CPUs this process may use.
         join_timeout: seconds :meth:`close` waits for each worker.
+        max_task_retries: re-runs of a task whose worker died before it is failed.
 
     Thread safety: every method may be called from any thread.
     """
 
-    def __init__(self, num_workers: int | None = None, *, join_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        *,
+        join_timeout: float = 10.0,
+        max_task_retries: int = 1,
+    ) -> None:
         if num_workers is None or num_workers < 1:
             num_workers = (
                 len(os.sched_getaffinity(0))
@@ -91,6 +108,7 @@ class Engine:
             )
         self.num_workers = int(num_workers)
         self.join_timeout = float(join_timeout)
+        self.max_task_retries = max(0, int(max_task_retries))
         self._queue: queue.PriorityQueue[tuple[float, int, Any]] = queue.PriorityQueue()
         self._lock = threading.Lock()
         self._seq = itertools.count()
@@ -99,6 +117,9 @@ class Engine:
         self._closed = False
         self.tasks_done = 0
         self.workers_replaced = 0
+        self.tasks_retried = 0
+        #: Seconds workers spent running tasks (utilisation = busy / (wall * num_workers)).
+        self.busy_s = 0.0
         for _ in range(self.num_workers):
             self._start_worker()
 
@@ -116,32 +137,49 @@ class Engine:
                 return
             if not task.claim():
                 continue
+            t0 = time.perf_counter()
             try:
                 result = task.fn(*task.args)
             except Exception as exc:
                 task.future.set_exception(exc)
             except BaseException as exc:
-                # The worker dies with the task; the pool keeps its size.
-                task.future.set_exception(exc)
-                _log.error(
-                    "worker %s died (%r); starting a replacement",
-                    threading.current_thread().name,
-                    exc,
-                )
-                with self._lock:
-                    if self._closed:
-                        return
-                    self.workers_replaced += 1
-                    self._threads = [
-                        t for t in self._threads if t is not threading.current_thread()
-                    ]
-                    self._start_worker()
+                # The worker dies with the task; the pool keeps its size and redoes the task.
+                self._worker_died(task, exc)
                 return
             else:
                 task.future.set_result(result)
             finally:
                 with self._lock:
                     self.tasks_done += 1
+                    self.busy_s += time.perf_counter() - t0
+
+    def _worker_died(self, task: Task, exc: BaseException) -> None:
+        """Replace the current worker; re-queue ``task`` unless it is a poison task."""
+        name = threading.current_thread().name
+        with self._lock:
+            closed = self._closed
+            task.deaths += 1
+            retry = not closed and task.deaths <= self.max_task_retries
+            if retry:
+                task._claimed = False
+                self.tasks_retried += 1
+            if not closed:
+                self.workers_replaced += 1
+                self._threads = [t for t in self._threads if t is not threading.current_thread()]
+                self._start_worker()
+        if retry:
+            _log.error("worker %s died (%r); replaced, and its task re-queued", name, exc)
+            self._queue.put((0, task.seq, task))
+            return
+        _log.error("worker %s died (%r); replaced", name, exc)
+        if not task.future.done():
+            task.future.set_exception(
+                PipelineError(
+                    f"the task killed {task.deaths} worker(s) ({exc!r}); it is not retried again"
+                )
+                if not closed
+                else exc
+            )
 
     def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 1) -> Task:
         """Queue ``fn(*args)``; returns the :class:`Task` (its ``future`` holds the result).
