@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import os
 import queue
 import sys
@@ -45,6 +46,9 @@ from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 from beton_client._ops import PipelinePlan, SpecOp, build_tail, device_of, split_pipelines
 from beton_client._resume import RetryPolicy, check_state, make_state, retriable, retry
 from beton_client._transport import Receiver, ShmReceiver, TensorInfo
+from beton_client._transport.cuda_ipc import TransportUnavailable
+from beton_client._transport.cuda_ipc_slots import make_cuda_ipc_receiver
+from beton_client._transport.grpc_receiver import make_grpc_receiver
 from beton_client.errors import (
     BetonClientError,
     ServerError,
@@ -74,6 +78,12 @@ def _shm_receiver(setup: Any) -> Receiver:
 #: cuda_ipc and grpc transports (issue 5): register their factory here; the kinds listed are
 #: also what the client announces in ``Capabilities.transports``.
 RECEIVERS: dict[str, Callable[[Any], Receiver]] = {"shm": _shm_receiver}
+RECEIVERS["grpc"] = make_grpc_receiver  # type: ignore[assignment] # read through _multi_loader, not slot by slot
+RECEIVERS["cuda_ipc"] = make_cuda_ipc_receiver
+
+log = logging.getLogger("beton_client")
+#: The bearer token when ``Loader(token=...)`` is not given.
+ENV_TOKEN = "BETON_SERVE_TOKEN"
 
 
 class OrderOption(enum.Enum):
@@ -103,6 +113,21 @@ def _rank_world(environ: Mapping[str, str]) -> tuple[int, int]:
         return int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
     except ValueError:
         raise SpecError("RANK and WORLD_SIZE must be integers") from None
+
+
+def _server_list(server: str | Sequence[str], transport: str) -> tuple[list[str], str]:
+    """``(every address, the first one)``; several addresses need the grpc transport."""
+    if isinstance(server, str):
+        return [server], server
+    servers = [str(x) for x in server]
+    if not servers:
+        raise SpecError("server=[] names no daemon; give at least one address")
+    if len(servers) > 1 and transport not in ("auto", "grpc"):
+        raise SpecError(
+            f"several daemons are read over grpc only, not transport={transport!r}; "
+            "pass transport='grpc' or 'auto'"
+        )
+    return servers, servers[0]
 
 
 class _Stream:
@@ -145,6 +170,9 @@ class _Stream:
         if self.held is not None:
             slot, index, wait_us = self.held
             self.held = None
+            release = getattr(self.receiver, "release", None)
+            if release is not None:  # cuda_ipc: record the free event before the Release
+                release(slot)
             self.send(
                 pb.ClientMessage(release=pb.Release(slot=slot, batch_index=index, wait_us=wait_us))
             )
@@ -247,11 +275,8 @@ class _EpochIterator(Iterator[tuple[Any, ...]]):
             arrays = [
                 np.array(a, copy=True) if isinstance(a, np.ndarray) else a.clone() for a in arrays
             ]
-            s.send(
-                pb.ClientMessage(
-                    release=pb.Release(slot=b.slot, batch_index=b.batch_index, wait_us=wait_us)
-                )
-            )
+            s.held = (b.slot, b.batch_index, wait_us)
+            s.release_held()
         else:
             s.held = (b.slot, b.batch_index, wait_us)
         self.loader.last_sample_ids = np.frombuffer(b.sample_ids, dtype="<u8").astype(np.uint64)
@@ -326,11 +351,16 @@ class Loader:
         drop_last: bool = True,
         batches_ahead: int = 3,
         recompile: bool = False,
-        server: str | None = None,
+        server: str | Sequence[str] | None = None,
         transport: str = "auto",
         copy: bool = False,
         spawn: bool = True,
         reconnect: RetryPolicy | bool = True,
+        compression: str | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         environ = os.environ
         if transport not in _TRANSPORTS:
@@ -383,6 +413,13 @@ class Loader:
         self._stream: _Stream | None = None
         if server is None:
             server = environ.get(ENV_ADDRESS) or unix_target(default_socket_path(environ))
+        self._servers, first = _server_list(server, transport)
+        server = first
+        if len(self._servers) > 1:
+            transport = self.transport = "grpc"
+        self.compression = compression or ""
+        self.token = token if token is not None else (environ.get(ENV_TOKEN) or None)
+        self._tls = (tls_ca, tls_cert, tls_key)
         self.server = server
         sock = socket_path_of(server)
         if spawn and sock is not None and is_file:
@@ -404,7 +441,7 @@ class Loader:
         old = getattr(self, "_finalizer", None)
         if old is not None:
             old()
-        self._channel = grpc.insecure_channel(self.server, options=list(_CHANNEL_OPTIONS))
+        self._channel = self._make_channel(self.server)
         self._stub = pb_grpc.BetonServeStub(self._channel)
         self._finalizer = weakref.finalize(self, self._channel.close)
 
@@ -464,6 +501,7 @@ class Loader:
             world_size=self.world_size,
             batches_ahead=self.batches_ahead,
             transport=self.transport,
+            compression=self.compression,
             device=device,
             host=pb.HostIdentity(
                 boot_id=ident["boot_id"],
@@ -499,10 +537,50 @@ class Loader:
             raise from_rpc_error(err, target=self.server) from None
         self.transport_rejections = [(r.transport, r.code, r.reason) for r in reply.rejected]
         self.chosen_transport = reply.transport.kind
-        receiver = self._receiver(reply)
+        if reply.transport.kind == "grpc":
+            from beton_client._multi_loader import open_remote
+
+            return open_remote(  # type: ignore[return-value]
+                request=req,
+                first_reply=reply,
+                first_channel=self._channel,
+                targets=self._servers,
+                make_channel=self._make_channel,
+                plans=plans,
+                key=self._key(req),
+            )
+        try:
+            receiver = self._receiver(reply)
+        except TransportUnavailable as exc:
+            return self._fall_back_to_shm(exc)
         return _Stream(
             self._channel, self._stub, reply, receiver, plans, self._key(req), self.server
         )
+
+    def _make_channel(self, target: str) -> grpc.Channel:
+        """A channel to ``target`` with this Loader's TLS files and token (``_security``)."""
+        from beton_client._security import secure_or_plain_channel
+
+        ca, cert, key = self._tls
+        return secure_or_plain_channel(
+            target,
+            ca_file=ca,
+            cert_file=cert,
+            key_file=key,
+            token=self.token,
+            options=_CHANNEL_OPTIONS,
+        )
+
+    def _fall_back_to_shm(self, exc: TransportUnavailable) -> _Stream:
+        """The daemon chose cuda_ipc but this process cannot open it: re-open over shm."""
+        log.warning("cuda_ipc cannot be used in this client (%s); falling back to shm", exc)
+        rejections = [*self.transport_rejections, ("cuda_ipc", exc.code, str(exc))]
+        self.transport = "shm"  # for good: this process cannot open CUDA IPC handles
+        stream = self._open()
+        self.transport_rejections = rejections + [
+            r for r in self.transport_rejections if r not in rejections
+        ]
+        return stream
 
     def _receiver(self, reply: Any) -> Receiver:
         setup = reply.transport
@@ -542,7 +620,12 @@ class Loader:
         epoch, start = self.next_epoch, self._resume_batch
         self.next_epoch, self._resume_batch = epoch + 1, 0
         self._position = (epoch, start)
-        self._current = _EpochIterator(self, stream, epoch, start)
+        epoch_of = getattr(stream, "epoch", None)  # a remote (grpc) stream makes its own
+        self._current = (
+            epoch_of(self, epoch, start)
+            if epoch_of is not None
+            else _EpochIterator(self, stream, epoch, start)
+        )
         return self._current
 
     def state_dict(self) -> dict[str, Any]:

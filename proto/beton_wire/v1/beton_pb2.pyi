@@ -319,17 +319,32 @@ class ShmSetup(_message.Message):
     ) -> None: ...
 
 class CudaIpcSetup(_message.Message):
-    __slots__ = ("device", "event_handles", "slab_handles", "slot_bytes", "slot_count")
+    __slots__ = (
+        "device",
+        "device_uuid",
+        "event_handles",
+        "free_event_handles",
+        "owner_pid",
+        "slab_handles",
+        "slot_bytes",
+        "slot_count",
+    )
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLAB_HANDLES_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    FREE_EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PID_FIELD_NUMBER: _ClassVar[int]
     device: int
     slot_count: int
     slot_bytes: int
     slab_handles: _containers.RepeatedScalarFieldContainer[bytes]
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    free_event_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    device_uuid: str
+    owner_pid: int
     def __init__(
         self,
         device: int | None = ...,
@@ -337,15 +352,22 @@ class CudaIpcSetup(_message.Message):
         slot_bytes: int | None = ...,
         slab_handles: _Iterable[bytes] | None = ...,
         event_handles: _Iterable[bytes] | None = ...,
+        free_event_handles: _Iterable[bytes] | None = ...,
+        device_uuid: str | None = ...,
+        owner_pid: int | None = ...,
     ) -> None: ...
 
 class GrpcSetup(_message.Message):
-    __slots__ = ("chunk_bytes", "compression")
+    __slots__ = ("chunk_bytes", "compression", "method")
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     compression: str
     chunk_bytes: int
-    def __init__(self, compression: str | None = ..., chunk_bytes: int | None = ...) -> None: ...
+    method: str
+    def __init__(
+        self, compression: str | None = ..., chunk_bytes: int | None = ..., method: str | None = ...
+    ) -> None: ...
 
 class TransportSetup(_message.Message):
     __slots__ = ("cuda_ipc", "grpc", "kind", "shm")

@@ -69,6 +69,34 @@ def register(subparsers: Any) -> None:
         metavar="PORT",
         help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any free port)",
     )
+    sec = p.add_argument_group("remote clients (TCP): TLS, bearer token, listen policy")
+    sec.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (TLS)")
+    sec.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key (TLS)")
+    sec.add_argument(
+        "--tls-client-ca",
+        default=None,
+        metavar="FILE",
+        help="require client certificates signed by this PEM CA (mutual TLS)",
+    )
+    sec.add_argument(
+        "--token-file",
+        default=None,
+        metavar="FILE",
+        help="clients must send this bearer token (on every address, Unix socket included)",
+    )
+    sec.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="allow a non-loopback --listen address without TLS or token (logged loudly)",
+    )
+    sec.add_argument(
+        "--grpc-compression",
+        default=None,
+        metavar="LIST",
+        help="compressions grpc streams may ask for, comma-separated (default lz4,zstd; "
+        "'none' for none)",
+    )
     share = p.add_argument_group("work sharing between identical streams (issue 6)")
     share.add_argument(
         "--share-max-lag",
@@ -88,6 +116,14 @@ def register(subparsers: Any) -> None:
     )
     share.add_argument(
         "--no-share", action="store_true", help="decode every stream on its own, never shared"
+    )
+    p.add_argument(
+        "--bad-sample-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="failing samples each stream may skip, counted in stats (default 0: the first one "
+        "fails the stream with an error naming it)",
     )
     add_logging_args(p)
     p.set_defaults(func=run)
@@ -155,6 +191,16 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "idle_timeout": args.idle_timeout,
             "log_format": getattr(args, "log_format", None),
             "log_level": getattr(args, "log_level", None),
+            "share": False if getattr(args, "no_share", False) else None,
+            "share_max_lag": getattr(args, "share_max_lag", None),
+            "share_retain": getattr(args, "share_retain", None),
+            "bad_sample_budget": getattr(args, "bad_sample_budget", None),
+            "tls_cert": getattr(args, "tls_cert", None),
+            "tls_key": getattr(args, "tls_key", None),
+            "tls_client_ca": getattr(args, "tls_client_ca", None),
+            "token_file": getattr(args, "token_file", None),
+            "insecure": getattr(args, "insecure", None),
+            "grpc_compression": _codec_list(getattr(args, "grpc_compression", None)),
         },
     )
     for a in args.dataset:
@@ -166,20 +212,35 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             importlib.import_module(module)
         except ImportError as exc:
             raise ConfigError(f"--plugin {module}: cannot import it ({exc})") from None
+    security = _security(cfg)
     datasets = expand_dataset_args(cfg.files, cfg.dataset_args())
     socket_path = resolve_socket(cfg, env)
     lock = address_lock(socket_path) if socket_path else contextlib.nullcontext()
     with lock:
         from beton_serve.daemon import Daemon
 
-        share_kw: dict[str, Any] = {"share": not getattr(args, "no_share", False)}
-        if getattr(args, "share_max_lag", None) is not None:
-            share_kw["share_max_lag"] = args.share_max_lag
-        if getattr(args, "share_retain", None) is not None:
-            share_kw["share_retain"] = args.share_retain
-        daemon = Daemon.create(datasets, num_workers=cfg.workers or None, **share_kw)
+        share_kw: dict[str, Any] = {
+            "share": cfg.share,
+            "share_max_lag": cfg.share_max_lag,
+            "share_retain": cfg.share_retain,
+            "bad_sample_budget": cfg.bad_sample_budget,
+        }
+        from beton_serve.daemon._grpc_batches import GrpcFactory, parse_codecs
+
+        grpc_factory = GrpcFactory(allowed_codecs=parse_codecs(cfg.grpc_compression))
+        daemon = Daemon.create(
+            datasets,
+            num_workers=cfg.workers or None,
+            factories={"grpc": grpc_factory},
+            **share_kw,
+        )
+        from beton_serve.cli._reload import ConfigReloader
+
+        daemon.reloader = ConfigReloader(daemon, cfg, args.config)
         try:
-            _run_loop(_serve(daemon, cfg, socket_path, getattr(args, "metrics_port", None)))
+            _run_loop(
+                _serve(daemon, cfg, socket_path, getattr(args, "metrics_port", None), security)
+            )
         finally:
             daemon.close()
             if socket_path:
@@ -198,12 +259,49 @@ def _run_loop(coro: Any) -> None:
     uvloop.run(coro)
 
 
+def _codec_list(text: str | None) -> tuple[str, ...] | None:
+    """``--grpc-compression lz4,zstd`` as a tuple; "none" is the empty allow-list."""
+    if text is None:
+        return None
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    return tuple(n for n in names if n.lower() != "none") or ("none",)
+
+
+def _security(cfg: ServeConfig) -> tuple[Any, str | None]:
+    """``(TlsConfig or None, token or None)`` from the config; applies the listen policy.
+
+    Raises:
+        ConfigError: unreadable TLS/token files, or a non-loopback address without TLS, token
+            or ``--insecure`` (the message says which flag to add).
+    """
+    from beton_serve.transport.security import TlsConfig, enforce_listen_policy, read_token_file
+
+    tls = (
+        TlsConfig(
+            cert_file=cfg.tls_cert,
+            key_file=cfg.tls_key,
+            client_ca_file=cfg.tls_client_ca or None,
+        )
+        if cfg.tls_cert
+        else None
+    )
+    token = read_token_file(cfg.token_file) if cfg.token_file else None
+    for addr in cfg.listen:
+        enforce_listen_policy(addr, tls is not None, token is not None, cfg.insecure, log)
+    return tls, token
+
+
 async def _serve(
-    daemon: Any, cfg: ServeConfig, socket_path: str | None, metrics_port: int | None = None
+    daemon: Any,
+    cfg: ServeConfig,
+    socket_path: str | None,
+    metrics_port: int | None = None,
+    security: tuple[Any, str | None] = (None, None),
 ) -> None:
     from beton_serve.rpc import create_server
 
-    handle = create_server(daemon, unix_socket=socket_path, listen=cfg.listen)
+    tls, token = security
+    handle = create_server(daemon, unix_socket=socket_path, listen=cfg.listen, tls=tls, token=token)
     await handle.server.start()
     metrics = None
     try:
@@ -239,6 +337,8 @@ async def _serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if getattr(daemon, "reloader", None) is not None:  # SIGHUP reloads the config (_reload)
+            loop.add_signal_handler(signal.SIGHUP, daemon.reloader)
         idle = loop.create_task(_idle_watch(daemon, cfg.idle_timeout, stop))
         await stop.wait()
         idle.cancel()

@@ -12,6 +12,16 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     idle_timeout = 0.0                        # seconds without streams before exiting; 0 = never
     log_format = "kv"
     log_level = "info"
+    share = true                              # identical streams decode each batch once
+    share_max_lag = 8                         # batches behind before a stream is detached
+    share_retain = 4                          # batches a group keeps for late joiners
+    bad_sample_budget = 0                     # failing samples a stream may skip; 0 = fail
+    tls_cert = ""                             # TLS on the TCP addresses (with tls_key)
+    tls_key = ""
+    tls_client_ca = ""                        # mutual TLS: client certificates signed by this CA
+    token_file = ""                           # clients must send this bearer token
+    insecure = false                          # allow a non-loopback address without TLS/token
+    grpc_compression = ["lz4", "zstd"]        # compressions grpc clients may ask for
 
 Unknown keys and wrong types are errors (:class:`~beton_serve.errors.ConfigError`).
 """
@@ -45,6 +55,18 @@ class ServeConfig:
         idle_timeout: seconds with no open stream after which the daemon exits; 0 = never.
         log_format: "kv" or "json".
         log_level: "debug", "info", "warning" or "error".
+        share: streams with identical specs share decoding (``--no-share`` turns it off).
+        share_max_lag: a shared stream this many batches behind is detached (reloadable).
+        share_retain: batches a sharing group keeps for late joiners (reloadable).
+        bad_sample_budget: failing samples each stream may skip, counted in stats; 0 fails the
+            stream with an error naming the sample (reloadable; new streams).
+        tls_cert: PEM certificate of the TCP listeners ("" = no TLS); needs ``tls_key``.
+        tls_key: its PEM private key.
+        tls_client_ca: PEM CA that client certificates must chain to (mutual TLS).
+        token_file: file holding the bearer token clients must send ("" = none). Required on
+            every address, the Unix socket included, when set.
+        insecure: allow a non-loopback TCP address without TLS or token (logged loudly).
+        grpc_compression: compressions a grpc stream may ask for ("lz4", "zstd").
     """
 
     files: tuple[str, ...] = ()
@@ -56,14 +78,31 @@ class ServeConfig:
     idle_timeout: float = 0.0
     log_format: str = "kv"
     log_level: str = "info"
+    share: bool = True
+    share_max_lag: int = 8
+    share_retain: int = 4
+    bad_sample_budget: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    token_file: str = ""
+    insecure: bool = False
+    grpc_compression: tuple[str, ...] = ("lz4", "zstd")
 
     def __post_init__(self) -> None:
         if self.workers < 0:
             raise ConfigError(f"workers must be >= 0 (0 = one per core), got {self.workers}")
         if self.idle_timeout < 0:
             raise ConfigError(f"idle_timeout must be >= 0 seconds, got {self.idle_timeout}")
+        for key in ("share_max_lag", "share_retain", "bad_sample_budget"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.log_format not in ("kv", "json"):
             raise ConfigError(f"log_format must be 'kv' or 'json', got {self.log_format!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert and --tls-key)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
 
     def dataset_args(self) -> list[str]:
         """``datasets`` as ``NAME=GLOB,GLOB`` strings."""
@@ -76,7 +115,7 @@ KEYS: dict[str, Any] = {
     for f in dataclasses.fields(ServeConfig)
 }
 
-_SEQUENCES = {"files", "listen", "plugins"}
+_SEQUENCES = {"files", "listen", "plugins", "grpc_compression"}
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:
@@ -96,7 +135,11 @@ def _coerce(key: str, value: Any, where: str) -> Any:
                 raise ConfigError(f"{where}: datasets.{name} must be a glob or a list of globs")
             out[name] = tuple(globs)
         return out
-    if isinstance(default, bool) or not isinstance(value, type(default)):
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} must be true or false, not {type(value).__name__}")
+        return value
+    if not isinstance(value, type(default)):
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         raise ConfigError(

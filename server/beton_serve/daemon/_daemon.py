@@ -42,6 +42,7 @@ from beton_serve.daemon._stream import (
     StartEpoch,
     Stream,
 )
+from beton_serve.daemon._transports import default_factories, with_cuda_facts
 from beton_serve.errors import SpecError, TransportError
 from beton_serve.transport.base import SlotTransport, TransportFactory, TransportSetup
 from beton_serve.transport.negotiate import (
@@ -280,6 +281,8 @@ class Daemon:
     _monitor: asyncio.Task[None] | None = None
     #: Identical streams share decoding (``beton_serve.engine.sharing``); ``None`` turns it off.
     sharing: Any = None
+    #: CUDA facts not gathered yet: done by the first stream that wants CUDA (``_transports``).
+    cuda_pending: bool = False
 
     @classmethod
     def create(
@@ -311,8 +314,9 @@ class Daemon:
         except BaseException:
             table.close()
             raise
+        cuda_pending = facts is None  # gathered when a client first asks for CUDA (issue 5)
         facts = facts or DaemonFacts(identity=local_identity())
-        fac: dict[str, TransportFactory] = dict(factories or {})
+        fac: dict[str, TransportFactory] = {**default_factories(), **(factories or {})}
         fac.setdefault("shm", ShmFactory(ShmNamer()))
         return cls(
             datasets=table,
@@ -323,6 +327,7 @@ class Daemon:
             factories=fac,
             _compile_pool=ThreadPoolExecutor(1, thread_name_prefix="beton-compile"),
             sharing=_sharing_registry(share_max_lag, share_retain) if share else None,
+            cuda_pending=cuda_pending,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -486,6 +491,9 @@ class Daemon:
             raise
 
     def _negotiate(self, offer: ClientOffer) -> tuple[Negotiation, TransportFactory]:
+        if self.cuda_pending and offer.wants_cuda:
+            self.cuda_pending = False
+            self.facts = with_cuda_facts(self.facts)
         neg = negotiate(offer, self.facts)
         factory = self.factories.get(neg.transport)
         if factory is None:

@@ -140,6 +140,9 @@ def opened_message(o: StreamOpened) -> pb.OpenStreamResponse:
                 slot_bytes=o.setup.slot_bytes,
                 slab_handles=list(extra.get("slab_handles", ())),
                 event_handles=list(extra.get("event_handles", ())),
+                free_event_handles=list(extra.get("free_event_handles", ())),
+                device_uuid=str(extra.get("device_uuid", "")),
+                owner_pid=int(extra.get("owner_pid", 0)),
             )
         )
     elif o.setup.kind == "grpc":
@@ -148,6 +151,7 @@ def opened_message(o: StreamOpened) -> pb.OpenStreamResponse:
             pb.GrpcSetup(
                 compression=str(extra.get("compression", "")),
                 chunk_bytes=int(extra.get("chunk_bytes", 0)),
+                method=str(extra.get("method", "")),
             )
         )
     return pb.OpenStreamResponse(

@@ -11,14 +11,23 @@ import os
 from collections.abc import Sequence
 
 import grpc
+from beton_wire.framing import ALL_CODECS
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from beton_serve.daemon import Daemon
+from beton_serve.daemon._grpc_batches import BATCH_SERVICE, producer_factory
 from beton_serve.errors import ConfigError
+from beton_serve.rpc._errors import status_for
 from beton_serve.rpc._service import BetonServeServicer
+from beton_serve.transport.grpc_codec import add_batch_stream_handler
+from beton_serve.transport.security import (
+    AioBearerTokenInterceptor,
+    TlsConfig,
+    server_credentials,
+)
 
 __all__ = ["SERVICE_NAME", "ServerHandle", "create_server"]
 
@@ -58,14 +67,29 @@ class ServerHandle:
 
 
 def create_server(
-    daemon: Daemon, *, unix_socket: str | None = None, listen: Sequence[str] = ()
+    daemon: Daemon,
+    *,
+    unix_socket: str | None = None,
+    listen: Sequence[str] = (),
+    tls: TlsConfig | None = None,
+    token: str | None = None,
 ) -> ServerHandle:
     """Build the daemon's gRPC server (call on the event loop that will run it).
+
+    Besides BetonServe, health and reflection, the server hosts the pass-through batch method of
+    the grpc transport (``beton_serve.daemon._grpc_batches``) when the daemon offers it.
+
+    Security: ``tls`` secures every TCP address (the Unix socket is private to the daemon's user
+    and stays plain). ``token``, when given, is required on *every* call but health checks, on
+    TCP and on the Unix socket alike: one rule, and a client configured for a token works on
+    either address. The listen policy (``check_listen_policy``) is the caller's (the CLI's).
 
     Args:
         daemon: what to serve.
         unix_socket: path of a Unix socket to listen on (a stale file there is replaced).
         listen: ``HOST:PORT`` TCP addresses (port 0 picks a free port).
+        tls: certificate and key (and client CA for mutual TLS) of the TCP addresses.
+        token: the bearer token clients must send.
 
     Returns:
         The handle; ``port`` is the last bound TCP port (0 if none).
@@ -75,8 +99,18 @@ def create_server(
     """
     if not unix_socket and not listen:
         raise ConfigError("give a Unix socket path or a TCP address to listen on")
-    server = grpc.aio.server(options=list(SERVER_OPTIONS))
+    interceptors = [AioBearerTokenInterceptor(token)] if token else []
+    server = grpc.aio.server(options=list(SERVER_OPTIONS), interceptors=interceptors)
     pb_grpc.add_BetonServeServicer_to_server(BetonServeServicer(daemon), server)
+    grpc_factory = daemon.factories.get("grpc")
+    if grpc_factory is not None:
+        add_batch_stream_handler(
+            server,
+            producer_factory(daemon),
+            service_name=BATCH_SERVICE,
+            allowed_codecs=getattr(grpc_factory, "allowed_codecs", ALL_CODECS),
+            status_for=status_for,
+        )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -95,9 +129,14 @@ def create_server(
             server.add_insecure_port(f"unix:{unix_socket}")
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on unix socket {unix_socket}: {exc}") from None
+    creds = server_credentials(tls) if tls is not None else None
     for addr in listen:
         try:
-            port = server.add_insecure_port(addr)
+            port = (
+                server.add_secure_port(addr, creds)
+                if creds is not None
+                else server.add_insecure_port(addr)
+            )
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {addr}: {exc}") from None
     return ServerHandle(server, health_servicer, port)

@@ -18,6 +18,7 @@ from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
 from beton_serve.daemon import ClientEvent, Daemon
+from beton_serve.errors import SpecError
 from beton_serve.rpc._convert import (
     batch_message,
     dataset_info,
@@ -62,8 +63,17 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
 
     async def OpenStream(self, request: pb.OpenStreamRequest, context: Any) -> Any:
         try:
+            compression = ""
+            if request.compression:
+                grpc_factory = self.daemon.factories.get("grpc")
+                if grpc_factory is None:
+                    raise SpecError("this daemon does not offer the grpc transport (compression)")
+                compression = grpc_factory.check_compression(request.compression)  # type: ignore[attr-defined]
             opened = await self.daemon.open_stream(stream_request(request))
-            return opened_message(opened)
+            reply = opened_message(opened)
+            if reply.transport.kind == "grpc":
+                reply.transport.grpc.compression = compression
+            return reply
         except Exception as exc:
             await _abort(context, exc)
 

@@ -1,0 +1,270 @@
+"""The Loader's remote streams: batches over the grpc transport from one daemon or several.
+
+When the daemon chooses the ``grpc`` transport (a daemon on another host, ``transport="grpc"``, or
+``server=[...]`` with several addresses), the stream's batches do not come through the
+``Batches`` call: each daemon's OpenStream reply names a pass-through batch method
+(``GrpcSetup.method``), and the client opens one :class:`~beton_client._transport.grpc_codec.BatchStream`
+per daemon with the stream id as the OPEN payload. A
+:class:`~beton_client._transport.multi.MultiDaemonReader` then asks daemon ``b mod S`` for batch
+``b`` (one credit per request), reorders, and, when a daemon fails (``ServerUnavailable``), moves
+its share to the others: every batch of the epoch is delivered once, in order. One daemon is the
+case S = 1.
+
+Every daemon must serve the same dataset under the same name: the batches of an epoch are a pure
+function of (seed, epoch, batch index), so any daemon can make any batch. A daemon whose stream has
+another length is refused (:class:`~beton_client.errors.SpecError`).
+
+Memory: at most ``credits_per_daemon`` batches are requested or buffered per daemon, each in a
+buffer of that daemon's :class:`~beton_client._transport.grpc_codec.BufferPool`, plus the batch the
+user holds. With ``copy=False`` a yielded batch's arrays are views of such a buffer, valid until the
+next batch is requested (as over shm).
+
+Threading: used from the Loader's thread only; grpcio runs each call's request stream on its own
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+from beton_wire.framing import Compression, OpenRequest
+from beton_wire.v1 import beton_pb2_grpc as pb_grpc
+
+from beton_client._ops import PipelinePlan, SpecOp, build_tail
+from beton_client._transport.grpc_codec import BatchStream, BufferPool
+from beton_client._transport.grpc_receiver import SAMPLE_IDS, GrpcSetupInfo
+from beton_client._transport.multi import AllDaemonsLostError, MultiDaemonReader, StreamLink
+from beton_client.errors import ServerError, ServerUnavailable, SpecError, from_rpc_error
+
+__all__ = ["RemoteEpochIterator", "RemoteStream", "open_remote"]
+
+log = logging.getLogger("beton_client")
+
+#: Batches requested or buffered per daemon at once.
+CREDITS_PER_DAEMON = 3
+#: Seconds to wait for one batch before a daemon is declared lost.
+RECEIVE_TIMEOUT_S = 120.0
+
+
+class _Daemon:
+    """One daemon of a remote stream: its target, channel (when owned), reply and batch call."""
+
+    def __init__(
+        self, target: str, channel: grpc.Channel, owned: bool, reply: Any, pool_size: int
+    ) -> None:
+        self.target = target
+        self.channel = channel
+        self.owned = owned
+        self.reply = reply
+        info = GrpcSetupInfo.from_setup(reply.transport)
+        comp = Compression.parse(info.compression or "none")
+        self.stream = BatchStream(
+            channel,
+            open_request=OpenRequest(
+                compression=comp,
+                chunk_bytes=info.chunk_bytes,
+                payload=reply.stream_id.encode(),
+            ),
+            method=info.method,
+            pool=BufferPool(pool_size),
+        )
+
+    def close(self) -> None:
+        self.stream.close()
+        if self.owned:
+            self.channel.close()
+
+
+class RemoteStream:
+    """An open remote stream over one or several daemons (see the module docstring).
+
+    Attributes:
+        key: the request's serialisation (the Loader re-opens when it changes).
+        num_batches: batches per epoch.
+        names: output names, in order.
+        reply: the first daemon's OpenStream reply.
+        reader: the multi-daemon reader (``reader.alive`` says which daemons still serve).
+    """
+
+    def __init__(
+        self,
+        daemons: Sequence[_Daemon],
+        plans: Sequence[PipelinePlan],
+        key: bytes,
+        credits_per_daemon: int = CREDITS_PER_DAEMON,
+    ) -> None:
+        self.daemons = list(daemons)
+        self.key = key
+        self.reply = daemons[0].reply
+        self.num_batches = int(self.reply.num_batches)
+        self.names = [o.name for o in self.reply.outputs]
+        tails = {p.name: list(p.tail) for p in plans}
+        self.tails = [
+            build_tail([*(SpecOp.from_wire(op) for op in o.client_ops), *tails.get(o.name, [])])
+            for o in self.reply.outputs
+        ]
+        self.closed = False
+        self.reader: MultiDaemonReader[Any] = MultiDaemonReader(
+            [StreamLink(d.stream, timeout=RECEIVE_TIMEOUT_S) for d in self.daemons],
+            credits_per_daemon=credits_per_daemon,
+            on_daemon_lost=self._lost,
+        )
+
+    def _lost(self, index: int, exc: BaseException) -> None:
+        left = [self.daemons[i].target for i in self.reader.alive]
+        log.warning(
+            "daemon %s is lost (%s); its batches move to %s",
+            self.daemons[index].target,
+            exc,
+            ",".join(left) or "no daemon",
+        )
+
+    def epoch(self, loader: Any, epoch: int, start: int = 0) -> RemoteEpochIterator:
+        """An iterator over ``epoch`` from batch ``start``."""
+        return RemoteEpochIterator(loader, self, epoch, start)
+
+    def close(self) -> None:
+        """End every batch call and close the channels this stream opened (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            for d in self.daemons:
+                d.close()
+
+
+class RemoteEpochIterator(Iterator[tuple[Any, ...]]):
+    """Yields one epoch's batches from a :class:`RemoteStream`, as the shm iterator does."""
+
+    def __init__(self, loader: Any, stream: RemoteStream, epoch: int, start: int = 0) -> None:
+        self.loader = loader
+        self.stream = stream
+        self.epoch = epoch
+        self.index = start
+        self.done = False
+        self._held: Any = None
+        self._gen: Generator[Any, None, None] = stream.reader.iter_epoch(  # type: ignore[assignment]
+            epoch, stream.num_batches, start
+        )
+
+    def __iter__(self) -> RemoteEpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        return self.stream.num_batches - self.index
+
+    def _drop_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and held.release is not None:
+            held.release()
+
+    def __next__(self) -> tuple[Any, ...]:
+        self._drop_held()
+        if self.done:
+            raise StopIteration
+        try:
+            batch = next(self._gen)
+        except StopIteration:
+            self.done = True
+            raise
+        except AllDaemonsLostError as exc:
+            self.done = True
+            raise ServerUnavailable(
+                f"every daemon of the stream failed ({exc}); batch {self.index} of epoch "
+                f"{self.epoch} was not delivered",
+                code="UNAVAILABLE",
+            ) from exc
+        arrays_by_name = batch.arrays
+        ids = arrays_by_name.get(SAMPLE_IDS)
+        try:
+            arrays = [arrays_by_name[n] for n in self.stream.names]
+        except KeyError as exc:
+            raise ServerError(f"the daemon sent a batch without output {exc}") from None
+        if self.loader.copy:
+            arrays = [np.array(a, copy=True) for a in arrays]
+            if batch.release is not None:
+                batch.release()
+        else:
+            self._held = batch
+        self.loader.last_sample_ids = (
+            np.empty(0, np.uint64) if ids is None else np.array(ids, dtype=np.uint64)
+        )
+        out = []
+        for a, tail in zip(arrays, self.stream.tails, strict=True):
+            for op in tail:
+                a = op(a)
+            out.append(a)
+        self.index += 1
+        self.loader._position = (self.epoch, self.index)
+        if self.index == self.stream.num_batches:
+            self.done = True
+        return tuple(out)
+
+    def close(self) -> None:
+        """Stop early: release the held batch and drain what the daemons still owe."""
+        self._drop_held()
+        self.done = True
+        self._gen.close()
+
+
+def open_remote(
+    *,
+    request: Any,
+    first_reply: Any,
+    first_channel: grpc.Channel,
+    targets: Sequence[str],
+    make_channel: Callable[[str], grpc.Channel],
+    plans: Sequence[PipelinePlan],
+    key: bytes,
+) -> RemoteStream:
+    """Open the stream on every daemon (the first one already answered) and start their calls.
+
+    Args:
+        request: the OpenStreamRequest (sent as is to the other daemons).
+        first_reply: the reply of ``targets[0]`` (its transport must be grpc).
+        first_channel: the Loader's channel to ``targets[0]`` (not owned by the stream).
+        targets: every daemon's address, in daemon-index order.
+        make_channel: builds a channel (with the Loader's credentials) for another daemon.
+
+    Raises:
+        SpecError: a daemon's stream differs (length or outputs) from the first one's.
+        ServerUnavailable etc.: a daemon refused (``from_rpc_error``).
+    """
+    pool = CREDITS_PER_DAEMON + 2
+    daemons: list[_Daemon] = []
+    try:
+        daemons.append(_Daemon(targets[0], first_channel, False, first_reply, pool))
+        for t in targets[1:]:
+            ch = make_channel(t)
+            try:
+                reply = pb_grpc.BetonServeStub(ch).OpenStream(request, timeout=300.0)
+            except grpc.RpcError as err:
+                ch.close()
+                raise from_rpc_error(err, target=t) from None
+            except BaseException:
+                ch.close()
+                raise
+            if reply.transport.kind != "grpc":
+                ch.close()
+                raise SpecError(
+                    f"the daemon at {t} chose the {reply.transport.kind} transport; several "
+                    "daemons are read over grpc only"
+                )
+            if reply.num_batches != first_reply.num_batches or [o.name for o in reply.outputs] != [
+                o.name for o in first_reply.outputs
+            ]:
+                ch.close()
+                raise SpecError(
+                    f"the daemon at {t} serves {reply.num_batches} batches of outputs "
+                    f"{[o.name for o in reply.outputs]}, the one at {targets[0]} "
+                    f"{first_reply.num_batches} of {[o.name for o in first_reply.outputs]}: "
+                    "every daemon must serve the same dataset file"
+                )
+            daemons.append(_Daemon(t, ch, True, reply, pool))
+        return RemoteStream(daemons, plans, key)
+    except BaseException:
+        for d in daemons:
+            d.close()
+        raise

@@ -1,0 +1,359 @@
+"""The grpc transport inside the daemon: a host-memory ring and the producer of the batch method.
+
+A stream negotiated as ``grpc`` (a client on another host, or ``transport="grpc"``) gets a
+:class:`HostRing`: the same slot ring as shm, in private process memory instead of a shared
+segment. Its batches do not travel in the ``Batches`` call: the client opens the pass-through batch
+method (``beton_serve.transport.grpc_codec``, hosted on the daemon's grpc.aio server by
+``beton_serve.rpc.create_server``) with the stream id as the OPEN payload, then asks for
+``(epoch, batch_index)`` pairs with WANT messages. Each WANT is one credit:
+
+* :class:`StreamProducer` takes a free slot, submits the batch to the stream's source (the shared
+  engine) into that slot, and when it is decoded publishes it and hands the slot's views to the
+  encoder (plus the sample ids as one more array, :data:`SAMPLE_IDS`);
+* the encoder copies the slot out in chunks, then releases it (:meth:`OutgoingBatch.release`),
+  which frees the slot and lets the next waiting WANT start.
+
+WANTs beyond the ring wait in order for a slot, so daemon memory is bounded by the ring and client
+memory by its credits (plus HTTP/2's window). Any ``(epoch, batch)`` may be asked for, in any
+order: this is what lets several daemons share an epoch (``beton_client._transport.multi``).
+
+The call owns the stream: when it ends (client hang-up, cancel, the liveness monitor, drain) the
+stream is removed from the daemon and its ring freed. Everything runs on the event-loop thread;
+only the source's futures complete on engine threads and hop back with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from beton_wire.framing import ALL_CODECS, DEFAULT_CHUNK_BYTES, Codec, Compression, OpenRequest
+from beton_wire.slots import SlotLayout
+
+from beton_serve.errors import ConfigError, SpecError, TransportError
+from beton_serve.transport.base import Published, TransportSetup
+from beton_serve.transport.grpc_codec import OutgoingBatch
+
+if TYPE_CHECKING:
+    from beton_serve.daemon._daemon import Daemon
+    from beton_serve.daemon._stream import Stream
+
+__all__ = [
+    "BATCH_METHOD",
+    "SAMPLE_IDS",
+    "GrpcFactory",
+    "HostRing",
+    "StreamProducer",
+    "parse_codecs",
+    "producer_factory",
+]
+
+log = logging.getLogger("beton_serve.daemon")
+
+#: The batch method's full path, as the OpenStream reply gives it to clients.
+BATCH_SERVICE = "beton_wire.v1.BatchStream"
+BATCH_METHOD = f"/{BATCH_SERVICE}/Stream"
+#: Name of the extra array that carries a batch's sample ids (uint64), last in every batch.
+SAMPLE_IDS = "__sample_ids__"
+
+_FREE, _FILLING, _LEASED = 0, 1, 2
+
+
+def parse_codecs(names: Iterable[str]) -> frozenset[Codec]:
+    """The allow-list of compressions from names (``"lz4"``, ``"zstd"``); ``none`` is always in.
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    out = {Codec.NONE}
+    for n in names:
+        try:
+            out.add(Codec[n.strip().upper()])
+        except KeyError:
+            raise ConfigError(
+                f"unknown grpc compression {n!r}: use {sorted(c.name.lower() for c in ALL_CODECS)}"
+            ) from None
+    return frozenset(out)
+
+
+class HostRing:
+    """A ring of batch slots in private host memory (the grpc transport's :class:`SlotTransport`).
+
+    Args:
+        layout: the slot layout of the stream.
+        slot_count: number of slots (at least 1).
+        setup_extra: what :meth:`setup` tells the client (method path, chunk size).
+    """
+
+    kind = "grpc"
+
+    def __init__(
+        self, layout: SlotLayout, slot_count: int, setup_extra: dict[str, Any] | None = None
+    ) -> None:
+        if slot_count < 1:
+            raise TransportError(f"a ring needs at least one slot, not {slot_count}")
+        self.layout = layout
+        self.slot_count = slot_count
+        self._extra = dict(setup_extra or {})
+        self._state = [_FREE] * slot_count
+        self._base = np.empty(layout.slot_bytes * slot_count, np.uint8)
+        self._views = [self._make_views(s) for s in range(slot_count)]
+        self._closed = False
+
+    def _make_views(self, slot: int) -> list[np.ndarray]:
+        start = self.layout.slot_offset(slot)
+        views = []
+        for t in self.layout.tensors:
+            nbytes = t.sample_bytes * self.layout.batch_size
+            raw = self._base[start + t.offset : start + t.offset + nbytes]
+            views.append(raw.view(np.dtype(t.dtype)).reshape((self.layout.batch_size, *t.shape)))
+        return views
+
+    def setup(self) -> TransportSetup:
+        """Method path and chunk size for the client (no memory to map)."""
+        return TransportSetup(
+            kind="grpc",
+            slot_count=self.slot_count,
+            slot_bytes=self.layout.slot_bytes,
+            extra=dict(self._extra),
+        )
+
+    def acquire(self) -> int | None:
+        """Take a FREE slot and mark it FILLING; ``None`` if none is free."""
+        if self._closed:
+            return None
+        for i, st in enumerate(self._state):
+            if st == _FREE:
+                self._state[i] = _FILLING
+                return i
+        return None
+
+    def host_views(self, slot: int) -> list[np.ndarray]:
+        """The writable ``(batch_size, *shape)`` views of ``slot``, in output order."""
+        return self._views[slot]
+
+    def publish(self, slot: int, length: int) -> Published:
+        """Mark a FILLING slot LEASED (the batch method is copying it out)."""
+        if self._state[slot] != _FILLING:
+            raise TransportError(f"slot {slot} was published without being filled")
+        self._state[slot] = _LEASED
+        return Published()
+
+    def release(self, slot: int) -> bool:
+        """Return a LEASED slot to FREE; ``False`` if it was not leased."""
+        if not 0 <= slot < self.slot_count or self._state[slot] != _LEASED:
+            return False
+        self._state[slot] = _FREE
+        return True
+
+    def abandon(self, slot: int) -> None:
+        """Return a FILLING slot to FREE without publishing it."""
+        if 0 <= slot < self.slot_count and self._state[slot] == _FILLING:
+            self._state[slot] = _FREE
+
+    def leased(self) -> int:
+        """Slots FILLING or LEASED."""
+        return sum(1 for st in self._state if st != _FREE)
+
+    def nbytes(self) -> int:
+        """Bytes of the ring's memory."""
+        return int(self._base.nbytes)
+
+    def close(self) -> None:
+        """Reclaim every slot and drop the memory (idempotent; engine views keep it alive)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._state = [_FREE] * self.slot_count
+        self._views = []
+        self._base = np.empty(0, np.uint8)
+
+
+class GrpcFactory:
+    """Builds :class:`HostRing` s; carries what every grpc stream's reply says.
+
+    Args:
+        chunk_bytes: raw bytes per chunk message (benchmarks chose 2 MiB).
+        allowed_codecs: compressions clients may ask for (``NONE`` is always allowed).
+        method: the batch method's full path.
+    """
+
+    kind = "grpc"
+
+    def __init__(
+        self,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        allowed_codecs: Iterable[Codec] = ALL_CODECS,
+        method: str = BATCH_METHOD,
+    ) -> None:
+        self.chunk_bytes = int(chunk_bytes)
+        self.allowed_codecs = frozenset({Codec.NONE, *allowed_codecs})
+        self.method = method
+
+    def check_compression(self, text: str) -> str:
+        """Validate a client's requested compression; returns it normalised ("" for none).
+
+        Raises:
+            SpecError: malformed, or not enabled on this daemon.
+        """
+        if not text or text.lower() == "none":
+            return ""
+        try:
+            comp = Compression.parse(text)
+        except ValueError as exc:
+            raise SpecError(f"compression {text!r}: {exc}") from None
+        if comp.codec not in self.allowed_codecs:
+            allowed = sorted(c.name.lower() for c in self.allowed_codecs if c is not Codec.NONE)
+            raise SpecError(
+                f"compression {text!r} is not enabled on this daemon (it allows {allowed or 'none'});"
+                " pass compression=None or start the daemon with --grpc-compression"
+            )
+        return str(comp) if comp.codec is not Codec.NONE else ""
+
+    def create(self, layout: SlotLayout, slot_count: int, *, device_index: int = -1) -> HostRing:
+        """A new ring (``device_index`` is ignored)."""
+        return HostRing(
+            layout, slot_count, {"chunk_bytes": self.chunk_bytes, "method": self.method}
+        )
+
+
+class StreamProducer:
+    """Produces one grpc stream's batches for the batch method (see the module docstring)."""
+
+    def __init__(self, daemon: Daemon, stream: Stream, loop: asyncio.AbstractEventLoop) -> None:
+        self.daemon = daemon
+        self.stream = stream
+        self.loop = loop
+        self._waiting: collections.deque[
+            tuple[int, int, concurrent.futures.Future[OutgoingBatch]]
+        ] = collections.deque()
+        self._inflight = 0
+        self._closed = False
+
+    # -- BatchProducer -----------------------------------------------------------------------
+    def submit(self, epoch: int, batch_index: int) -> concurrent.futures.Future[OutgoingBatch]:
+        out: concurrent.futures.Future[OutgoingBatch] = concurrent.futures.Future()
+        n = self.stream.num_batches
+        if not 0 <= batch_index < n:
+            out.set_exception(SpecError(f"batch {batch_index} is outside the epoch's {n} batches"))
+            return out
+        self._waiting.append((int(epoch), int(batch_index), out))
+        self._pump()
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        while self._waiting:
+            self._waiting.popleft()[2].cancel()
+        self.daemon.streams.pop(self.stream.stream_id, None)
+        self.stream.close()
+        log.info(
+            "stream %s closed after %d batches (grpc)",
+            self.stream.stream_id,
+            self.stream.counters.batches_sent,
+        )
+
+    # -- internals (event-loop thread) -------------------------------------------------------
+    def _pump(self) -> None:
+        ring = self.stream.ring
+        while self._waiting and not self._closed:
+            if self.stream.abort_exc is not None:
+                self._waiting.popleft()[2].set_exception(self.stream.abort_exc)
+                continue
+            slot = ring.acquire()
+            if slot is None:
+                return
+            epoch, b, out = self._waiting.popleft()
+            try:
+                src = self.stream.source.submit(
+                    epoch, b, ring.host_views(slot), priority=0 if self._inflight == 0 else 1
+                )
+            except Exception as exc:
+                ring.abandon(slot)
+                out.set_exception(exc)
+                continue
+            self._inflight += 1
+
+            def done(f: Any, slot: int = slot, epoch: int = epoch, b: int = b, out: Any = out):
+                self.loop.call_soon_threadsafe(self._done, f, slot, epoch, b, out)
+
+            src.add_done_callback(done)
+
+    def _done(
+        self,
+        f: concurrent.futures.Future[list[np.ndarray]],
+        slot: int,
+        epoch: int,
+        b: int,
+        out: concurrent.futures.Future[OutgoingBatch],
+    ) -> None:
+        self._inflight -= 1
+        ring = self.stream.ring
+        if self._closed:
+            ring.abandon(slot)
+            return
+        exc = self.stream.abort_exc or (f.exception() if not f.cancelled() else None)
+        if exc is None and f.cancelled():
+            exc = TransportError("the engine stopped before the batch was made")
+        if exc is not None:
+            ring.abandon(slot)
+            out.set_exception(exc)
+            self._pump()
+            return
+        arrays = f.result()
+        ids = np.asarray(self.stream.source.batch_ids(epoch, b), dtype=np.uint64)
+        length = len(ids) if not arrays else len(arrays[0])
+        ring.publish(slot, length)
+        s = self.stream
+        s.counters.batches_sent += 1
+        s.counters.samples_sent += length
+        if getattr(f, "decoded_here", True):
+            s.dataset.batches_decoded += 1
+            s.dataset.samples_decoded += length
+        named = [(o.name, a[:length]) for o, a in zip(s.outputs, arrays, strict=True)]
+        named.append((SAMPLE_IDS, ids))
+        out.set_result(OutgoingBatch(named, release=lambda: self._release(slot)))
+
+    def _release(self, slot: int) -> None:
+        if not self._closed:
+            self.stream.ring.release(slot)
+            self._pump()
+
+
+def producer_factory(daemon: Daemon) -> Any:
+    """The ``producer_factory`` of the batch method for ``daemon`` (runs on the event loop).
+
+    The OPEN payload is the stream id from OpenStream; the stream must use the grpc transport
+    and not be attached to another call.
+    """
+
+    def make(req: OpenRequest, context: Any) -> StreamProducer:
+        sid = req.payload.decode("utf-8", "replace")
+        stream = daemon.streams.get(sid)
+        if stream is None:
+            raise SpecError(
+                f"unknown stream {sid!r}: open it with OpenStream first (streams are closed "
+                "when their batch call ends)"
+            )
+        if stream.ring.kind != "grpc":
+            raise SpecError(
+                f"stream {sid!r} uses the {stream.ring.kind} transport; read it with Batches"
+            )
+        if stream.task is not None:
+            raise SpecError(f"stream {sid!r} is already being served")
+        factory = daemon.factories.get("grpc")
+        allowed = getattr(factory, "allowed_codecs", ALL_CODECS)
+        if req.compression.codec not in allowed:
+            raise SpecError(f"compression {req.compression} is not enabled on this daemon")
+        stream.task = asyncio.current_task()
+        return StreamProducer(daemon, stream, asyncio.get_running_loop())
+
+    return make

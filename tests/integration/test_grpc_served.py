@@ -1,0 +1,158 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""The grpc transport end to end through a real daemon: TCP and Unix socket, compression, choice.
+
+Batches served over grpc must equal the in-process Loader's bit for bit, as over shm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from beton_client import Loader, OrderOption
+from beton_client.errors import SpecError
+from beton_serve.fields.decoders import CenterCropRGBImageDecoder, SimpleRGBImageDecoder
+from beton_serve.loader import Loader as InProcessLoader
+from beton_serve.loader import OrderOption as InProcessOrder
+from beton_serve.transforms import (
+    Convert,
+    NormalizeImage,
+    RandomHorizontalFlip,
+    ToTensor,
+    ToTorchImage,
+)
+from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pipelines() -> dict:
+    return {
+        "input": [
+            SimpleRGBImageDecoder(),
+            RandomHorizontalFlip(0.5),
+            ToTensor(),
+            ToTorchImage(),
+            Convert(torch.float16),
+        ],
+        "target": [
+            CenterCropRGBImageDecoder((20, 20), 0.75),
+            NormalizeImage(
+                np.array([120.0, 110.0, 100.0]), np.array([60.0, 55.0, 50.0]), np.float32
+            ),
+            ToTensor(),
+        ],
+    }
+
+
+def _epoch(loader) -> tuple[list[tuple], list[np.ndarray]]:
+    out, ids = [], []
+    for b in loader:
+        out.append(tuple(x.clone() if isinstance(x, torch.Tensor) else np.array(x) for x in b))
+        ids.append(np.array(getattr(loader, "last_sample_ids", np.empty(0))))
+    return out, ids
+
+
+def _same(a: list[tuple], b: list[tuple]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert len(x) == len(y)
+        for u, v in zip(x, y, strict=True):
+            assert u.dtype == v.dtype and u.shape == v.shape
+            assert torch.equal(torch.as_tensor(u), torch.as_tensor(v))
+
+
+@pytest.mark.parametrize("via", ["tcp", "unix"])
+def test_grpc_equals_in_process_bit_for_bit(daemon_factory, fixtures_dir: Path, via: str) -> None:
+    port = free_port()
+    d = daemon_factory([fixtures_dir / "image_pairs.beton"], args=["--listen", f"127.0.0.1:{port}"])
+    server = f"127.0.0.1:{port}" if via == "tcp" else d.address
+    kw: dict = dict(batch_size=5, seed=1234, drop_last=False)
+    served = Loader(
+        "image_pairs",
+        order=OrderOption.RANDOM,
+        pipelines=_pipelines(),
+        server=server,
+        transport="grpc",
+        **kw,
+    )
+    local = InProcessLoader(
+        str(fixtures_dir / "image_pairs.beton"),
+        order=InProcessOrder.RANDOM,
+        pipelines=_pipelines(),
+        num_workers=1,
+        **kw,
+    )
+    try:
+        assert served.chosen_transport == "grpc"
+        assert len(served) == len(local) == 4
+        for _ in range(2):
+            a, ids = _epoch(served)
+            b, _ = _epoch(local)
+            _same(a, b)
+            # every sample exactly once per epoch, ids travel with the batches
+            assert sorted(np.concatenate(ids).tolist()) == list(range(sum(len(x[0]) for x in a)))
+        stats = d.stats()
+        assert [s.transport for s in stats.streams] == ["grpc"]
+    finally:
+        served.close()
+        local.close()
+
+
+@pytest.mark.parametrize("compression", ["lz4", "zstd:3"])
+def test_compressed_stream_equals_uncompressed(
+    daemon_factory, fixtures_dir: Path, compression: str
+) -> None:
+    d = daemon_factory([fixtures_dir / "image_pairs.beton"])
+    kw: dict = dict(batch_size=4, seed=7, server=d.address, transport="grpc", drop_last=False)
+    pipes = {  # uint8 images: what compression is for
+        "input": [SimpleRGBImageDecoder()],
+        "target": [CenterCropRGBImageDecoder((20, 20), 0.75)],
+    }
+    with (
+        Loader("image_pairs", compression=compression, pipelines=pipes, **kw) as a,
+        Loader("image_pairs", pipelines=pipes, **kw) as b,
+    ):
+        x, _ = _epoch(a)
+        y, _ = _epoch(b)
+        assert len(x) == len(a) > 0
+        _same(x, y)
+
+
+def test_compression_outside_the_daemons_allow_list_is_refused(
+    daemon_factory, fixtures_dir: Path
+) -> None:
+    d = daemon_factory([fixtures_dir / "mixed_fields.beton"], args=["--grpc-compression", "lz4"])
+    with pytest.raises(SpecError, match="not enabled"):
+        Loader("mixed_fields", 4, server=d.address, transport="grpc", compression="zstd")
+    with Loader("mixed_fields", 4, server=d.address, transport="grpc", compression="lz4") as ld:
+        assert len(_epoch(ld)[0]) == len(ld)
+
+
+def test_auto_picks_grpc_for_another_host(daemon_factory, fixtures_dir: Path, monkeypatch) -> None:
+    """A client whose identity says another host gets grpc, with shm's rejection reason."""
+    from beton_client._transport import identity
+
+    real = identity.host_identity
+
+    def elsewhere(*a, **k):
+        return dataclasses.replace(real(*a, **k), boot_id="another-boot", hostname="h2")
+
+    d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
+    monkeypatch.setattr(identity, "host_identity", elsewhere)
+    with Loader("mixed_fields", 16, server=d.address, drop_last=False) as ld:
+        assert ld.chosen_transport == "grpc"
+        assert ("shm", "different_host") in [(t, c) for t, c, _ in ld.transport_rejections]
+        got, ids = _epoch(ld)
+        assert sorted(np.concatenate(ids).tolist()) == list(range(sum(len(b[0]) for b in got)))
+    assert "fallback" in d.log()
