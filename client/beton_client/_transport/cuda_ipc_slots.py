@@ -59,8 +59,11 @@ class CudaIpcSlotReceiver:
         self.receiver.close()
 
 
-def make_cuda_ipc_receiver(setup: Any, *, runtime: Any = None) -> CudaIpcSlotReceiver:
+def make_cuda_ipc_receiver(setup: Any, **receiver_kw: Any) -> CudaIpcSlotReceiver:
     """``RECEIVERS["cuda_ipc"]``: open the ring a ``CudaIpcSetup`` describes.
+
+    ``receiver_kw`` go to :class:`CudaIpcReceiver` (``runtime``, ``stream_of``, ``wrap``: tests
+    inject fakes).
 
     Raises:
         TransportUnavailable: CuPy is missing in this process.
@@ -73,5 +76,5 @@ def make_cuda_ipc_receiver(setup: Any, *, runtime: Any = None) -> CudaIpcSlotRec
     }
     device = local_device_index(c.device_uuid, int(c.device))
     return CudaIpcSlotReceiver(
-        CudaIpcReceiver(extra, slot_bytes=int(c.slot_bytes), device=device, runtime=runtime)
+        CudaIpcReceiver(extra, slot_bytes=int(c.slot_bytes), device=device, **receiver_kw)
     )
