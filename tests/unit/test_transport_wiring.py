@@ -118,6 +118,7 @@ def test_host_ring_slot_states() -> None:
     ring = HostRing(LAYOUT, 2)
     a, b = ring.acquire(), ring.acquire()
     assert (a, b, ring.acquire()) == (0, 1, None)
+    assert a is not None and b is not None
     ring.host_views(a)[0][:] = 9
     ring.publish(a, 3)
     assert ring.leased() == 2 and not ring.release(b)  # b is filling, not leased
@@ -146,7 +147,7 @@ def test_cuda_wanting_cpu_client_falls_back_to_shm_with_the_reason(
     daemon_factory, fixtures_dir: Path
 ) -> None:
     d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
-    pipes = {"int": None, "float": None, "array": None, "blob": None, "meta": None}
+    pipes: dict = {"int": None, "float": None, "array": None, "blob": None, "meta": None}
     with Loader("mixed_fields", 8, server=d.address) as cpu:
         assert cpu.chosen_transport == "shm" and cpu.transport_rejections == []
     assert "cuda facts" not in d.log()  # a CPU client never makes the daemon touch CUDA
