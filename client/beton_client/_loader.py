@@ -319,15 +319,30 @@ class Loader:
         recompile: accepted for FFCV compatibility; changed ops always take effect at the next
             epoch (the stream is re-opened).
         server: the daemon's address in gRPC target syntax (``unix:///path.sock`` or
-            ``host:port``); default ``BETON_SERVE_ADDRESS``, then the per-user socket.
+            ``host:port``); default ``BETON_SERVE_ADDRESS``, then the per-user socket. A list of
+            addresses spreads each epoch over several daemons serving the same file (batch b
+            from daemon b mod S, delivered in order; a daemon that fails hands its share to the
+            others, nothing lost or repeated); the transport is then grpc (``_multi_loader``).
         transport: ``"auto"``, ``"shm"``, ``"cuda_ipc"`` or ``"grpc"``; a forced transport that
-            cannot work raises :class:`TransportError` with the reason.
+            cannot work raises :class:`TransportError` with the reason. ``auto`` picks cuda_ipc
+            for a GPU pipeline on the daemon's host, shm on that host, grpc from elsewhere; the
+            choice is :attr:`chosen_transport` and the reasons against the faster ones are
+            :attr:`transport_rejections` (``(transport, code, reason)``). When the daemon chose
+            cuda_ipc but this process cannot open it (no CuPy), the stream is re-opened over
+            shm, logged, and the reason added to :attr:`transport_rejections`.
         copy: copy every batch out of the daemon's slot (see "Batch lifetime").
         spawn: start a daemon for ``fname_or_dataset`` when none answers (Unix sockets only).
         reconnect: when the daemon goes away mid-stream (killed, restarted), re-open the stream
             under this :class:`RetryPolicy` (``True``: the default, a 30 s budget with
             exponential backoff; ``False``: never) and resume at the exact batch not yet
             yielded, so that every sample is delivered exactly once per epoch.
+        compression: grpc only: ``"lz4"``, ``"zstd"`` or ``"zstd:LEVEL"`` per stream (``None``:
+            none, the default; measured to help only on links slower than ~1 Gb/s). The daemon
+            refuses one it does not allow (``--grpc-compression``) with :class:`SpecError`.
+        token: bearer token the daemon requires (``--token-file``); default ``BETON_SERVE_TOKEN``,
+            read when the Loader is built.
+        tls_ca: PEM CA that signed the daemon's certificate: TLS to a ``host:port`` daemon.
+        tls_cert, tls_key: this client's PEM certificate and key, for mutual TLS.
 
     Raises:
         SpecError: invalid arguments or pipelines (also as reported by the daemon).
