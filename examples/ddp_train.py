@@ -53,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="comma-separated daemon addresses for an evaluation pass on rank 0 (gRPC)",
     )
+    p.add_argument(
+        "--eval-token-file",
+        default=None,
+        help="file holding the bearer token of the --eval-server daemons",
+    )
     p.add_argument("--backend", default="gloo", help="torch.distributed backend")
     return p.parse_args(argv)
 
@@ -106,6 +111,10 @@ def evaluate(model: Any, args: argparse.Namespace) -> float:
     from beton_client import Loader, OrderOption
 
     servers = [s for s in args.eval_server.split(",") if s]
+    token = None
+    if args.eval_token_file:
+        with open(args.eval_token_file) as f:
+            token = f.read().strip()
     loader = Loader(
         args.dataset,
         batch_size=args.batch_size,
@@ -113,6 +122,7 @@ def evaluate(model: Any, args: argparse.Namespace) -> float:
         pipelines=build_pipelines(args.res),
         server=servers if len(servers) > 1 else servers[0],
         transport="grpc",
+        token=token,
     )
     correct = total = 0
     model.eval()

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 import pytest
+from beton_serve.errors import ConfigError
 
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
@@ -96,6 +97,36 @@ def test_k8s_headless_service_matches_statefulset() -> None:
     assert svc["spec"]["ports"][0]["targetPort"] in port_names
     args = _parse_serve(_image_entrypoint() + container["args"])
     assert args.listen == ["0.0.0.0:7700"]
+    # Off loopback the daemon needs TLS, a token or --insecure: the pool uses a token from a
+    # Secret that the daemon's group can read.
+    assert not args.insecure
+    token_dir = str(Path(args.token_file).parent)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    secret = volumes[mounts[token_dir]]["secret"]
+    assert secret["defaultMode"] & 0o040
+    assert sts["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == UID
+    from beton_serve.transport.security import check_listen_policy
+
+    check_listen_policy(args.listen[0], tls=False, token=True, insecure=False)
+    with pytest.raises(ConfigError):  # without the token the daemon would refuse to start
+        check_listen_policy(args.listen[0], tls=False, token=False, insecure=False)
+
+
+def test_training_job_arguments_parse_with_the_example() -> None:
+    """The Job's and the compose trainer's arguments are ones examples/ddp_train.py accepts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddp_train", ROOT / "examples" / "ddp_train.py")
+    assert spec is not None and spec.loader is not None
+    ddp_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ddp_train)
+    job = _pod_specs()["Job/beton-train-example"]["containers"][0]
+    assert job["command"][-1].endswith("/ddp_train.py")
+    args = ddp_train.parse_args(job["args"])
+    assert args.nproc == 2 and args.eval_token_file and args.eval_server
+    trainer = _compose()["services"]["trainer"]
+    assert ddp_train.parse_args(trainer["command"][1:]).nproc == 2
 
 
 def test_k8s_daemon_and_job_share_socket_and_shm() -> None:
