@@ -18,6 +18,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,10 +44,12 @@ def _env() -> dict[str, str]:
 class Daemon:
     """A ``beton-serve serve`` subprocess on a private socket; stopped with SIGTERM."""
 
-    def __init__(self, dataset: Path, workdir: Path) -> None:
+    def __init__(self, dataset: Path, workdir: Path, listen: str | None = None) -> None:
         self.socket = workdir / "beton.sock"
         self.target = f"unix://{self.socket}"
+        self.listen = listen
         self.log = workdir / "daemon.log"
+        extra = ["--listen", listen] if listen else []
         with self.log.open("wb") as f:
             self.proc = subprocess.Popen(
                 [
@@ -59,6 +62,7 @@ class Daemon:
                     str(self.socket),
                     "--workers",
                     "2",
+                    *extra,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=f,
@@ -91,9 +95,15 @@ def sample_dataset(tmp_path: Path) -> Path:
     return write_sample_dataset(tmp_path / "sample.beton", n=256, size=32)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture
 def daemon(sample_dataset: Path, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(sample_dataset, tmp_path)
+    d = Daemon(sample_dataset, tmp_path, listen=f"127.0.0.1:{_free_port()}")
     try:
         yield d
     finally:
@@ -138,9 +148,14 @@ def test_ddp_example_two_ranks_share_one_daemon(daemon: Daemon, sample_dataset: 
             "32",
             "--server",
             daemon.target,
+            # Rank 0 also evaluates each epoch through the same daemon's TCP listener (gRPC).
+            "--eval-server",
+            str(daemon.listen),
         ]
     )
     results = sorted(_json_lines(proc.stdout), key=lambda r: r["rank"])
+    assert 0.0 <= results[0]["eval_accuracy"] <= 1.0
+    assert "eval_accuracy" not in results[1]
     assert [r["rank"] for r in results] == [0, 1]
     per_rank = 256 // 2  # DistributedSampler: ceil(256 / 2) samples per rank
     for r in results:
