@@ -9,6 +9,8 @@ name                                   kind       labels              set by
 ``beton_stream_batches_total``         counter    stream, dataset     :meth:`batch_delivered`
 ``beton_stream_images_total``          counter    stream, dataset     :meth:`batch_delivered`
 ``beton_op_seconds``                   histogram  op                  :meth:`observe_op`
+``beton_op_busy_seconds_total``        counter    op                  :meth:`op_time` (pulled)
+``beton_op_runs_total``                counter    op                  :meth:`op_time` (pulled)
 ``beton_queue_depth``                  gauge      -                   :meth:`set_queue_depth`
 ``beton_workers``                      gauge      -                   :meth:`set_workers`
 ``beton_worker_utilisation``           gauge      -                   :meth:`set_worker_utilisation`
@@ -165,6 +167,8 @@ class Metrics:
         # sync_daemon_stats state: stream -> (batches, samples, wait_us, age_s); dataset -> samples
         self._synced: dict[str, tuple[int, int, int, float]] = {}
         self._synced_ds: dict[str, int] = {}
+        self._synced_bad: dict[str, int] = {}
+        self._synced_ops: dict[str, tuple[float, int]] = {}
 
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -186,6 +190,16 @@ class Metrics:
             ["op"],
             buckets=OP_SECONDS_BUCKETS,
             registry=r,
+        )
+        self._m_op_s = Counter(
+            "beton_op_busy_seconds",
+            "Seconds an op (decode or augmentation) spent, summed over every run (a run is one "
+            "batch or one slice of it); rate(busy seconds) / rate(runs) is the mean time per run.",
+            ["op"],
+            registry=r,
+        )
+        self._m_op_n = Counter(
+            "beton_op_runs", "Runs of an op (see beton_op_busy_seconds_total).", ["op"], registry=r
         )
         self._m_queue = Gauge(
             "beton_queue_depth", "Batches submitted to the worker pool, not yet done.", registry=r
@@ -361,6 +375,15 @@ class Metrics:
             acc[1] += float(seconds)
         self._m_op.labels(op).observe(seconds)
 
+    def op_time(self, op: str, seconds: float, runs: int) -> None:
+        """Add ``runs`` runs of ``op`` that took ``seconds`` in all (the daemon's plan timers)."""
+        with self._lock:
+            acc = self._ops.setdefault(op, [0.0, 0.0])
+            acc[0] += int(runs)
+            acc[1] += float(seconds)
+        self._m_op_s.labels(op).inc(max(0.0, float(seconds)))
+        self._m_op_n.labels(op).inc(max(0, int(runs)))
+
     def samples_decoded(self, dataset: str, n: int) -> None:
         """Count ``n`` samples decoded for ``dataset``: once per batch produced, however many
         streams share it."""
@@ -434,7 +457,9 @@ class Metrics:
         each with ``stream_id``, ``dataset``, ``client_name``, ``client_pid``, ``batches_sent``,
         ``samples_sent``, ``slots_leased``, ``slot_count``, ``client_wait_us`` (the sum the
         client reported) and ``age_s``; ``datasets``, ``(name, samples_decoded,
-        batches_decoded)`` tuples; optionally ``queue_depth`` and ``worker_utilisation``.
+        batches_decoded)`` tuples; optionally ``queue_depth``, ``worker_utilisation``,
+        ``bad_samples`` (``(dataset, count)`` tuples) and ``op_seconds`` (``(op, seconds,
+        runs)`` tuples, cumulative).
 
         Streams not seen before are opened, streams gone since the last call are closed (their
         label sets removed); counters advance by the growth since the last call. Each stream is
@@ -477,6 +502,16 @@ class Metrics:
             if delta > 0:
                 self.samples_decoded(name, delta)
             self._synced_ds[name] = int(samples)
+        for name, n in getattr(stats, "bad_samples", ()) or ():
+            delta = int(n) - self._synced_bad.get(str(name), 0)
+            if delta > 0:
+                self.bad_samples(str(name), delta)
+            self._synced_bad[str(name)] = int(n)
+        for op, sec, runs in getattr(stats, "op_seconds", ()) or ():
+            s0, r0 = self._synced_ops.get(str(op), (0.0, 0))
+            if int(runs) > r0:
+                self.op_time(str(op), float(sec) - s0, int(runs) - r0)
+            self._synced_ops[str(op)] = (float(sec), int(runs))
         self.set_workers(int(stats.workers))
         qd = getattr(stats, "queue_depth", None)
         if qd is not None:

@@ -71,6 +71,8 @@ class SourceParams:
     batches_ahead: int = 8
     #: Split each batch into this many units of work (when the plan allows), for latency.
     slices: int = 1
+    #: Failing samples a stream may skip (0: the first one fails the stream, naming it).
+    bad_sample_budget: int = 0
 
 
 class Backend(Protocol):
@@ -198,6 +200,7 @@ class EngineBackend:
             world_size=params.world_size,
             batches_ahead=params.batches_ahead,
             slices=params.slices,
+            bad_sample_budget=params.bad_sample_budget,
         )
 
     def close_engine(self, engine: Any) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from beton_serve.daemon._backend import Backend
+from beton_serve.daemon._health import FileWatch
 from beton_serve.errors import ConfigError, SpecError
 
 __all__ = ["Dataset", "DatasetTable", "expand_dataset_args"]
@@ -33,6 +34,8 @@ class Dataset:
         fields: ``(name, type)`` pairs in file order.
         schema_key: the schema hash (equal for every shard).
         samples_decoded / batches_decoded: counters for stats (event-loop thread only).
+        bad_samples: samples skipped under the bad-sample budget (event-loop thread only).
+        watch: guards against the files shrinking under the mmap (``_health``).
     """
 
     name: str
@@ -43,6 +46,8 @@ class Dataset:
     schema_key: str
     samples_decoded: int = 0
     batches_decoded: int = 0
+    bad_samples: int = 0
+    watch: FileWatch | None = None
     _extra: dict[str, Any] = field(default_factory=dict)
 
     #: The reader the planner compiles against: the file's own, or the shards combined.
@@ -52,6 +57,11 @@ class Dataset:
     def reader(self) -> Any:
         """The reader the planner compiles against (one index space over every shard)."""
         return self.combined if self.combined is not None else self.readers[0]
+
+    def check_files(self) -> None:
+        """Raise ``FormatError`` if a file shrank while served (see ``_health``)."""
+        if self.watch is not None:
+            self.watch.check(self.name)
 
 
 def expand_dataset_args(files: Sequence[str], named: Sequence[str]) -> dict[str, list[str]]:
@@ -147,6 +157,7 @@ class DatasetTable:
             fields=fields,
             schema_key=key,
             combined=combined,
+            watch=FileWatch(paths),
         )
 
     def get(self, name: str) -> Dataset:
@@ -167,6 +178,8 @@ class DatasetTable:
     def close(self) -> None:
         """Close every reader (idempotent)."""
         for ds in self._by_name.values():
+            if ds.watch is not None:
+                ds.watch.close()
             if ds.combined is not None:
                 ds.combined.close()
             for r in ds.readers:

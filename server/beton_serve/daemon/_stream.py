@@ -150,6 +150,7 @@ class Stream:
     _published: int = 0  # published and not yet released
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _submitted: dict[int, Any] = field(default_factory=dict)
+    _bad_seen: int = 0  # bad samples of this stream's source already counted
     #: Set by :meth:`abort`: the error the serving task raises at its next step.
     abort_exc: BaseException | None = None
     #: Epoch starts from the client; ``None`` means stop (the client hung up, or an abort).
@@ -211,6 +212,7 @@ class Stream:
                 if self.abort_exc is not None:
                     raise self.abort_exc
                 while b_next < n and self.ring.leased() < self._credits:
+                    self.dataset.check_files()  # a truncated file would SIGBUS the daemon
                     slot = self.ring.acquire()
                     if slot is None:
                         break
@@ -240,6 +242,7 @@ class Stream:
                 except BaseException:
                     self.ring.abandon(slot)
                     raise
+                self._count_bad()
                 ids = np.asarray(self.source.batch_ids(epoch, b), dtype=np.uint64)
                 length = len(ids) if arrays is None or not len(arrays) else len(arrays[0])
                 published = self.ring.publish(slot, length)
@@ -265,6 +268,14 @@ class Stream:
                 fut.cancel()
                 self.ring.abandon(slot)
             self._submitted.clear()
+
+    def _count_bad(self) -> None:
+        """Add the samples this stream's source skipped since the last batch to the dataset's."""
+        inner = getattr(self.source, "source", self.source)  # a SharedSource wraps its own
+        bad = getattr(inner, "bad_samples", None)
+        if bad is not None and len(bad) > self._bad_seen:
+            self.dataset.bad_samples += len(bad) - self._bad_seen
+            self._bad_seen = len(bad)
 
     def _promote(self, b: int) -> None:
         cfut = self._submitted.get(b)

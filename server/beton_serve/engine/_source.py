@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -123,6 +123,10 @@ class BatchSource:
             else None,
         )
         self.bad_samples: list[BadSample] = []
+        #: Called on the worker before each unit of work; may raise to fail the batch (the
+        #: daemon checks that the dataset's files did not shrink under the mmap, see
+        #: ``beton_serve.daemon._health``).
+        self.pre_run: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._credit = threading.BoundedSemaphore(self.batches_ahead)
         self._orders: OrderedDict[int, NDArray[np.uint64]] = OrderedDict()
@@ -260,6 +264,8 @@ class BatchSource:
     ) -> list[np.ndarray]:
         plan = self.plan
         ids = batch[lo:hi]
+        if self.pre_run is not None:
+            self.pre_run()
         ws = plan.acquire_workspace()
         try:
             try:

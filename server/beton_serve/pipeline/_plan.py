@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -187,6 +188,8 @@ class Plan:
         self._cache_key = cache_key
         self._lock = threading.Lock()
         self._free: list[Workspace] = []
+        #: ``{op name: [seconds, runs]}`` accumulated by :meth:`run` (see :meth:`op_times`).
+        self._op_time: dict[str, list[float]] = {}
         self._states: dict[int, State] = {}
         self._alloc: dict[int, Any] = {}
         self._shared_alloc: dict[int, AllocationQuery | None] = {}
@@ -418,6 +421,12 @@ class Plan:
             if ws.generation == self.generation:
                 self._free.append(ws)
 
+    def op_times(self) -> dict[str, tuple[float, int]]:
+        """``{op name: (seconds, runs)}``: wall time each jit op spent in :meth:`run`, summed
+        over every run (a run is one batch or one slice of it). Thread-safe; for metrics."""
+        with self._lock:
+            return {k: (float(v[0]), int(v[1])) for k, v in self._op_time.items()}
+
     def run(
         self,
         ws: Workspace,
@@ -447,6 +456,8 @@ class Plan:
             )
         results: dict[int, Any] = {}
         direct = self._direct_outputs(outs)
+        timed: list[tuple[str, float]] = []
+        clock = time.perf_counter
         for node in self.jit_nodes:
             pos = node.position
             fn = self._fns[pos]
@@ -474,9 +485,16 @@ class Plan:
                         else:
                             init(ws.shared[pos])
                     args.append(ws.shared[pos])
+                t0 = clock()
                 results[pos] = fn(*args)
+                timed.append((type(node.op).__name__, clock() - t0))
             except Exception as exc:
                 raise OpFailure(node, exc) from exc
+        with self._lock:
+            for name, sec in timed:
+                acc = self._op_time.setdefault(name, [0.0, 0])
+                acc[0] += sec
+                acc[1] += 1
         out_arrays = []
         for i, path in enumerate(self.paths):
             leaf = self._leaf(path)
