@@ -200,6 +200,16 @@ class DaemonStats:
     shm_bytes: int
     compiled_plans: int
     streams_opened: int
+    #: Batches queued in the worker pool, not yet started (approximate).
+    queue_depth: int = 0
+    #: Share of the workers' time spent running batches since the previous snapshot, in [0, 1].
+    worker_utilisation: float = 0.0
+    #: Workers that died and were replaced (their batches were redone).
+    workers_replaced: int = 0
+    #: ``(dataset, samples skipped under the bad-sample budget)``.
+    bad_samples: tuple[tuple[str, int], ...] = ()
+    #: ``(op, seconds, batches)``: time each op spent, summed over every batch (all plans).
+    op_seconds: tuple[tuple[str, float, int], ...] = ()
 
 
 @dataclass(kw_only=True)
@@ -281,6 +291,12 @@ class Daemon:
     _monitor: asyncio.Task[None] | None = None
     #: Identical streams share decoding (``beton_serve.engine.sharing``); ``None`` turns it off.
     sharing: Any = None
+    #: Failing samples each stream may skip (``--bad-sample-budget``; 0: fail the stream).
+    bad_sample_budget: int = 0
+    #: Called on SIGHUP by ``beton-serve serve`` (``cli._reload.ConfigReloader``), if set.
+    reloader: Any = None
+    _util_prev: tuple[float, float] = (0.0, 0.0)  # (monotonic time, engine busy seconds)
+    _util_last: float = 0.0
     #: CUDA facts not gathered yet: done by the first stream that wants CUDA (``_transports``).
     cuda_pending: bool = False
 
@@ -297,6 +313,7 @@ class Daemon:
         share: bool = True,
         share_max_lag: int = 8,
         share_retain: int = 4,
+        bad_sample_budget: int = 0,
     ) -> Daemon:
         """Sweep stale segments, open every dataset and start the engine.
 
@@ -327,6 +344,7 @@ class Daemon:
             factories=fac,
             _compile_pool=ThreadPoolExecutor(1, thread_name_prefix="beton-compile"),
             sharing=_sharing_registry(share_max_lag, share_retain) if share else None,
+            bad_sample_budget=max(0, int(bad_sample_budget)),
             cuda_pending=cuda_pending,
         )
 
@@ -539,8 +557,11 @@ class Daemon:
             # A batch split over the workers arrives sooner; with many streams the pool is busy
             # anyway and the split costs little (BatchSource splits only sliceable plans).
             slices=self.workers,
+            bad_sample_budget=self.bad_sample_budget,
         )
         source = self.backend.make_source(self.engine, entry.plan, params)
+        if hasattr(source, "pre_run"):  # workers re-check the files right before reading
+            source.pre_run = ds.check_files
         if self.sharing is not None:
             source = _shared(source, self.sharing, self._spec_key(req, ds), req, ds.name)
         slot_count = ring_size(req.batches_ahead, layout.slot_bytes)
@@ -679,7 +700,34 @@ class Daemon:
             shm_bytes=sum(s.ring.nbytes() for s in self.streams.values()),
             compiled_plans=sum(1 for f in self._plans.values() if f.done() and not f.exception()),
             streams_opened=self.streams_opened,
+            queue_depth=int(getattr(self.engine, "queue_depth", 0)),
+            worker_utilisation=self._utilisation(now),
+            workers_replaced=int(getattr(self.engine, "workers_replaced", 0)),
+            bad_samples=tuple((d.name, d.bad_samples) for d in self.all_datasets()),
+            op_seconds=self._op_seconds(),
         )
+
+    def _utilisation(self, now: float) -> float:
+        """Busy share of the pool since the previous call (kept for 0.5 s between calls)."""
+        busy = float(getattr(self.engine, "busy_s", 0.0))
+        t0, b0 = self._util_prev
+        if now - t0 >= 0.5:
+            if t0 > 0:
+                self._util_last = min(1.0, max(0.0, (busy - b0) / ((now - t0) * self.workers)))
+            self._util_prev = (now, busy)
+        return self._util_last
+
+    def _op_seconds(self) -> tuple[tuple[str, float, int], ...]:
+        total: dict[str, list[float]] = {}
+        for f in self._plans.values():
+            if not f.done() or f.cancelled() or f.exception() is not None:
+                continue
+            times = getattr(f.result().plan, "op_times", None)
+            for op, (sec, n) in (times() if callable(times) else {}).items():
+                acc = total.setdefault(op, [0.0, 0])
+                acc[0] += sec
+                acc[1] += n
+        return tuple((op, s, int(n)) for op, (s, n) in sorted(total.items()))
 
 
 class ShuttingDown(TransportError):
