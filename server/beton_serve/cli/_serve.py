@@ -125,14 +125,6 @@ def register(subparsers: Any) -> None:
         help="failing samples each stream may skip, counted in stats (default 0: the first one "
         "fails the stream with an error naming it)",
     )
-    p.add_argument(
-        "--bad-sample-budget",
-        type=int,
-        default=None,
-        metavar="N",
-        help="failing samples each stream may skip, counted in stats (default 0: the first one "
-        "fails the stream with an error naming it)",
-    )
     add_logging_args(p)
     p.set_defaults(func=run)
 
@@ -203,10 +195,6 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "share_max_lag": getattr(args, "share_max_lag", None),
             "share_retain": getattr(args, "share_retain", None),
             "bad_sample_budget": getattr(args, "bad_sample_budget", None),
-            "share": False if getattr(args, "no_share", False) else None,
-            "share_max_lag": getattr(args, "share_max_lag", None),
-            "share_retain": getattr(args, "share_retain", None),
-            "bad_sample_budget": getattr(args, "bad_sample_budget", None),
             "tls_cert": getattr(args, "tls_cert", None),
             "tls_key": getattr(args, "tls_key", None),
             "tls_client_ca": getattr(args, "tls_client_ca", None),
@@ -246,9 +234,6 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             factories={"grpc": grpc_factory},
             **share_kw,
         )
-        from beton_serve.cli._reload import ConfigReloader
-
-        daemon.reloader = ConfigReloader(daemon, cfg, args.config)
         from beton_serve.cli._reload import ConfigReloader
 
         daemon.reloader = ConfigReloader(daemon, cfg, args.config)
@@ -352,8 +337,6 @@ async def _serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        if getattr(daemon, "reloader", None) is not None:  # SIGHUP reloads the config (_reload)
-            loop.add_signal_handler(signal.SIGHUP, daemon.reloader)
         if getattr(daemon, "reloader", None) is not None:  # SIGHUP reloads the config (_reload)
             loop.add_signal_handler(signal.SIGHUP, daemon.reloader)
         idle = loop.create_task(_idle_watch(daemon, cfg.idle_timeout, stop))

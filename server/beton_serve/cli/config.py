@@ -16,10 +16,6 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     share_max_lag = 8                         # batches behind before a stream is detached
     share_retain = 4                          # batches a group keeps for late joiners
     bad_sample_budget = 0                     # failing samples a stream may skip; 0 = fail
-    share = true                              # identical streams decode each batch once
-    share_max_lag = 8                         # batches behind before a stream is detached
-    share_retain = 4                          # batches a group keeps for late joiners
-    bad_sample_budget = 0                     # failing samples a stream may skip; 0 = fail
     tls_cert = ""                             # TLS on the TCP addresses (with tls_key)
     tls_key = ""
     tls_client_ca = ""                        # mutual TLS: client certificates signed by this CA
@@ -64,11 +60,6 @@ class ServeConfig:
         share_retain: batches a sharing group keeps for late joiners (reloadable).
         bad_sample_budget: failing samples each stream may skip, counted in stats; 0 fails the
             stream with an error naming the sample (reloadable; new streams).
-        share: streams with identical specs share decoding (``--no-share`` turns it off).
-        share_max_lag: a shared stream this many batches behind is detached (reloadable).
-        share_retain: batches a sharing group keeps for late joiners (reloadable).
-        bad_sample_budget: failing samples each stream may skip, counted in stats; 0 fails the
-            stream with an error naming the sample (reloadable; new streams).
         tls_cert: PEM certificate of the TCP listeners ("" = no TLS); needs ``tls_key``.
         tls_key: its PEM private key.
         tls_client_ca: PEM CA that client certificates must chain to (mutual TLS).
@@ -91,10 +82,6 @@ class ServeConfig:
     share_max_lag: int = 8
     share_retain: int = 4
     bad_sample_budget: int = 0
-    share: bool = True
-    share_max_lag: int = 8
-    share_retain: int = 4
-    bad_sample_budget: int = 0
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -107,9 +94,6 @@ class ServeConfig:
             raise ConfigError(f"workers must be >= 0 (0 = one per core), got {self.workers}")
         if self.idle_timeout < 0:
             raise ConfigError(f"idle_timeout must be >= 0 seconds, got {self.idle_timeout}")
-        for key in ("share_max_lag", "share_retain", "bad_sample_budget"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         for key in ("share_max_lag", "share_retain", "bad_sample_budget"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
