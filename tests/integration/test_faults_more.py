@@ -218,3 +218,42 @@ def test_sighup_reloads_safe_keys_and_refuses_the_others(daemon_factory, short_t
     with Loader("mixed_fields", batch_size=10, pipelines=INT_ONLY, server=d.address) as ld:
         assert sum(len(b[0]) for b in ld) == 50
     assert [n for n, *_ in [(x.name,) for x in d.stats().datasets]] == ["mixed_fields"]
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_client_that_stops_reading_for_30_s_hurts_nobody(
+    daemon_factory, fixtures_dir: Path
+) -> None:
+    d = daemon_factory([fixtures_dir / "images_jpg.beton"])
+    kw = dict(batch_size=4, pipelines=_images(), server=d.address, order=OrderOption.RANDOM)
+    stalled = Loader("images_jpg", seed=1, **kw)  # type: ignore[arg-type]
+    busy = Loader("images_jpg", seed=2, **kw)  # type: ignore[arg-type]
+    try:
+        it = iter(stalled)
+        next(it)
+        first = [stalled.last_sample_ids.copy()]
+        epochs, rss = 0, [_rss_mib(d.pid)]
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:  # the stalled client reads nothing for 30 s
+            assert sum(len(b[1]) for b in busy) == 64
+            epochs += 1
+            rss.append(_rss_mib(d.pid))
+            mine = [s for s in d.stats().streams if s.client_pid == os.getpid()]
+            assert all(s.slots_leased <= s.slot_count for s in mine)
+        # The other client never waited on the stalled one: it kept going, epoch after epoch.
+        assert epochs >= 5, epochs
+        # The stalled stream's credits bound what the daemon holds for it: flat RSS.
+        assert max(rss[1:]) - rss[1] < 64, rss
+        # ... and when it reads again, its epoch continues in order, complete.
+        rest = [stalled.last_sample_ids.copy() for _ in it]
+        ids = np.concatenate(first + rest)
+        assert sorted(ids.tolist()) == list(range(64))
+    finally:
+        stalled.close()
+        busy.close()
