@@ -7,14 +7,16 @@ Batches served over grpc must equal the in-process Loader's bit for bit, as over
 from __future__ import annotations
 
 import dataclasses
+import signal
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from beton_client import Loader, OrderOption
-from beton_client.errors import SpecError
+from beton_client.errors import ServerUnavailable, SpecError
 from beton_serve.fields.decoders import CenterCropRGBImageDecoder, SimpleRGBImageDecoder
 from beton_serve.loader import Loader as InProcessLoader
 from beton_serve.loader import OrderOption as InProcessOrder
@@ -156,3 +158,33 @@ def test_auto_picks_grpc_for_another_host(daemon_factory, fixtures_dir: Path, mo
         got, ids = _epoch(ld)
         assert sorted(np.concatenate(ids).tolist()) == list(range(sum(len(b[0]) for b in got)))
     assert "fallback" in d.log()
+
+
+def test_closing_the_loader_frees_the_grpc_stream(daemon_factory, fixtures_dir: Path) -> None:
+    d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
+    ld = Loader("mixed_fields", 8, server=d.address, transport="grpc")
+    it = iter(ld)
+    next(it)  # stop mid-epoch
+    assert [s.transport for s in d.stats().streams] == ["grpc"]
+    ld.close()
+    deadline = time.monotonic() + 10
+    while d.stats().streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(d.stats().streams) == []
+
+
+def test_daemon_shutdown_ends_a_grpc_stream_with_server_unavailable(
+    daemon_factory, fixtures_dir: Path
+) -> None:
+    d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
+    with Loader("mixed_fields", 2, server=d.address, transport="grpc", batches_ahead=1) as ld:
+        it = iter(ld)
+        next(it)
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # the daemon drains; at most the few prefetched batches still arrive
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnavailable):
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 30
+    assert d.stop() == 0
