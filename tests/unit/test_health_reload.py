@@ -1,0 +1,60 @@
+"""``daemon._health.FileWatch`` (files shrinking under the mmap) and ``cli._reload`` (SIGHUP)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from beton_serve.cli._reload import ConfigReloader
+from beton_serve.cli.config import load_config, merge_flags
+from beton_serve.daemon._health import FileWatch
+from beton_serve.errors import FormatError
+
+
+def test_file_watch_detects_shrinking_and_sticks(tmp_path: Path) -> None:
+    f = tmp_path / "a.beton"
+    f.write_bytes(b"x" * 4096)
+    w = FileWatch([str(f), str(tmp_path / "missing")])
+    try:
+        w.check("a")
+        with open(f, "ab") as fh:  # growing is harmless
+            fh.write(b"y")
+        w.check("a")
+        os.truncate(f, 100)
+        with pytest.raises(FormatError, match="shrank from 4096 to 100") as info:
+            w.check("a")
+        assert info.value.path == str(f)
+        f.write_bytes(b"x" * 8192)  # restored: still refused until a restart
+        with pytest.raises(FormatError, match="restart the daemon"):
+            w.check("a")
+    finally:
+        w.close()
+        w.close()
+
+
+def test_sighup_applies_safe_keys_keeps_flags_and_refuses_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('files = ["a.beton"]\nshare_max_lag = 8\nshare_retain = 4\n')
+    start = merge_flags(load_config(cfg_file), {"share_retain": 1})  # a flag set share_retain
+    daemon = SimpleNamespace(bad_sample_budget=0, sharing=SimpleNamespace(max_lag=8, retain=1))
+    r = ConfigReloader(daemon, start, str(cfg_file))
+    cfg_file.write_text(
+        'files = ["b.beton"]\nshare_max_lag = 3\nshare_retain = 9\nbad_sample_budget = 5\n'
+        "workers = 7\n"
+    )
+    with caplog.at_level(logging.INFO, logger="beton_serve.serve"):
+        applied = r()
+    assert applied == {"bad_sample_budget": 5, "share_max_lag": 3}
+    assert daemon.bad_sample_budget == 5 and daemon.sharing.max_lag == 3
+    assert daemon.sharing.retain == 1  # the flag wins
+    assert "not reloaded" in caplog.text and "files" in caplog.text and "workers" in caplog.text
+    assert r.cfg.files == ("a.beton",)  # datasets never change live
+    cfg_file.write_text("not = valid = toml")
+    assert r() == {}
+    assert "config not reloaded" in caplog.text
+    assert ConfigReloader(daemon, start, None)() == {}
