@@ -335,7 +335,8 @@ class Loader:
         reconnect: when the daemon goes away mid-stream (killed, restarted), re-open the stream
             under this :class:`RetryPolicy` (``True``: the default, a 30 s budget with
             exponential backoff; ``False``: never) and resume at the exact batch not yet
-            yielded, so that every sample is delivered exactly once per epoch.
+            yielded, so that every sample is delivered exactly once per epoch. A daemon this
+            Loader auto-spawned (``spawn``) is spawned again if it died.
         compression: grpc only: ``"lz4"``, ``"zstd"`` or ``"zstd:LEVEL"`` per stream (``None``:
             none, the default; measured to help only on links slower than ~1 Gb/s). The daemon
             refuses one it does not allow (``--grpc-compression``) with :class:`SpecError`.
@@ -437,12 +438,13 @@ class Loader:
         self._tls = (tls_ca, tls_cert, tls_key)
         self.server = server
         sock = socket_path_of(server)
+        #: ``(socket, file)`` when this Loader may (re)spawn its daemon (also on reconnect).
+        self._spawn_args: tuple[str, str] | None = None
         if spawn and sock is not None and is_file:
             if not os.path.isfile(text):
                 raise SpecError(f"dataset file {text} does not exist")
-            from beton_client._spawn import ensure_daemon
-
-            ensure_daemon(sock, text, idle_timeout=SPAWN_IDLE_TIMEOUT_S)
+            self._spawn_args = (sock, text)
+            self._ensure_daemon()
         self._connect()
         try:
             self._stream = self._open()
@@ -460,6 +462,13 @@ class Loader:
         self._stub = pb_grpc.BetonServeStub(self._channel)
         self._finalizer = weakref.finalize(self, self._channel.close)
 
+    def _ensure_daemon(self) -> None:
+        if self._spawn_args is not None:
+            from beton_client._spawn import ensure_daemon
+
+            sock, path = self._spawn_args
+            ensure_daemon(sock, path, idle_timeout=SPAWN_IDLE_TIMEOUT_S)
+
     def _reconnect(self, err: BaseException) -> _Stream:
         """Re-open the stream on a new channel under :attr:`reconnect` (see ``_resume``).
 
@@ -474,6 +483,7 @@ class Loader:
         self._stream = None
 
         def attempt() -> _Stream:
+            self._ensure_daemon()  # an auto-spawned daemon that died is spawned again
             self._connect()
             return self._open()
 

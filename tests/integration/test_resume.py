@@ -4,6 +4,7 @@ trainer restarted from ``state_dict()``; a second daemon on a served address is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -185,3 +186,65 @@ def test_a_second_daemon_on_a_served_socket_is_refused(short_tmp: Path, fixtures
         assert out.stdout.strip() == b"50"
     finally:
         d1.stop()
+
+
+def _lock_pid(sock: str) -> int:
+    return int(Path(sock + ".lock").read_text().split()[0])
+
+
+def _stop_child(pid: int) -> None:
+    """SIGTERM an auto-spawned daemon (a child of this process) and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def test_an_auto_spawned_daemon_killed_mid_epoch_is_spawned_again(
+    short_tmp: Path, fixtures_dir: Path
+) -> None:
+    from beton_serve.loader import Loader as InProcessLoader
+    from beton_serve.loader import OrderOption as InProcessOrder
+
+    beton = str(fixtures_dir / "images_jpg.beton")
+    sock = str(short_tmp / "auto.sock")
+    # The reference is the in-process Loader (served batches equal it bit for bit).
+    local = InProcessLoader(
+        beton,
+        batch_size=4,
+        order=InProcessOrder.RANDOM,
+        seed=99,
+        pipelines=_pipelines(),
+        num_workers=1,
+    )
+    try:
+        reference = [(i.clone(), lab.clone()) for i, lab in local]
+    finally:
+        local.close()
+    pids: list[int] = []
+    ld = Loader(beton, pipelines=_pipelines(), server="unix://" + sock, **KW)  # type: ignore[arg-type]
+    try:
+        pids.append(_lock_pid(sock))
+        it = iter(ld)
+        got = []
+        for _ in range(3):
+            image, label = next(it)
+            got.append((image.clone(), label.clone()))
+        os.kill(pids[0], signal.SIGKILL)
+        os.waitpid(pids[0], 0)
+        got.extend((i.clone(), lab.clone()) for i, lab in it)
+        pids.append(_lock_pid(sock))
+        assert pids[1] != pids[0]  # a new daemon was spawned by the reconnecting client
+        assert len(got) == len(reference) == 16
+        for (xi, xl), (yi, yl) in zip(got, reference, strict=True):
+            assert torch.equal(xl, yl) and torch.equal(xi, yi)
+    finally:
+        ld.close()
+        for pid in pids[1:]:
+            _stop_child(pid)
