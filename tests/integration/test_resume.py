@@ -248,3 +248,62 @@ def test_an_auto_spawned_daemon_killed_mid_epoch_is_spawned_again(
         ld.close()
         for pid in pids[1:]:
             _stop_child(pid)
+
+
+def _serving_daemons(sock: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and sock.encode() in cmd and b"serve" in cmd:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_auto_spawn_racing_a_manual_start_leaves_one_daemon(
+    short_tmp: Path, fixtures_dir: Path
+) -> None:
+    beton = str(fixtures_dir / "mixed_fields.beton")
+    sock = str(short_tmp / "race.sock")
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from beton_client import Loader; "
+            "from beton_serve.fields.decoders import IntDecoder; "
+            "p={'int':[IntDecoder()],'float':None,'array':None,'blob':None,'meta':None}; "
+            "ld=Loader(sys.argv[1], batch_size=10, pipelines=p, server=sys.argv[2]); "
+            "print(sum(len(b[0]) for b in ld)); ld.close()",
+            beton,
+            "unix://" + sock,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    manual = start_daemon([beton], short_tmp, socket=sock, wait=False)
+    try:
+        out, err = client.communicate(timeout=90)
+        assert client.returncode == 0, err.decode()[-2000:]
+        assert out.strip() == b"50"
+        alive = _serving_daemons(sock)
+        assert len(alive) == 1, alive  # one of the two won the lock, the other exited
+        assert alive == [_lock_pid(sock)]
+        if manual.proc.poll() is not None:  # the auto-spawned one won
+            assert manual.proc.returncode != 0 and "already serves" in manual.log()
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait(10)
+        manual.stop()
+        for pid in _serving_daemons(sock):  # an auto-spawned winner is not our child
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while _serving_daemons(sock) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert not _serving_daemons(sock)
