@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import grpc
 from beton_wire.framing import ALL_CODECS
 from beton_wire.v1 import beton_pb2 as pb
-from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -22,6 +21,7 @@ from beton_serve.daemon._grpc_batches import BATCH_SERVICE, producer_factory
 from beton_serve.errors import ConfigError
 from beton_serve.rpc._errors import status_for
 from beton_serve.rpc._service import BetonServeServicer
+from beton_serve.rpc._strict import add_strict_servicer
 from beton_serve.transport.grpc_codec import add_batch_stream_handler
 from beton_serve.transport.security import (
     AioBearerTokenInterceptor,
@@ -101,7 +101,8 @@ def create_server(
         raise ConfigError("give a Unix socket path or a TCP address to listen on")
     interceptors = [AioBearerTokenInterceptor(token)] if token else []
     server = grpc.aio.server(options=list(SERVER_OPTIONS), interceptors=interceptors)
-    pb_grpc.add_BetonServeServicer_to_server(BetonServeServicer(daemon), server)
+    # A message that does not parse is INVALID_ARGUMENT, not grpcio's UNKNOWN (_strict).
+    add_strict_servicer(BetonServeServicer(daemon), server)
     grpc_factory = daemon.factories.get("grpc")
     if grpc_factory is not None:
         add_batch_stream_handler(
