@@ -103,6 +103,9 @@ def test_corrupt_jpeg_is_skipped_and_counted_with_a_budget(
                 labels.extend(label.reshape(-1).tolist())
             assert len(ids) == 64
             assert set(range(64)) - {BAD_ID} <= set(ids)
+        stats = d.stats()  # the Stats RPC (and so `beton-serve stats --json`) counts them too
+        assert {x.name: x.bad_samples for x in stats.datasets}["badjpg"] >= 1
+        assert stats.workers_replaced == 0 and 0 <= stats.worker_utilisation <= 1
         text = _metrics_text(d)
         assert _metric(text, "beton_bad_samples_total", dataset="badjpg") >= 1
         # Per-op decode time and pool figures are fed by the daemon's stats (issue 6, metrics).

@@ -614,18 +614,21 @@ class StreamStats(_message.Message):
     ) -> None: ...
 
 class DatasetStats(_message.Message):
-    __slots__ = ("batches_decoded", "name", "samples_decoded")
+    __slots__ = ("bad_samples", "batches_decoded", "name", "samples_decoded")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_DECODED_FIELD_NUMBER: _ClassVar[int]
     BATCHES_DECODED_FIELD_NUMBER: _ClassVar[int]
+    BAD_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     name: str
     samples_decoded: int
     batches_decoded: int
+    bad_samples: int
     def __init__(
         self,
         name: str | None = ...,
         samples_decoded: int | None = ...,
         batches_decoded: int | None = ...,
+        bad_samples: int | None = ...,
     ) -> None: ...
 
 class StatsResponse(_message.Message):
@@ -633,11 +636,14 @@ class StatsResponse(_message.Message):
         "compiled_plans",
         "datasets",
         "pid",
+        "queue_depth",
         "shm_bytes",
         "streams",
         "streams_opened",
         "uptime_s",
+        "worker_utilisation",
         "workers",
+        "workers_replaced",
     )
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -647,6 +653,9 @@ class StatsResponse(_message.Message):
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPILED_PLANS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_OPENED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    WORKER_UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_REPLACED_FIELD_NUMBER: _ClassVar[int]
     pid: int
     uptime_s: float
     workers: int
@@ -655,6 +664,9 @@ class StatsResponse(_message.Message):
     shm_bytes: int
     compiled_plans: int
     streams_opened: int
+    queue_depth: int
+    worker_utilisation: float
+    workers_replaced: int
     def __init__(
         self,
         pid: int | None = ...,
@@ -665,4 +677,7 @@ class StatsResponse(_message.Message):
         shm_bytes: int | None = ...,
         compiled_plans: int | None = ...,
         streams_opened: int | None = ...,
+        queue_depth: int | None = ...,
+        worker_utilisation: float | None = ...,
+        workers_replaced: int | None = ...,
     ) -> None: ...

@@ -123,8 +123,8 @@ def _int(v: Any) -> int:
 
 
 _INT64_STREAM = ("batches_sent", "samples_sent", "client_wait_us")
-_INT64_DATASET = ("samples_decoded", "batches_decoded")
-_INT64_TOP = ("shm_bytes", "streams_opened")
+_INT64_DATASET = ("samples_decoded", "batches_decoded", "bad_samples")
+_INT64_TOP = ("shm_bytes", "streams_opened", "workers_replaced")
 
 
 def snapshot_dict(

@@ -239,6 +239,7 @@ def dataset_info(ds: Dataset, decoders: dict[str, list[str]] | None = None) -> p
 
 def stats_message(s: DaemonStats) -> pb.StatsResponse:
     """The Stats reply."""
+    bad = dict(getattr(s, "bad_samples", ()))
     return pb.StatsResponse(
         pid=s.pid,
         uptime_s=s.uptime_s,
@@ -260,10 +261,15 @@ def stats_message(s: DaemonStats) -> pb.StatsResponse:
             for x in s.streams
         ],
         datasets=[
-            pb.DatasetStats(name=n, samples_decoded=sd, batches_decoded=bd)
+            pb.DatasetStats(
+                name=n, samples_decoded=sd, batches_decoded=bd, bad_samples=bad.get(n, 0)
+            )
             for n, sd, bd in s.datasets
         ],
         shm_bytes=s.shm_bytes,
         compiled_plans=s.compiled_plans,
         streams_opened=s.streams_opened,
+        queue_depth=getattr(s, "queue_depth", 0),
+        worker_utilisation=getattr(s, "worker_utilisation", 0.0),
+        workers_replaced=getattr(s, "workers_replaced", 0),
     )
