@@ -170,3 +170,67 @@ def test_loader_refuses_several_daemons_over_shm() -> None:
 
     with pytest.raises(ClientSpecError, match="grpc"):
         Loader("x", 4, server=["127.0.0.1:1", "127.0.0.1:2"], transport="shm", spawn=False)
+
+
+class _FakeStub:
+    """OpenStream answers cuda_ipc first, then shm; Batches is an empty call."""
+
+    def __init__(self) -> None:
+        self.transports: list[str] = []
+
+    def OpenStream(self, req, timeout=None):
+        from beton_wire.v1 import beton_pb2 as pb
+
+        self.transports.append(req.transport)
+        reply = pb.OpenStreamResponse(stream_id=f"s{len(self.transports)}", num_batches=2)
+        reply.transport.kind = "cuda_ipc" if len(self.transports) == 1 else "shm"
+        return reply
+
+    def Batches(self, requests):
+        class Call:
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                raise StopIteration
+
+            def cancel(self) -> None:
+                pass
+
+        return Call()
+
+
+class _NullReceiver:
+    kind = "shm"
+    closed = False
+
+    def arrays(self, slot, tensors):
+        return []
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_cuda_ipc_unusable_in_the_client_reopens_over_shm(monkeypatch, caplog) -> None:
+    from beton_client import _loader
+    from beton_client._transport.cuda_ipc import TransportUnavailable
+
+    stub = _FakeStub()
+
+    def no_cupy(setup):
+        raise TransportUnavailable("client_no_cupy", "CuPy is not installed in the trainer")
+
+    monkeypatch.setattr(_loader.pb_grpc, "BetonServeStub", lambda channel: stub)
+    monkeypatch.setitem(_loader.RECEIVERS, "cuda_ipc", no_cupy)
+    monkeypatch.setitem(_loader.RECEIVERS, "shm", lambda setup: _NullReceiver())
+    with caplog.at_level("WARNING", logger="beton_client"):
+        ld = Loader("ds", 4, server="unix:///nonexistent/beton.sock", spawn=False)
+    try:
+        assert stub.transports == ["auto", "shm"]
+        assert ld.chosen_transport == "shm"
+        assert [(t, c) for t, c, _ in ld.transport_rejections] == [("cuda_ipc", "client_no_cupy")]
+        assert "falling back to shm" in caplog.text and "CuPy is not installed" in caplog.text
+        iter(ld)  # the same request next epoch: no re-open, no second fallback
+        assert stub.transports == ["auto", "shm"]
+    finally:
+        ld.close()
