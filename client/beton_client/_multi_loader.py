@@ -31,7 +31,8 @@ from typing import Any
 
 import grpc
 import numpy as np
-from beton_wire.framing import Compression, OpenRequest
+from beton_wire.framing import ALIGN, Compression, OpenRequest
+from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
 from beton_client._ops import PipelinePlan, SpecOp, build_tail
@@ -48,6 +49,17 @@ log = logging.getLogger("beton_client")
 CREDITS_PER_DAEMON = 3
 #: Seconds to wait for one batch before a daemon is declared lost.
 RECEIVE_TIMEOUT_S = 120.0
+
+
+def max_batch_bytes(reply: Any) -> int:
+    """The largest payload a batch of this stream can have: a header announcing more is refused
+    before anything is allocated."""
+    batch = max(1, int(reply.batch_size))
+    total = 8 * batch + ALIGN  # the sample ids
+    for o in reply.outputs:
+        itemsize = np.dtype(DTYPE_NAMES[o.dtype]).itemsize
+        total += batch * int(np.prod(list(o.shape), dtype=np.int64)) * itemsize + ALIGN
+    return int(total)
 
 
 class _Daemon:
@@ -70,6 +82,7 @@ class _Daemon:
                 payload=reply.stream_id.encode(),
             ),
             method=info.method,
+            max_batch_bytes=max_batch_bytes(reply),
             pool=BufferPool(pool_size),
         )
 
