@@ -36,7 +36,7 @@ from beton_wire.framing import ALL_CODECS, DEFAULT_CHUNK_BYTES, Codec, Compressi
 from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import ConfigError, SpecError, TransportError
-from beton_serve.transport.base import Published, TransportSetup
+from beton_serve.transport.base import HostSlotRing, Published, TransportSetup
 from beton_serve.transport.grpc_codec import OutgoingBatch
 
 if TYPE_CHECKING:
@@ -61,8 +61,6 @@ BATCH_METHOD = f"/{BATCH_SERVICE}/Stream"
 #: Name of the extra array that carries a batch's sample ids (uint64), last in every batch.
 SAMPLE_IDS = "__sample_ids__"
 
-_FREE, _FILLING, _LEASED = 0, 1, 2
-
 
 def parse_codecs(names: Iterable[str]) -> frozenset[Codec]:
     """The allow-list of compressions from names (``"lz4"``, ``"zstd"``); ``none`` is always in.
@@ -81,7 +79,7 @@ def parse_codecs(names: Iterable[str]) -> frozenset[Codec]:
     return frozenset(out)
 
 
-class HostRing:
+class HostRing(HostSlotRing):
     """A ring of batch slots in private host memory (the grpc transport's :class:`SlotTransport`).
 
     Args:
@@ -100,19 +98,8 @@ class HostRing:
         self.layout = layout
         self.slot_count = slot_count
         self._extra = dict(setup_extra or {})
-        self._state = [_FREE] * slot_count
         self._base = np.empty(layout.slot_bytes * slot_count, np.uint8)
-        self._views = [self._make_views(s) for s in range(slot_count)]
-        self._closed = False
-
-    def _make_views(self, slot: int) -> list[np.ndarray]:
-        start = self.layout.slot_offset(slot)
-        views = []
-        for t in self.layout.tensors:
-            nbytes = t.sample_bytes * self.layout.batch_size
-            raw = self._base[start + t.offset : start + t.offset + nbytes]
-            views.append(raw.view(np.dtype(t.dtype)).reshape((self.layout.batch_size, *t.shape)))
-        return views
+        self._init_slots()
 
     def setup(self) -> TransportSetup:
         """Method path and chunk size for the client (no memory to map)."""
@@ -123,42 +110,11 @@ class HostRing:
             extra=dict(self._extra),
         )
 
-    def acquire(self) -> int | None:
-        """Take a FREE slot and mark it FILLING; ``None`` if none is free."""
-        if self._closed:
-            return None
-        for i, st in enumerate(self._state):
-            if st == _FREE:
-                self._state[i] = _FILLING
-                return i
-        return None
-
-    def host_views(self, slot: int) -> list[np.ndarray]:
-        """The writable ``(batch_size, *shape)`` views of ``slot``, in output order."""
-        return self._views[slot]
-
     def publish(self, slot: int, length: int) -> Published:
         """Mark a FILLING slot LEASED (the batch method is copying it out)."""
-        if self._state[slot] != _FILLING:
+        if not self._mark_leased(slot):
             raise TransportError(f"slot {slot} was published without being filled")
-        self._state[slot] = _LEASED
         return Published()
-
-    def release(self, slot: int) -> bool:
-        """Return a LEASED slot to FREE; ``False`` if it was not leased."""
-        if not 0 <= slot < self.slot_count or self._state[slot] != _LEASED:
-            return False
-        self._state[slot] = _FREE
-        return True
-
-    def abandon(self, slot: int) -> None:
-        """Return a FILLING slot to FREE without publishing it."""
-        if 0 <= slot < self.slot_count and self._state[slot] == _FILLING:
-            self._state[slot] = _FREE
-
-    def leased(self) -> int:
-        """Slots FILLING or LEASED."""
-        return sum(1 for st in self._state if st != _FREE)
 
     def nbytes(self) -> int:
         """Bytes of the ring's memory."""
@@ -168,10 +124,7 @@ class HostRing:
         """Reclaim every slot and drop the memory (idempotent; engine views keep it alive)."""
         if self._closed:
             return
-        self._closed = True
-        self._state = [_FREE] * self.slot_count
-        self._views = []
-        self._base = np.empty(0, np.uint8)
+        self._reset_slots()
 
 
 class GrpcFactory:

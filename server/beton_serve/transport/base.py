@@ -10,6 +10,7 @@ import numpy as np
 from beton_wire.slots import SlotLayout
 
 __all__ = [
+    "HostSlotRing",
     "Published",
     "SlotTransport",
     "TransportFactory",
@@ -122,3 +123,81 @@ class TransportFactory(Protocol):
             TransportError: the ring cannot be created (the message says why and what to do).
         """
         ...
+
+
+_FREE, _FILLING, _LEASED = 0, 1, 2
+
+
+class HostSlotRing:
+    """The slot state machine and host views shared by rings whose slots live in host memory.
+
+    Each slot moves ``FREE -> FILLING`` (:meth:`acquire`, the engine writes into
+    :meth:`host_views`) ``-> LEASED`` (``publish``, the client reads it) ``-> FREE``
+    (:meth:`release`); :meth:`abandon` returns a FILLING slot unpublished. All calls come from the
+    daemon's event-loop thread. Subclasses own the memory (``self._base``, a flat uint8 array of
+    ``slot_count * layout.slot_bytes`` bytes), call :meth:`_init_slots` once it exists, and
+    implement ``setup``/``publish``/``nbytes``/``close``.
+    """
+
+    kind: str
+    layout: SlotLayout
+    slot_count: int
+    _base: np.ndarray
+
+    def _init_slots(self) -> None:
+        self._state = [_FREE] * self.slot_count
+        self._closed = False
+        self._views = [self._make_views(s) for s in range(self.slot_count)]
+
+    def _make_views(self, slot: int) -> list[np.ndarray]:
+        start = self.layout.slot_offset(slot)
+        views = []
+        for t in self.layout.tensors:
+            nbytes = t.sample_bytes * self.layout.batch_size
+            raw = self._base[start + t.offset : start + t.offset + nbytes]
+            views.append(raw.view(np.dtype(t.dtype)).reshape((self.layout.batch_size, *t.shape)))
+        return views
+
+    def acquire(self) -> int | None:
+        """Take a FREE slot (lowest index first) and mark it FILLING; ``None`` if none is free."""
+        if self._closed:
+            return None
+        for i, st in enumerate(self._state):
+            if st == _FREE:
+                self._state[i] = _FILLING
+                return i
+        return None
+
+    def host_views(self, slot: int) -> list[np.ndarray]:
+        """The writable ``(batch_size, *shape)`` views of ``slot``, in output order."""
+        return self._views[slot]
+
+    def _mark_leased(self, slot: int) -> bool:
+        """FILLING -> LEASED; ``False`` (nothing changes) if the slot was not being filled."""
+        if self._state[slot] != _FILLING:
+            return False
+        self._state[slot] = _LEASED
+        return True
+
+    def release(self, slot: int) -> bool:
+        """Return a LEASED slot to FREE; ``False`` (and nothing changes) if it was not leased."""
+        if not 0 <= slot < self.slot_count or self._state[slot] != _LEASED:
+            return False
+        self._state[slot] = _FREE
+        return True
+
+    def abandon(self, slot: int) -> None:
+        """Return a FILLING slot to FREE without publishing it."""
+        if 0 <= slot < self.slot_count and self._state[slot] == _FILLING:
+            self._state[slot] = _FREE
+
+    def leased(self) -> int:
+        """Slots that are FILLING or LEASED."""
+        return sum(1 for st in self._state if st != _FREE)
+
+    def _reset_slots(self) -> None:
+        """Mark the ring closed: every slot FREE, no views, no memory."""
+        self._closed = True
+        self._state = [_FREE] * self.slot_count
+        self._views = []
+        self._base = np.empty(0, np.uint8)

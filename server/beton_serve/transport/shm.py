@@ -27,7 +27,7 @@ import numpy as np
 from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import TransportError
-from beton_serve.transport.base import Published, TransportSetup
+from beton_serve.transport.base import HostSlotRing, Published, TransportSetup
 
 __all__ = ["SHM_DIR", "ShmFactory", "ShmNamer", "ShmRing", "sweep_stale_segments"]
 
@@ -37,8 +37,6 @@ log = logging.getLogger("beton_serve.transport.shm")
 SHM_DIR = Path("/dev/shm")
 
 _NAME = re.compile(r"^beton-(\d+)-")
-
-_FREE, _FILLING, _LEASED = 0, 1, 2
 
 
 class ShmNamer:
@@ -98,7 +96,7 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     return removed
 
 
-class ShmRing:
+class ShmRing(HostSlotRing):
     """A ring of batch slots in a POSIX shared-memory segment created by this process.
 
     Args:
@@ -123,8 +121,6 @@ class ShmRing:
         self.name = name
         self.path = shm_dir / name
         self.size = layout.slot_bytes * slot_count
-        self._state = [_FREE] * slot_count
-        self._closed = False
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -143,16 +139,7 @@ class ShmRing:
         finally:
             os.close(fd)
         self._base = np.frombuffer(self._mmap, dtype=np.uint8)
-        self._views = [self._make_views(s) for s in range(slot_count)]
-
-    def _make_views(self, slot: int) -> list[np.ndarray]:
-        start = self.layout.slot_offset(slot)
-        views = []
-        for t in self.layout.tensors:
-            nbytes = t.sample_bytes * self.layout.batch_size
-            raw = self._base[start + t.offset : start + t.offset + nbytes]
-            views.append(raw.view(np.dtype(t.dtype)).reshape((self.layout.batch_size, *t.shape)))
-        return views
+        self._init_slots()
 
     # -- SlotTransport -----------------------------------------------------------------------
     def setup(self) -> TransportSetup:
@@ -165,42 +152,11 @@ class ShmRing:
             segment_bytes=self.size,
         )
 
-    def acquire(self) -> int | None:
-        """Take a FREE slot (lowest index first) and mark it FILLING; ``None`` if none is free."""
-        if self._closed:
-            return None
-        for i, st in enumerate(self._state):
-            if st == _FREE:
-                self._state[i] = _FILLING
-                return i
-        return None
-
-    def host_views(self, slot: int) -> list[np.ndarray]:
-        """The writable ``(batch_size, *shape)`` views of ``slot``, in output order."""
-        return self._views[slot]
-
     def publish(self, slot: int, length: int) -> Published:
         """Mark a FILLING slot LEASED; the client reads it through its own mapping."""
-        if self._state[slot] != _FILLING:
+        if not self._mark_leased(slot):
             raise TransportError(f"slot {slot} of {self.name} was published without being filled")
-        self._state[slot] = _LEASED
         return Published()
-
-    def release(self, slot: int) -> bool:
-        """Return a LEASED slot to FREE; ``False`` (and nothing changes) if it was not leased."""
-        if not 0 <= slot < self.slot_count or self._state[slot] != _LEASED:
-            return False
-        self._state[slot] = _FREE
-        return True
-
-    def abandon(self, slot: int) -> None:
-        """Return a FILLING slot to FREE without publishing it."""
-        if 0 <= slot < self.slot_count and self._state[slot] == _FILLING:
-            self._state[slot] = _FREE
-
-    def leased(self) -> int:
-        """Slots that are FILLING or LEASED."""
-        return sum(1 for st in self._state if st != _FREE)
 
     def nbytes(self) -> int:
         """Size of the segment."""
@@ -214,13 +170,10 @@ class ShmRing:
         """
         if self._closed:
             return
-        self._closed = True
-        self._state = [_FREE] * self.slot_count
         try:
             self.path.unlink(missing_ok=True)
         finally:
-            self._views = []
-            self._base = np.empty(0, np.uint8)
+            self._reset_slots()
             with contextlib.suppress(BufferError):
                 self._mmap.close()
 
