@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import numbers
 import os
 import queue
 import sys
@@ -77,6 +78,14 @@ def _shm_receiver(setup: Any) -> Receiver:
 #: Receivers by transport kind: ``make(TransportSetup message) -> Receiver``. The seam for the
 #: cuda_ipc and grpc transports (issue 5): register their factory here; the kinds listed are
 #: also what the client announces in ``Capabilities.transports``.
+def _is_int(value: object) -> bool:
+    """True for Python and numpy integers (not bools)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+#: Largest value of a uint32 field of the wire (batch_size, batches_ahead).
+_MAX_WIRE_U32 = 2**32 - 1
+
 RECEIVERS: dict[str, Callable[[Any], Receiver]] = {"shm": _shm_receiver}
 RECEIVERS["grpc"] = make_grpc_receiver  # type: ignore[assignment] # read through _multi_loader, not slot by slot
 RECEIVERS["cuda_ipc"] = make_cuda_ipc_receiver
@@ -381,8 +390,15 @@ class Loader:
         environ = os.environ
         if transport not in _TRANSPORTS:
             raise SpecError(f"transport must be one of {_TRANSPORTS}, not {transport!r}")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise SpecError(f"batch_size must be a positive int, not {batch_size!r}")
+        if not _is_int(batch_size) or not 1 <= batch_size <= _MAX_WIRE_U32:
+            raise SpecError(
+                f"batch_size must be an int in [1, {_MAX_WIRE_U32}], not {batch_size!r} "
+                "(the daemon also refuses batches larger than its slot memory allows)"
+            )
+        if not _is_int(batches_ahead) or not 1 <= batches_ahead <= _MAX_WIRE_U32:
+            raise SpecError(f"batches_ahead must be a positive int, not {batches_ahead!r}")
+        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+            raise SpecError(f"seed must be an int in [0, 2**64), not {seed!r}")
         order_name = getattr(order, "name", str(order))
         if order_name not in _ORDER_PB:
             raise SpecError(
@@ -393,7 +409,7 @@ class Loader:
         self.fname = text
         is_file = text.endswith(".beton") or os.sep in text
         self.dataset = Path(text).stem if is_file else text
-        self.batch_size = batch_size
+        self.batch_size = int(batch_size)
         self.num_workers = num_workers
         self.os_cache = os_cache
         self.order = order
@@ -409,6 +425,8 @@ class Loader:
         self.indices = (
             None if indices is None else [int(i) for i in np.asarray(indices).reshape(-1)]
         )
+        if self.indices is not None and any(not 0 <= i < 2**64 for i in self.indices):
+            raise SpecError("indices must be non-negative sample ids")
         self.pipelines: dict[str, Any] = dict(pipelines or {})
         self.custom_fields = dict(custom_fields or {})
         self.drop_last = bool(drop_last)
