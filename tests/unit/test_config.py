@@ -100,3 +100,18 @@ def test_dataset_arguments(tmp_path: Path) -> None:
         expand_dataset_args([str(tmp_path / "one.beton")], [f"one={tmp_path}/s-0.beton"])
     with pytest.raises(ConfigError, match="NAME=GLOB"):
         expand_dataset_args([], ["nonsense"])
+
+
+def test_metrics_keys_and_flags(tmp_path: Path, fixtures_dir: Path) -> None:
+    cfg_file = tmp_path / "m.toml"
+    cfg_file.write_text('metrics_port = 9464\nmetrics_host = "0.0.0.0"\n')
+    cfg = load_config(cfg_file)
+    assert (cfg.metrics_port, cfg.metrics_host) == (9464, "0.0.0.0")
+    assert ServeConfig().metrics_port == -1  # off by default
+    assert merge_flags(cfg, {"metrics_port": 0}).metrics_port == 0
+    with pytest.raises(ConfigError, match="metrics_port"):
+        ServeConfig(metrics_port=70000)
+    args = build_parser().parse_args(
+        ["serve", str(fixtures_dir / "images_raw.beton"), "--metrics-host", "::1"]
+    )
+    assert args.metrics_host == "::1"

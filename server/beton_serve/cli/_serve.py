@@ -67,7 +67,13 @@ def register(subparsers: Any) -> None:
         type=int,
         default=None,
         metavar="PORT",
-        help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any free port)",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: any free port)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=None,
+        metavar="HOST",
+        help="address of the metrics endpoint (default 127.0.0.1; it has no authentication)",
     )
     sec = p.add_argument_group("remote clients (TCP): TLS, bearer token, listen policy")
     sec.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate (TLS)")
@@ -201,6 +207,8 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "token_file": getattr(args, "token_file", None),
             "insecure": getattr(args, "insecure", None),
             "grpc_compression": _codec_list(getattr(args, "grpc_compression", None)),
+            "metrics_port": getattr(args, "metrics_port", None),
+            "metrics_host": getattr(args, "metrics_host", None),
         },
     )
     for a in args.dataset:
@@ -238,9 +246,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
 
         daemon.reloader = ConfigReloader(daemon, cfg, args.config)
         try:
-            _run_loop(
-                _serve(daemon, cfg, socket_path, getattr(args, "metrics_port", None), security)
-            )
+            _run_loop(_serve(daemon, cfg, socket_path, security))
         finally:
             daemon.close()
             if socket_path:
@@ -295,7 +301,6 @@ async def _serve(
     daemon: Any,
     cfg: ServeConfig,
     socket_path: str | None,
-    metrics_port: int | None = None,
     security: tuple[Any, str | None] = (None, None),
 ) -> None:
     from beton_serve.rpc import create_server
@@ -318,13 +323,13 @@ async def _serve(
             daemon.workers,
             os.getpid(),
         )
-        if metrics_port is not None:
+        if cfg.metrics_port >= 0:
             from beton_serve.metrics import serve_daemon_metrics
 
             metrics, bound = serve_daemon_metrics(
-                daemon.stats, asyncio.get_running_loop(), metrics_port
+                daemon.stats, asyncio.get_running_loop(), cfg.metrics_port, cfg.metrics_host
             )
-            log.info("metrics url=http://127.0.0.1:%d/metrics", bound)
+            log.info("metrics url=http://%s:%d/metrics", cfg.metrics_host, bound)
         for ds in daemon.all_datasets():
             log.info(
                 "dataset name=%s samples=%d shards=%d fields=%s",

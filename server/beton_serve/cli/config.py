@@ -22,6 +22,8 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     token_file = ""                           # clients must send this bearer token
     insecure = false                          # allow a non-loopback address without TLS/token
     grpc_compression = ["lz4", "zstd"]        # compressions grpc clients may ask for
+    metrics_port = -1                         # Prometheus /metrics port; -1 = off, 0 = any free
+    metrics_host = "127.0.0.1"                # its address; "0.0.0.0" to let Prometheus scrape a pod
 
 Unknown keys and wrong types are errors (:class:`~beton_serve.errors.ConfigError`).
 """
@@ -67,6 +69,9 @@ class ServeConfig:
             every address, the Unix socket included, when set.
         insecure: allow a non-loopback TCP address without TLS or token (logged loudly).
         grpc_compression: compressions a grpc stream may ask for ("lz4", "zstd").
+        metrics_port: port of the Prometheus ``/metrics`` endpoint; -1 = off, 0 = any free port.
+        metrics_host: address the metrics endpoint binds (loopback by default; the endpoint has
+            no authentication, so expose it only where the network is trusted).
     """
 
     files: tuple[str, ...] = ()
@@ -88,6 +93,8 @@ class ServeConfig:
     token_file: str = ""
     insecure: bool = False
     grpc_compression: tuple[str, ...] = ("lz4", "zstd")
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -97,6 +104,8 @@ class ServeConfig:
         for key in ("share_max_lag", "share_retain", "bad_sample_budget"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be -1 (off) or 0..65535, got {self.metrics_port}")
         if self.log_format not in ("kv", "json"):
             raise ConfigError(f"log_format must be 'kv' or 'json', got {self.log_format!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
