@@ -24,29 +24,26 @@ thread; nothing else runs in the background.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import numbers
 import os
-import queue
 import sys
-import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 from beton_wire.address import ENV_ADDRESS, default_socket_path, socket_path_of, unix_target
-from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-from beton_client._ops import PipelinePlan, SpecOp, build_tail, device_of, split_pipelines
+from beton_client._ops import PipelinePlan, device_of, split_pipelines
 from beton_client._resume import RetryPolicy, check_state, make_state, retriable, retry
-from beton_client._transport import Receiver, ShmReceiver, TensorInfo
+from beton_client._stream import _EpochIterator, _Stream
+from beton_client._transport import Receiver, ShmReceiver
 from beton_client._transport.cuda_ipc import TransportUnavailable
 from beton_client._transport.cuda_ipc_slots import make_cuda_ipc_receiver
 from beton_client._transport.grpc_receiver import make_grpc_receiver
@@ -72,7 +69,9 @@ _CHANNEL_OPTIONS = (
 
 def _shm_receiver(setup: Any) -> Receiver:
     s = setup.shm
-    return ShmReceiver(s.segment, s.segment_bytes, s.slot_count, s.slot_bytes)
+    return ShmReceiver(
+        s.segment, s.segment_bytes, s.slot_count, s.slot_bytes, ids_offset=s.ids_offset
+    )
 
 
 #: Receivers by transport kind: ``make(TransportSetup message) -> Receiver``. The seam for the
@@ -137,172 +136,6 @@ def _server_list(server: str | Sequence[str], transport: str) -> tuple[list[str]
             "pass transport='grpc' or 'auto'"
         )
     return servers, servers[0]
-
-
-class _Stream:
-    """One open stream: its Batches call, its receiver, its outputs and tails."""
-
-    def __init__(
-        self,
-        channel: grpc.Channel,
-        stub: Any,
-        reply: Any,
-        receiver: Receiver,
-        plans: Sequence[PipelinePlan],
-        key: bytes,
-        target: str,
-    ) -> None:
-        self.channel = channel
-        self.reply = reply
-        self.receiver = receiver
-        self.key = key
-        self.target = target
-        self.num_batches = int(reply.num_batches)
-        self.names = [o.name for o in reply.outputs]
-        tails = {p.name: list(p.tail) for p in plans}
-        self.tails = [
-            build_tail([*(SpecOp.from_wire(op) for op in o.client_ops), *tails.get(o.name, [])])
-            for o in reply.outputs
-        ]
-        self.held: tuple[int, int, int] | None = None  # (slot, batch index, wait_us)
-        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._call = stub.Batches(iter(self._requests.get, None))
-        self.closed = False
-        self._finalizer = weakref.finalize(
-            self, _close_stream, self._requests, self._call, receiver
-        )
-
-    def send(self, msg: Any) -> None:
-        self._requests.put(msg)
-
-    def release_held(self) -> None:
-        if self.held is not None:
-            slot, index, wait_us = self.held
-            self.held = None
-            release = getattr(self.receiver, "release", None)
-            if release is not None:  # cuda_ipc: record the free event before the Release
-                release(slot)
-            self.send(
-                pb.ClientMessage(release=pb.Release(slot=slot, batch_index=index, wait_us=wait_us))
-            )
-
-    def recv(self) -> Any:
-        try:
-            return next(self._call)
-        except StopIteration:
-            raise ServerUnavailable(
-                f"the daemon at {self.target} ended the stream unexpectedly"
-            ) from None
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, target=self.target) from None
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._finalizer()
-
-
-def _close_stream(requests: queue.SimpleQueue[Any], call: Any, receiver: Receiver) -> None:
-    requests.put(None)
-    with contextlib.suppress(Exception):
-        call.cancel()
-    receiver.close()
-
-
-class _EpochIterator(Iterator[tuple[Any, ...]]):
-    """Yields one epoch's batches; releases the previous slot when the next batch is asked for."""
-
-    def __init__(self, loader: Loader, stream: _Stream, epoch: int, start: int = 0) -> None:
-        self.loader = loader
-        self.stream = stream
-        self.epoch = epoch
-        self.index = start
-        self.done = False
-        stream.release_held()
-        self._send_start()
-
-    def _send_start(self) -> None:
-        s = self.stream
-        s.send(
-            pb.ClientMessage(
-                start=pb.Start(
-                    stream_id=s.reply.stream_id,
-                    epoch=self.epoch,
-                    next_batch=self.index,
-                    credits=s.reply.max_credits,
-                )
-            )
-        )
-
-    def _recv(self) -> Any:
-        """The next message; a lost daemon is reconnected and the epoch resumed at ``index``."""
-        while True:
-            try:
-                return self.stream.recv()
-            except ServerUnavailable as err:
-                if not retriable(err, self.loader.reconnect):
-                    raise
-                self.stream = self.loader._reconnect(err)
-                self._send_start()
-
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __len__(self) -> int:
-        return self.stream.num_batches - self.index
-
-    def __next__(self) -> tuple[Any, ...]:
-        s = self.stream
-        if self.done:
-            raise StopIteration
-        s.release_held()
-        t0 = time.perf_counter()
-        msg = self._recv()
-        s = self.stream  # a new one if the daemon was reconnected
-        wait_us = int((time.perf_counter() - t0) * 1e6)
-        kind = msg.WhichOneof("kind")
-        if kind == "end":
-            if self.index != s.num_batches:
-                raise ServerError(
-                    f"the daemon ended epoch {self.epoch} after {self.index} of "
-                    f"{s.num_batches} batches"
-                )
-            self.done = True
-            raise StopIteration
-        b = msg.batch
-        if b.epoch != self.epoch or b.batch_index != self.index:
-            raise ServerError(
-                f"out-of-order batch: expected epoch {self.epoch} batch {self.index}, got "
-                f"epoch {b.epoch} batch {b.batch_index}"
-            )
-        tensors = [
-            TensorInfo(t.name, tuple(t.shape), DTYPE_NAMES[t.dtype], t.offset, t.nbytes)
-            for t in b.tensors
-        ]
-        arrays = s.receiver.arrays(b.slot, tensors)
-        if self.loader.copy:
-            arrays = [
-                np.array(a, copy=True) if isinstance(a, np.ndarray) else a.clone() for a in arrays
-            ]
-            s.held = (b.slot, b.batch_index, wait_us)
-            s.release_held()
-        else:
-            s.held = (b.slot, b.batch_index, wait_us)
-        self.loader.last_sample_ids = np.frombuffer(b.sample_ids, dtype="<u8").astype(np.uint64)
-        out = []
-        for a, tail in zip(arrays, s.tails, strict=True):
-            for op in tail:
-                a = op(a)
-            out.append(a)
-        self.index += 1
-        self.loader._position = (self.epoch, self.index)
-        if self.index == s.num_batches:
-            # Read the end-of-epoch marker eagerly so that the loop ends without another wait.
-            end = self._recv()
-            if end.WhichOneof("kind") != "end":
-                raise ServerError(f"expected the end of epoch {self.epoch}, got another batch")
-            self.done = True
-        return tuple(out)
 
 
 class Loader:

@@ -52,7 +52,11 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def segments(self) -> list[str]:
-        """This daemon's shared-memory segments."""
+        """This daemon's shared-memory segments (its rings; not its notice socket)."""
+        return [n for n in self.shm_files() if "-notice-" not in n]
+
+    def shm_files(self) -> list[str]:
+        """Every file of this daemon under /dev/shm: rings and the notice socket."""
         return sorted(p.name for p in SHM.glob(f"beton-{self.pid}-*"))
 
     def stats(self):
@@ -148,7 +152,7 @@ def daemon_factory(short_tmp: Path) -> Iterator:
     finally:
         for d in started:
             d.stop()
-            for name in d.segments():  # a daemon killed on purpose may leave its segments
+            for name in d.shm_files():  # a daemon killed on purpose may leave its segments
                 with contextlib.suppress(OSError):
                     (SHM / name).unlink()
 

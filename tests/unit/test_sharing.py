@@ -499,7 +499,7 @@ class FakeSource:
         perm = np.random.default_rng(99 + epoch).permutation(self.n_samples)
         return perm[b * self.batch_size : (b + 1) * self.batch_size]
 
-    def submit(self, epoch, b, out, priority=1):
+    def submit(self, epoch, b, out, priority=1, *, slices=None):
         ids = self.batch_ids(epoch, b)
         with self.lock:
             self.counter[0] += len(ids)

@@ -5,6 +5,11 @@ maps it (read-write, so that torch tensors over it are writable and torch does n
 unlinks it. A mapping stays valid after the daemon unlinks the name, so a daemon that dies never
 makes a tensor the trainer holds invalid.
 
+The notice channel (:mod:`beton_wire.notice`): when the daemon offers one, :class:`NoticeChannel`
+connects to its socket and carries the stream's per-batch traffic (batch-ready notices in, releases
+out) as 32-byte records instead of gRPC messages; a batch's sample ids are then read from the
+segment's id table (:meth:`ShmReceiver.ids`).
+
 Threading: one :class:`ShmReceiver` belongs to one Loader stream and is used from the thread that
 iterates the Loader. Memory: the views returned by :meth:`ShmReceiver.arrays` alias the slot; the
 slot is the Loader's until it sends the release (before it asks for the next batch).
@@ -15,17 +20,22 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import socket
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from beton_wire import notice
 
 from beton_client.errors import TransportError
 
-__all__ = ["SHM_DIR", "ShmReceiver", "TensorInfo"]
+__all__ = ["SHM_DIR", "NoticeChannel", "ShmReceiver", "TensorInfo"]
 
 SHM_DIR = Path("/dev/shm")
+#: Other segments of the daemon (sharing arenas) a receiver keeps mapped, at most.
+MAX_EXTRA_SEGMENTS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +57,7 @@ class ShmReceiver:
         segment_bytes: its size, as the daemon reported it.
         slot_count: number of slots.
         slot_bytes: bytes per slot.
+        ids_offset: where the segment's sample-id table starts (0: it has none).
 
     Raises:
         TransportError: the segment cannot be opened or is smaller than announced (e.g. the
@@ -62,6 +73,7 @@ class ShmReceiver:
         slot_count: int,
         slot_bytes: int,
         shm_dir: Path = SHM_DIR,
+        ids_offset: int = 0,
     ) -> None:
         if "/" in segment or not segment.startswith("beton-"):
             raise TransportError(f"refusing to map {segment!r}: not a beton-serve segment name")
@@ -86,6 +98,67 @@ class ShmReceiver:
         self.slot_count = slot_count
         self.slot_bytes = slot_bytes
         self._base = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._shm_dir = shm_dir
+        self._extra: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._ids: np.ndarray | None = None
+        if ids_offset:
+            rows = (segment_bytes - ids_offset) // (8 * slot_count)
+            if ids_offset < slot_count * slot_bytes or rows < 1:
+                raise TransportError(
+                    f"shared memory {path}: the id table at {ids_offset} does not fit in "
+                    f"{segment_bytes} bytes"
+                )
+            table = self._base[ids_offset : ids_offset + 8 * rows * slot_count]
+            self._ids = table.view("<u8").reshape(slot_count, rows)
+
+    def ids(self, slot: int, length: int) -> np.ndarray:
+        """A copy of the sample ids of the ``length``-row batch in ``slot`` (from the id table).
+
+        Raises:
+            TransportError: the segment has no id table, or the slot or length is out of range.
+        """
+        if self._ids is None or not 0 <= slot < self.slot_count or length > self._ids.shape[1]:
+            raise TransportError(f"no sample ids for slot {slot} ({length} rows) in {self.segment}")
+        return self._ids[slot, :length].astype(np.uint64)
+
+    def arrays_at(
+        self, segment: str, offset: int, tensors: Sequence[TensorInfo]
+    ) -> list[np.ndarray]:
+        """Views of a batch the daemon keeps at ``offset`` in another of its segments (a batch
+        decoded once for several identical streams); the segment is mapped once and kept.
+
+        Raises:
+            TransportError: the name is not a segment of this ring's daemon, it cannot be mapped,
+                or the batch does not fit in it.
+        """
+        base = self._extra.get(segment)
+        if base is None:
+            base = self._map_extra(segment)
+        else:
+            self._extra.move_to_end(segment)
+        return _views(base, offset, self.slot_bytes, tensors)
+
+    def _map_extra(self, segment: str) -> np.ndarray:
+        owner = self.segment.split("-", 2)[:2]  # ["beton", "<daemon pid>"]
+        if "/" in segment or segment.split("-", 2)[:2] != owner:
+            raise TransportError(f"refusing to map {segment!r}: not a segment of this daemon")
+        path = self._shm_dir / segment
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TransportError(f"cannot open the daemon's shared memory {path}: {exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < 1:
+                raise TransportError(f"shared memory {path} is empty")
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        base = np.frombuffer(mapping, dtype=np.uint8)
+        self._extra[segment] = base
+        while len(self._extra) > MAX_EXTRA_SEGMENTS:  # views still in use keep theirs alive
+            self._extra.popitem(last=False)
+        return base
 
     def arrays(self, slot: int, tensors: Sequence[TensorInfo]) -> list[np.ndarray]:
         """Numpy views of the tensors of ``slot`` (no copy), valid until the slot is released.
@@ -95,24 +168,89 @@ class ShmReceiver:
         """
         if not 0 <= slot < self.slot_count:
             raise TransportError(f"slot {slot} is outside the ring's {self.slot_count} slots")
-        base = slot * self.slot_bytes
-        out = []
-        for t in tensors:
-            dt = np.dtype(t.dtype)
-            count = 1
-            for d in t.shape:
-                count *= d
-            if count * dt.itemsize != t.nbytes or t.offset + t.nbytes > self.slot_bytes:
-                raise TransportError(
-                    f"tensor {t.name!r} ({t.shape}, {t.dtype}) at offset {t.offset} does not fit "
-                    f"in a {self.slot_bytes}-byte slot"
-                )
-            raw = self._base[base + t.offset : base + t.offset + t.nbytes]
-            out.append(raw.view(dt).reshape(t.shape))
-        return out
+        return _views(self._base, slot * self.slot_bytes, self.slot_bytes, tensors)
 
     def close(self) -> None:
         """Drop the mapping (it stays alive while user tensors still reference it)."""
         self._base = np.empty(0, np.uint8)
+        self._ids = None
+        self._extra.clear()  # each mapping closes when its last view is dropped
         with contextlib.suppress(BufferError):
             self._mmap.close()
+
+
+def _views(
+    base: np.ndarray, start: int, slot_bytes: int, tensors: Sequence[TensorInfo]
+) -> list[np.ndarray]:
+    """Views of ``tensors`` in the ``slot_bytes``-long slot at byte ``start`` of ``base``."""
+    if start < 0 or start + slot_bytes > len(base):
+        raise TransportError(f"a slot at {start} does not fit in a {len(base)}-byte segment")
+    out = []
+    for t in tensors:
+        dt = np.dtype(t.dtype)
+        count = 1
+        for d in t.shape:
+            count *= d
+        if count * dt.itemsize != t.nbytes or t.offset + t.nbytes > slot_bytes:
+            raise TransportError(
+                f"tensor {t.name!r} ({t.shape}, {t.dtype}) at offset {t.offset} does not fit "
+                f"in a {slot_bytes}-byte slot"
+            )
+        raw = base[start + t.offset : start + t.offset + t.nbytes]
+        out.append(raw.view(dt).reshape(t.shape))
+    return out
+
+
+class NoticeChannel:
+    """The client's end of a stream's notice channel (see the module docstring).
+
+    Args:
+        socket_name: ``ShmSetup.notice_socket``, a name under ``shm_dir``.
+        token: ``ShmSetup.notice_token``.
+
+    Raises:
+        TransportError: the name is not a beton-serve socket name.
+        OSError: the socket cannot be reached (e.g. another mount namespace); the caller then
+            uses the Batches call instead.
+    """
+
+    def __init__(self, socket_name: str, token: bytes, shm_dir: Path = SHM_DIR) -> None:
+        if "/" in socket_name or not socket_name.startswith("beton-"):
+            raise TransportError(
+                f"refusing to connect to {socket_name!r}: not a beton-serve socket"
+            )
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(str(shm_dir / socket_name))
+            sock.sendall(notice.hello(token))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    def recv(self) -> tuple[int, int, int, int, int, bytes] | None:
+        """The next record from the daemon as ``(kind, a, b, c, d, payload)``; ``None`` at end
+        of file (the daemon ended the stream: its status is on the Batches call).
+
+        Raises:
+            TransportError: the daemon sent something that is not a record.
+        """
+        try:
+            data = self._sock.recv(notice.MAX_RECORD)
+        except OSError:
+            return None
+        if not data:
+            return None
+        try:
+            return notice.unpack(data)
+        except ValueError as exc:
+            raise TransportError(f"bad record on the notice channel: {exc}") from None
+
+    def release(self, slot: int, index: int, wait_us: int) -> None:
+        """Give ``slot`` back; a daemon that is gone is noticed by the next :meth:`recv`."""
+        with contextlib.suppress(OSError):
+            self._sock.send(notice.release(slot, index, wait_us))
+
+    def close(self) -> None:
+        """Close the connection (idempotent); the daemon ends the stream if it still runs."""
+        self._sock.close()

@@ -301,21 +301,38 @@ class TransportRejection(_message.Message):
     ) -> None: ...
 
 class ShmSetup(_message.Message):
-    __slots__ = ("segment", "segment_bytes", "slot_bytes", "slot_count")
+    __slots__ = (
+        "ids_offset",
+        "notice_socket",
+        "notice_token",
+        "segment",
+        "segment_bytes",
+        "slot_bytes",
+        "slot_count",
+    )
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     segment: str
     slot_count: int
     slot_bytes: int
     segment_bytes: int
+    ids_offset: int
+    notice_socket: str
+    notice_token: bytes
     def __init__(
         self,
         segment: str | None = ...,
         slot_count: int | None = ...,
         slot_bytes: int | None = ...,
         segment_bytes: int | None = ...,
+        ids_offset: int | None = ...,
+        notice_socket: str | None = ...,
+        notice_token: bytes | None = ...,
     ) -> None: ...
 
 class CudaIpcSetup(_message.Message):
@@ -431,21 +448,24 @@ class OpenStreamResponse(_message.Message):
     ) -> None: ...
 
 class Start(_message.Message):
-    __slots__ = ("credits", "epoch", "next_batch", "stream_id")
+    __slots__ = ("credits", "epoch", "next_batch", "notices", "stream_id")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEXT_BATCH_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     epoch: int
     next_batch: int
     credits: int
+    notices: bool
     def __init__(
         self,
         stream_id: str | None = ...,
         epoch: int | None = ...,
         next_batch: int | None = ...,
         credits: int | None = ...,
+        notices: bool | None = ...,
     ) -> None: ...
 
 class Release(_message.Message):

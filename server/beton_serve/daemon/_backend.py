@@ -51,7 +51,13 @@ class BatchSourceLike(Protocol):
     def batch_ids(self, epoch: int, b: int) -> np.ndarray: ...
 
     def submit(
-        self, epoch: int, b: int, out: list[np.ndarray] | None, priority: int = 1
+        self,
+        epoch: int,
+        b: int,
+        out: list[np.ndarray] | None,
+        priority: int = 1,
+        *,
+        slices: int | None = None,
     ) -> Future[list[np.ndarray]]: ...
 
 

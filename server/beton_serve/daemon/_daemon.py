@@ -36,6 +36,7 @@ from beton_serve.daemon._datasets import Dataset, DatasetTable
 from beton_serve.daemon._stream import (
     BatchOut,
     ClientEvent,
+    ClientHungUp,
     CreditEvent,
     EpochEnd,
     ReleaseSlot,
@@ -84,6 +85,8 @@ UNATTACHED_TIMEOUT_S = 30.0
 SMALL_RING_BYTES = 32 << 20
 #: ... but to at most this many slots.
 MAX_RING_SLOTS = 16
+#: Group buffers of a shm stream's sharing arena beyond its ring size (zero-copy sharing).
+ARENA_EXTRA = 2
 
 
 def ring_size(batches_ahead: int, slot_bytes: int) -> int:
@@ -224,8 +227,16 @@ def _sharing_registry(max_lag: int, retain: int) -> Any:
     return SharingRegistry(max_lag=max_lag, retain=retain)
 
 
-def _shared(source: Any, registry: Any, spec_key: str, req: StreamRequest, dataset: str) -> Any:
-    """Wrap a stream's source so that identical streams decode each batch once (issue 6)."""
+def _shared(
+    source: Any,
+    registry: Any,
+    spec_key: str,
+    req: StreamRequest,
+    dataset: str,
+    make_arena: Any = None,
+) -> Any:
+    """Wrap a stream's source so that identical streams decode each batch once (issue 6);
+    ``make_arena`` (shm streams) makes the sharing zero-copy."""
     from beton_serve.engine.shared_source import SharedSource
     from beton_serve.engine.sharing import ShareKey
 
@@ -241,7 +252,7 @@ def _shared(source: Any, registry: Any, spec_key: str, req: StreamRequest, datas
         world_size=req.world_size,
         indices=req.indices,
     )
-    return SharedSource(source, registry, key)
+    return SharedSource(source, registry, key, make_arena=make_arena)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -299,6 +310,11 @@ class Daemon:
     _util_last: float = 0.0
     #: CUDA facts not gathered yet: done by the first stream that wants CUDA (``_transports``).
     cuda_pending: bool = False
+    #: The shm notice channel (``beton_serve.transport.notice``), listening once :meth:`start`
+    #: ran; ``None`` before, or where it cannot listen (shm clients then use the Batches call).
+    notices: Any = None
+    #: Zero-copy sharing arenas (``transport.arena``) not yet unlinked.
+    _arenas: list[Any] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -351,8 +367,17 @@ class Daemon:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Start the liveness monitor (call on the event-loop thread)."""
+        loop = asyncio.get_running_loop()
         if self._monitor is None:
-            self._monitor = asyncio.get_running_loop().create_task(self._watch_clients())
+            self._monitor = loop.create_task(self._watch_clients())
+        shm = self.factories.get("shm")
+        if self.notices is None and isinstance(shm, ShmFactory):
+            from beton_serve.transport.notice import NoticeHub
+
+            try:
+                self.notices = NoticeHub(shm.namer, loop)
+            except OSError as exc:
+                log.warning("no shm notice channel (%s); shm batches go over gRPC", exc)
 
     async def _watch_clients(self) -> None:
         while True:
@@ -407,6 +432,12 @@ class Daemon:
             self._monitor = None
         for s in list(self.streams.values()):
             self._end_stream(s)
+        if self.notices is not None:
+            self.notices.close()
+            self.notices = None
+        for arena in self._arenas:  # every stream is gone: nothing may still read them
+            arena.force_close()
+        self._arenas = []
         try:
             if self.engine is not None:
                 self.backend.close_engine(self.engine)
@@ -508,6 +539,21 @@ class Daemon:
                 del self._plans[key]
             raise
 
+    def _arena_maker(self, layout: Any, count: int) -> Any:
+        """``make() -> ShmArena`` of ``count`` buffers of ``layout`` for zero-copy sharing; the
+        daemon keeps every arena so that :meth:`close` unlinks those still held."""
+        from beton_serve.transport.arena import ShmArena
+
+        namer = self.factories["shm"].namer  # type: ignore[attr-defined]
+
+        def make() -> ShmArena:
+            arena = ShmArena(layout, count, namer.next("share"))
+            self._arenas = [a for a in self._arenas if not a.unlinked]
+            self._arenas.append(arena)
+            return arena
+
+        return make
+
     def _negotiate(self, offer: ClientOffer) -> tuple[Negotiation, TransportFactory]:
         if self.cuda_pending and offer.wants_cuda:
             self.cuda_pending = False
@@ -562,9 +608,16 @@ class Daemon:
         source = self.backend.make_source(self.engine, entry.plan, params)
         if hasattr(source, "pre_run"):  # workers re-check the files right before reading
             source.pre_run = ds.check_files
-        if self.sharing is not None:
-            source = _shared(source, self.sharing, self._spec_key(req, ds), req, ds.name)
         slot_count = ring_size(req.batches_ahead, layout.slot_bytes)
+        if self.sharing is not None:
+            make_arena = (
+                self._arena_maker(layout, slot_count + ARENA_EXTRA)
+                if neg.transport == "shm" and isinstance(factory, ShmFactory)
+                else None
+            )
+            source = _shared(
+                source, self.sharing, self._spec_key(req, ds), req, ds.name, make_arena
+            )
         ring: SlotTransport = factory.create(layout, slot_count, device_index=neg.device_index)
         ident = req.offer.identity
         same_host = bool(ident.boot_id) and ident.boot_id == self.facts.identity.boot_id
@@ -578,6 +631,13 @@ class Daemon:
             client_pid=ident.pid if same_host else 0,
             client_name=req.client_name,
         )
+        setup = ring.setup()
+        if setup.kind == "shm" and self.notices is not None:
+            stream.notice_token, stream.notice_future = self.notices.register()
+            stream.notice_unregister = self.notices.unregister
+            setup = dataclasses.replace(
+                setup, notice_socket=self.notices.name, notice_token=stream.notice_token
+            )
         self.streams[stream.stream_id] = stream
         self.streams_opened += 1
         n = len(req.indices) if req.indices is not None else ds.num_samples
@@ -597,7 +657,7 @@ class Daemon:
         return StreamOpened(
             stream_id=stream.stream_id,
             outputs=entry.outputs,
-            setup=ring.setup(),
+            setup=setup,
             rejected=neg.rejected,
             num_batches=stream.num_batches,
             batch_size=req.batch_size,
@@ -645,6 +705,10 @@ class Daemon:
                 starts.put_nowait(None)
                 stream._wake.set()
 
+        def notice_closed() -> None:
+            hung_up.set()
+            stream.abort(ClientHungUp("the client closed its notice channel"))
+
         reader = asyncio.get_running_loop().create_task(pump())
         try:
             while True:
@@ -655,10 +719,17 @@ class Daemon:
                     return
                 if start.stream_id and start.stream_id != stream.stream_id:
                     raise SpecError("a Batches call serves one stream; open another call")
+                if start.notices:
+                    await stream.attach_notices(notice_closed)
                 async for item in stream.run_epoch(start):
                     if hung_up.is_set():
                         return  # the client closed its side mid-epoch: nobody will read more
-                    yield item
+                    if start.notices:
+                        stream.send_notice(item)
+                    else:
+                        yield item
+        except ClientHungUp:
+            return
         finally:
             reader.cancel()
             with contextlib.suppress(BaseException):

@@ -11,7 +11,12 @@ Protocol (driven by ``beton_serve.rpc`` from the ``Batches`` call, all on the ev
 Fair scheduling: a batch is submitted with priority 0 (served first by the engine) when the client
 has nothing left to read, i.e. it is waiting; prefetch batches get priority 1.
 
-Ending: the Batches call ending, the client's process dying (the daemon's liveness monitor
+Notices (shm streams, :mod:`beton_wire.notice`): when the client starts an epoch with
+``notices``, the serving task sends each published batch and the epoch's end over the stream's
+notice connection instead of yielding them to the Batches call, and releases arrive there too.
+Per batch that replaces two gRPC messages with two 32-byte socket records.
+
+Ending: the Batches call ending, the client closing its notice channel, the client's process dying (the daemon's liveness monitor
 cancels the serving task) or the daemon shutting down all end the stream; :meth:`Stream.close`
 then reclaims every lease and frees the ring.
 """
@@ -32,11 +37,13 @@ from beton_wire.slots import SlotLayout
 
 from beton_serve.daemon._backend import BatchSourceLike, OutputInfo
 from beton_serve.daemon._datasets import Dataset
-from beton_serve.errors import SpecError
+from beton_serve.errors import SpecError, TransportError
 from beton_serve.transport.base import Published, SlotTransport
 
 __all__ = [
+    "NOTICE_ATTACH_TIMEOUT_S",
     "BatchOut",
+    "ClientHungUp",
     "ClientEvent",
     "CreditEvent",
     "EpochEnd",
@@ -48,15 +55,24 @@ __all__ = [
 
 log = logging.getLogger("beton_serve.daemon")
 
+#: Seconds a client that asked for notices has to connect its notice channel.
+NOTICE_ATTACH_TIMEOUT_S = 10.0
+
+
+class ClientHungUp(TransportError):
+    """The client closed its notice channel: the stream ends quietly."""
+
 
 @dataclass(frozen=True, slots=True)
 class StartEpoch:
-    """Start (or resume) ``epoch`` at batch ``next_batch`` with ``credits`` (0: the ring size)."""
+    """Start (or resume) ``epoch`` at batch ``next_batch`` with ``credits`` (0: the ring size);
+    ``notices``: publish on the stream's notice channel rather than the Batches call."""
 
     stream_id: str
     epoch: int
     next_batch: int = 0
     credits: int = 0
+    notices: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +116,9 @@ class BatchOut:
     tensors: tuple[TensorOut, ...]
     sample_ids: np.ndarray
     published: Published
+    #: ``(segment, offset)`` when the data is not in ``slot`` but in a sharing group's buffer
+    #: (zero-copy sharing, notice channel only); ``None`` otherwise.
+    at: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +174,65 @@ class Stream:
     abort_exc: BaseException | None = None
     #: Epoch starts from the client; ``None`` means stop (the client hung up, or an abort).
     starts: asyncio.Queue[StartEpoch | None] = field(default_factory=asyncio.Queue)
+    #: The notice channel: the token the client must present, the future of its connection
+    #: (``None``: the stream offers none), the bound connection, and how to forget the token.
+    notice_token: bytes = b""
+    notice_future: asyncio.Future[Any] | None = None
+    notice: Any = None
+    notice_unregister: Any = None
+    #: Shared batches published by reference, by slot: released with the slot (issue 6).
+    _refs: dict[int, Any] = field(default_factory=dict)
+
+    async def attach_notices(self, on_hangup: Any) -> Any:
+        """Wait for the client's notice connection and route its releases to this stream.
+
+        ``on_hangup`` is called when the client closes it.
+
+        Raises:
+            SpecError: the stream has no notice channel (it is not shm, or the daemon runs none).
+            TransportError: the client did not connect in time.
+            ClientHungUp: it connected and already closed the connection.
+        """
+        if self.notice is None:
+            if self.notice_future is None:
+                raise SpecError(
+                    "Start.notices was set but this stream offers no notice channel (it is not "
+                    "an shm stream); start the epoch without notices"
+                )
+            try:
+                conn = await asyncio.wait_for(
+                    asyncio.shield(self.notice_future), NOTICE_ATTACH_TIMEOUT_S
+                )
+            except TimeoutError:
+                raise TransportError(
+                    f"the client asked for notices but did not connect its notice channel within "
+                    f"{NOTICE_ATTACH_TIMEOUT_S:.0f} s"
+                ) from None
+            if conn.closed:
+                raise ClientHungUp("the client closed its notice channel")
+            conn.on_release = self._notice_release
+            conn.on_close = on_hangup
+            self.notice = conn
+        return self.notice
+
+    def _notice_release(self, slot: int, index: int, wait_us: int) -> None:
+        self.on_release(ReleaseSlot(slot, index, wait_us))
+
+    def send_notice(self, item: BatchOut | EpochEnd) -> None:
+        """Publish ``item`` on the notice channel (see :meth:`attach_notices`).
+
+        Raises:
+            TransportError: the client is gone or stopped reading.
+        """
+        if isinstance(item, BatchOut):
+            if item.at is not None:
+                self.notice.send_batch_at(
+                    item.slot, item.epoch, item.batch_index, item.length, *item.at
+                )
+            else:
+                self.notice.send_batch(item.slot, item.epoch, item.batch_index, item.length)
+        else:
+            self.notice.send_end(item.epoch, item.batches)
 
     def abort(self, exc: BaseException) -> None:
         """Make the serving task end with ``exc`` (e.g. ``ShuttingDown``) at its next step."""
@@ -172,6 +250,9 @@ class Stream:
         """Return a slot; unknown or double releases are ignored (logged at debug level)."""
         if self.ring.release(ev.slot):
             self._published -= 1
+            ref = self._refs.pop(ev.slot, None)
+            if ref is not None:  # the group may free the shared buffer now
+                ref.release()
         else:
             log.debug("stream %s: ignored release of slot %d", self.stream_id, ev.slot)
         self.counters.client_wait_us += max(0, ev.wait_us)
@@ -205,6 +286,8 @@ class Stream:
         self._credits = slots if start.credits <= 0 else min(start.credits, slots)
         epoch = start.epoch
         b_next = start.next_batch
+        # Zero-copy sharing needs the notice channel: only it can name another segment.
+        by_ref = {"by_reference": True} if start.notices and self._by_reference() else {}
         pending: deque[tuple[int, int, asyncio.Future[list[np.ndarray]]]] = deque()
         try:
             delivered = b_next
@@ -217,8 +300,15 @@ class Stream:
                     if slot is None:
                         break
                     waiting = self._published <= 1 and not pending
+                    # A batch the client waits for is split over the workers (it arrives
+                    # sooner); prefetch work stays whole, which costs less per image.
                     cfut = self.source.submit(
-                        epoch, b_next, self.ring.host_views(slot), priority=0 if waiting else 1
+                        epoch,
+                        b_next,
+                        self.ring.host_views(slot),
+                        priority=0 if waiting else 1,
+                        slices=None if waiting else 1,
+                        **by_ref,
                     )
                     afut = asyncio.wrap_future(cfut)
                     afut.add_done_callback(self._on_done)
@@ -236,15 +326,22 @@ class Stream:
                     continue
                 pending.popleft()
                 # A shared source marks batches another identical stream decoded (issue 6).
-                decoded = getattr(self._submitted.pop(b, None), "decoded_here", True)
+                cfut = self._submitted.pop(b, None)
+                decoded = getattr(cfut, "decoded_here", True)
                 try:
                     arrays = fut.result()
                 except BaseException:
                     self.ring.abandon(slot)
                     raise
+                ref = getattr(cfut, "shared_ref", None)
+                if ref is not None:
+                    self._refs[slot] = ref
                 self._count_bad()
                 ids = np.asarray(self.source.batch_ids(epoch, b), dtype=np.uint64)
                 length = len(ids) if arrays is None or not len(arrays) else len(arrays[0])
+                write_ids = getattr(self.ring, "write_ids", None)
+                if write_ids is not None:  # shm: the notice channel's clients read them there
+                    write_ids(slot, ids)
                 published = self.ring.publish(slot, length)
                 self._published += 1
                 self.counters.batches_sent += 1
@@ -260,14 +357,23 @@ class Stream:
                     tensors=self._tensors(length),
                     sample_ids=ids,
                     published=published,
+                    at=None if ref is None else (ref.segment, ref.offset),
                 )
                 delivered += 1
             yield EpochEnd(epoch=epoch, batches=n)
         finally:
-            for _, slot, fut in pending:
+            for b, slot, fut in pending:
                 fut.cancel()
                 self.ring.abandon(slot)
+                ref = getattr(self._submitted.get(b), "shared_ref", None)
+                if ref is not None:  # decoded by reference but never published
+                    ref.release()
             self._submitted.clear()
+
+    def _by_reference(self) -> bool:
+        return bool(getattr(self.source, "supports_by_reference", False)) and bool(
+            getattr(self.ring, "write_ids", None)
+        )
 
     def _count_bad(self) -> None:
         """Add the samples this stream's source skipped since the last batch to the dataset's."""
@@ -298,6 +404,14 @@ class Stream:
         if callable(close_source):  # a shared source leaves its sharing group
             with contextlib.suppress(Exception):
                 close_source()
+        if self.notice_unregister is not None:
+            self.notice_unregister(self.notice_token)
+        if self.notice is not None:  # the client reads end-of-file, then the call's status
+            self.notice.on_close = None
+            self.notice.close()
+        refs, self._refs = self._refs, {}
+        for ref in refs.values():
+            ref.release()
         with contextlib.suppress(Exception):
             self.ring.close()
         self._wake.set()

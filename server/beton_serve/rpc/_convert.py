@@ -129,6 +129,9 @@ def opened_message(o: StreamOpened) -> pb.OpenStreamResponse:
                 slot_count=o.setup.slot_count,
                 slot_bytes=o.setup.slot_bytes,
                 segment_bytes=o.setup.segment_bytes,
+                ids_offset=o.setup.ids_offset,
+                notice_socket=o.setup.notice_socket,
+                notice_token=o.setup.notice_token,
             )
         )
     elif o.setup.kind == "cuda_ipc":
@@ -188,7 +191,7 @@ def event_from_message(msg: pb.ClientMessage) -> ClientEvent:
     kind = msg.WhichOneof("kind")
     if kind == "start":
         s = msg.start
-        return StartEpoch(s.stream_id, s.epoch, s.next_batch, s.credits)
+        return StartEpoch(s.stream_id, s.epoch, s.next_batch, s.credits, s.notices)
     if kind == "release":
         r = msg.release
         return ReleaseSlot(r.slot, r.batch_index, r.wait_us)

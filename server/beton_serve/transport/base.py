@@ -28,6 +28,9 @@ class TransportSetup:
         slot_bytes: bytes per slot.
         segment: shm segment name under /dev/shm (shm).
         segment_bytes: size of that segment (shm).
+        ids_offset: offset of the sample-id table inside the segment (shm; 0: none).
+        notice_socket: the notice channel's socket name under /dev/shm (shm; "": none).
+        notice_token: the secret binding a notice connection to the stream (shm).
         extra: transport-specific values (e.g. cuda_ipc handles as bytes); plain data only.
     """
 
@@ -36,6 +39,9 @@ class TransportSetup:
     slot_bytes: int
     segment: str = ""
     segment_bytes: int = 0
+    ids_offset: int = 0
+    notice_socket: str = ""
+    notice_token: bytes = b""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 

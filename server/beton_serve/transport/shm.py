@@ -1,7 +1,9 @@
 """The shared-memory transport: a slot ring in one POSIX shared-memory segment (DESIGN.md §6).
 
 Data structure: a segment ``/dev/shm/beton-<daemon pid>-ring-<n>`` of ``slot_count`` slots laid
-out by :func:`beton_wire.slots.slot_layout`. The daemon creates it with mode 0600 (``O_EXCL``, so
+out by :func:`beton_wire.slots.slot_layout`, followed by the sample-id table: one row of
+``batch_size`` little-endian uint64 per slot, written by :meth:`ShmRing.write_ids` when the slot is
+published (clients on the notice channel read a batch's ids there instead of in a message). The daemon creates it with mode 0600 (``O_EXCL``, so
 a name is never reused), maps it once, and hands the engine numpy views of a slot to write into;
 the client maps the same segment once and wraps slot views as tensors without copying.
 
@@ -120,7 +122,8 @@ class ShmRing(HostSlotRing):
         self.slot_count = slot_count
         self.name = name
         self.path = shm_dir / name
-        self.size = layout.slot_bytes * slot_count
+        self.ids_offset = layout.slot_bytes * slot_count
+        self.size = self.ids_offset + 8 * layout.batch_size * slot_count
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -139,6 +142,7 @@ class ShmRing(HostSlotRing):
         finally:
             os.close(fd)
         self._base = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._ids = self._base[self.ids_offset :].view("<u8").reshape(slot_count, layout.batch_size)
         self._init_slots()
 
     # -- SlotTransport -----------------------------------------------------------------------
@@ -150,7 +154,12 @@ class ShmRing(HostSlotRing):
             slot_bytes=self.layout.slot_bytes,
             segment=self.name,
             segment_bytes=self.size,
+            ids_offset=self.ids_offset,
         )
+
+    def write_ids(self, slot: int, ids: np.ndarray) -> None:
+        """Store the sample ids of the batch in ``slot`` in the id table (before publishing it)."""
+        self._ids[slot, : len(ids)] = ids
 
     def publish(self, slot: int, length: int) -> Published:
         """Mark a FILLING slot LEASED; the client reads it through its own mapping."""
@@ -174,6 +183,7 @@ class ShmRing(HostSlotRing):
             self.path.unlink(missing_ok=True)
         finally:
             self._reset_slots()
+            self._ids = np.empty((0, 0), "<u8")
             with contextlib.suppress(BufferError):
                 self._mmap.close()
 

@@ -1,0 +1,125 @@
+"""The notice channel of the shm transport: batch-ready and release notices without gRPC.
+
+A batch of a small-sample dataset (CIFAR-like: 512 images of 32x32) takes well under a millisecond
+to decode, so one gRPC message each way per batch, with its HTTP/2 framing, completion-queue
+threads and protobuf objects, would cost about as much CPU as the batch itself. For shm streams the
+daemon therefore also listens on a ``SOCK_SEQPACKET`` unix socket under ``/dev/shm`` (reachable
+exactly when the ring's segment is, mode 0600), and the per-batch traffic moves there:
+
+* the client connects and sends ``HELLO`` with the stream's secret token
+  (``ShmSetup.notice_token``) as payload, then starts epochs on the Batches call with
+  ``Start.notices = true``;
+* the daemon sends ``BATCH`` (slot, epoch, batch index, rows) when a slot is published, and
+  ``END`` (epoch, batches) after an epoch's last batch. ``BATCH_AT`` is a ``BATCH`` whose data is
+  not in the slot but in another segment of the daemon (a batch decoded once for several
+  identical streams, issue 6): its payload is the byte offset (uint64) and the segment name; the sample ids of a batch are in the
+  segment's id table (``ShmSetup.ids_offset``), written before the notice is sent;
+* the client sends ``RELEASE`` (slot, batch index, microseconds it waited) when it is done with a
+  slot.
+
+Errors and the end of the stream still travel on the Batches call: when the daemon ends a stream
+it closes the connection, the client reads end-of-file and then the call's status.
+
+Every record is one 32-byte header, :data:`RECORD` = ``(kind, a, b, c, d)``, plus an optional
+payload (``HELLO`` and ``BATCH_AT`` have one). This module depends on the standard library only.
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = [
+    "BATCH",
+    "BATCH_AT",
+    "END",
+    "HELLO",
+    "MAX_RECORD",
+    "RECORD",
+    "RELEASE",
+    "TOKEN_BYTES",
+    "batch",
+    "batch_at",
+    "end",
+    "hello",
+    "release",
+    "split_at",
+    "unpack",
+]
+
+#: ``kind`` (uint8), 3 pad bytes, ``a`` (uint32), ``b``, ``c``, ``d`` (uint64), little-endian.
+RECORD = struct.Struct("<B3xIQQQ")
+
+#: Client -> daemon, first record of a connection: payload = the stream's token.
+HELLO = 1
+#: Daemon -> client: slot ``a`` holds batch ``c`` of epoch ``b``, with ``d`` rows.
+BATCH = 2
+#: Daemon -> client: epoch ``b`` ended after ``c`` batches.
+END = 3
+#: Client -> daemon: slot ``a`` (batch ``b``) is free; the client had waited ``c`` microseconds.
+RELEASE = 4
+
+#: Daemon -> client: like ``BATCH``, but the data is at payload ``(offset, segment name)``.
+BATCH_AT = 5
+
+#: Length of a stream token.
+TOKEN_BYTES = 32
+#: Longest segment name in a ``BATCH_AT``.
+MAX_SEGMENT_NAME = 200
+_OFFSET = struct.Struct("<Q")
+#: Longest record either side sends (header plus a ``BATCH_AT`` payload).
+MAX_RECORD = RECORD.size + _OFFSET.size + MAX_SEGMENT_NAME
+
+
+def hello(token: bytes) -> bytes:
+    """The ``HELLO`` record carrying ``token``."""
+    return RECORD.pack(HELLO, 0, 0, 0, 0) + token
+
+
+def batch(slot: int, epoch: int, index: int, length: int) -> bytes:
+    """The ``BATCH`` record."""
+    return RECORD.pack(BATCH, slot, epoch, index, length)
+
+
+def batch_at(slot: int, epoch: int, index: int, length: int, segment: str, offset: int) -> bytes:
+    """The ``BATCH_AT`` record: batch ``index`` is at ``offset`` in ``segment``.
+
+    Raises:
+        ValueError: the segment name is longer than :data:`MAX_SEGMENT_NAME` bytes.
+    """
+    name = segment.encode()
+    if len(name) > MAX_SEGMENT_NAME:
+        raise ValueError(f"segment name {segment!r} is too long for a notice record")
+    return RECORD.pack(BATCH_AT, slot, epoch, index, length) + _OFFSET.pack(offset) + name
+
+
+def split_at(payload: bytes) -> tuple[int, str]:
+    """``(offset, segment name)`` from a ``BATCH_AT`` payload.
+
+    Raises:
+        ValueError: the payload is too short or the name is not ASCII.
+    """
+    if len(payload) <= _OFFSET.size:
+        raise ValueError("a BATCH_AT record needs an offset and a segment name")
+    return _OFFSET.unpack_from(payload)[0], payload[_OFFSET.size :].decode("ascii")
+
+
+def end(epoch: int, batches: int) -> bytes:
+    """The ``END`` record."""
+    return RECORD.pack(END, 0, epoch, batches, 0)
+
+
+def release(slot: int, index: int, wait_us: int) -> bytes:
+    """The ``RELEASE`` record (``wait_us`` is clamped to ``[0, 2**64)``)."""
+    return RECORD.pack(RELEASE, slot, index, min(max(0, wait_us), 2**64 - 1), 0)
+
+
+def unpack(data: bytes) -> tuple[int, int, int, int, int, bytes]:
+    """Split a record into ``(kind, a, b, c, d, payload)``.
+
+    Raises:
+        ValueError: ``data`` is shorter than a header.
+    """
+    if len(data) < RECORD.size:
+        raise ValueError(f"a notice record has at least {RECORD.size} bytes, not {len(data)}")
+    kind, a, b, c, d = RECORD.unpack_from(data)
+    return kind, a, b, c, d, data[RECORD.size :]

@@ -1,0 +1,137 @@
+"""Shared-memory buffers for batches that several streams read (issue 6, zero-copy sharing).
+
+When identical streams share decoding (:mod:`beton_serve.engine.shared_source`), each batch is
+decoded once into a *group buffer*. An :class:`ShmArena` puts those buffers in one POSIX
+shared-memory segment, ``/dev/shm/beton-<pid>-share-<n>`` (mode 0600), laid out like a ring's
+slots (:func:`beton_wire.slots.slot_layout`). A stream on the notice channel then publishes a
+*reference* to the group buffer (segment name and offset) instead of copying the batch into its
+own slot, and its client maps the segment once and reads the batch in place: N clients of one
+batch cost one decode and no copies.
+
+Ownership: the arena belongs to the stream whose source produced into it. A buffer is taken by
+that producer (:meth:`take`) and given back (:meth:`give`) when the sharing group frees the batch,
+i.e. after every stream that read it was released by its client. Closing the arena (its stream
+ended) only marks it; the segment is unlinked once every buffer is back, so a segment is never
+unlinked while a client may still have to open it. :meth:`force_close` (the daemon shutting down)
+unlinks at once. A daemon killed before either is swept at the next start (``beton-<pid>-``).
+
+Threads: ``take``/``give``/``close`` may be called from engine workers and the event loop; a lock
+guards the free list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+from beton_wire.slots import SlotLayout
+
+from beton_serve.errors import TransportError
+from beton_serve.transport.shm import SHM_DIR
+
+__all__ = ["ShmArena"]
+
+
+class ShmArena:
+    """``count`` batch buffers of ``layout`` in one shared-memory segment (see the module).
+
+    Raises:
+        TransportError: the segment cannot be created or allocated.
+    """
+
+    def __init__(self, layout: SlotLayout, count: int, name: str, shm_dir: Path = SHM_DIR) -> None:
+        if count < 1:
+            raise TransportError(f"an arena needs at least one buffer, not {count}")
+        self.layout = layout
+        self.count = count
+        self.name = name
+        self.path = shm_dir / name
+        self.size = layout.slot_bytes * count
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create shared-memory segment {self.path}: {exc}") from exc
+        try:
+            os.fchmod(fd, 0o600)
+            os.posix_fallocate(fd, 0, self.size)
+            self._mmap = mmap.mmap(fd, self.size, mmap.MAP_SHARED)
+        except OSError as exc:
+            self.path.unlink(missing_ok=True)
+            raise TransportError(
+                f"cannot allocate {self.size} bytes of shared memory for {self.path}: {exc}"
+            ) from exc
+        finally:
+            os.close(fd)
+        base = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._views: list[list[np.ndarray]] = []
+        for i in range(count):
+            start = layout.slot_offset(i)
+            views = []
+            for t in layout.tensors:
+                raw = base[start + t.offset : start + t.offset + t.sample_bytes * layout.batch_size]
+                views.append(raw.view(np.dtype(t.dtype)).reshape((layout.batch_size, *t.shape)))
+            self._views.append(views)
+        self._free = list(range(count - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._closing = False
+        self._unlinked = False
+
+    def take(self) -> tuple[int, list[np.ndarray]] | None:
+        """A free buffer as ``(index, views)``; ``None`` when all are in use or it is closing."""
+        with self._lock:
+            if self._closing or not self._free:
+                return None
+            i = self._free.pop()
+            return i, self._views[i]
+
+    def give(self, index: int) -> None:
+        """Return buffer ``index``; the last one back after :meth:`close` unlinks the segment."""
+        with self._lock:
+            if self._unlinked or index in self._free:
+                return
+            self._free.append(index)
+            done = self._closing and len(self._free) == self.count
+        if done:
+            self._unlink()
+
+    def offset(self, index: int) -> int:
+        """Byte offset of buffer ``index`` in the segment (what a client is told)."""
+        return self.layout.slot_offset(index)
+
+    def in_use(self) -> int:
+        """Buffers taken and not given back."""
+        with self._lock:
+            return self.count - len(self._free)
+
+    def close(self) -> None:
+        """No more :meth:`take`; unlink once every buffer is back (now, if none is out)."""
+        with self._lock:
+            self._closing = True
+            done = len(self._free) == self.count
+        if done:
+            self._unlink()
+
+    def force_close(self) -> None:
+        """Unlink now, whatever is still out (the daemon is shutting down)."""
+        with self._lock:
+            self._closing = True
+        self._unlink()
+
+    @property
+    def unlinked(self) -> bool:
+        """Whether the segment is gone."""
+        return self._unlinked
+
+    def _unlink(self) -> None:
+        with self._lock:
+            if self._unlinked:
+                return
+            self._unlinked = True
+        self.path.unlink(missing_ok=True)
+        self._views = []
+        with contextlib.suppress(BufferError):  # views held by workers keep it mapped
+            self._mmap.close()

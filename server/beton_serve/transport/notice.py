@@ -1,0 +1,243 @@
+"""The daemon's end of the shm notice channel (the protocol is in :mod:`beton_wire.notice`).
+
+Data structure: one :class:`NoticeHub` per daemon listens on a ``SOCK_SEQPACKET`` unix socket
+``/dev/shm/beton-<pid>-notice-<n>`` (mode 0600; only the daemon's user may connect, which
+``SO_PEERCRED`` re-checks). Each shm stream registers a random token with the hub; a client
+connection that presents the token in its ``HELLO`` becomes that stream's :class:`NoticeConn`.
+
+Ownership: the hub owns the listening socket, its file and every connection; the daemon closes
+the hub, which unlinks the file (the next daemon's sweep removes it after a crash, like a ring).
+A stream closes its own connection when it ends, which is how its client learns that it ended.
+
+Threads: everything runs on the daemon's event-loop thread, driven by ``loop.add_reader``.
+Sends never block: a stream has at most ``slot_count`` BATCH notices and one END outstanding,
+far below a socket buffer, so a send that would block means a client that stopped reading, and
+fails the stream with :class:`~beton_serve.errors.TransportError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+from beton_wire import notice
+
+from beton_serve.errors import TransportError
+from beton_serve.transport.shm import SHM_DIR, ShmNamer
+
+__all__ = ["HELLO_TIMEOUT_S", "NoticeConn", "NoticeHub"]
+
+log = logging.getLogger("beton_serve.transport.notice")
+
+#: Seconds a connection may stay open without a valid ``HELLO``.
+HELLO_TIMEOUT_S = 10.0
+#: Connections that have not said ``HELLO`` yet, at most.
+MAX_UNBOUND = 256
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class NoticeConn:
+    """One client's connection, bound to one stream after its ``HELLO``.
+
+    Attributes:
+        on_release: called with ``(slot, batch_index, wait_us)`` for each ``RELEASE``.
+        on_close: called once when the client closes the connection or breaks the protocol.
+    """
+
+    def __init__(self, hub: NoticeHub, sock: socket.socket) -> None:
+        self._hub = hub
+        self._sock = sock
+        self.bound = False
+        self.closed = False
+        self.on_release: Callable[[int, int, int], None] | None = None
+        self.on_close: Callable[[], None] | None = None
+
+    # -- sending (the stream's serving task) ----------------------------------------------------
+    def send_batch(self, slot: int, epoch: int, index: int, length: int) -> None:
+        """Tell the client that ``slot`` holds batch ``index`` of ``epoch`` (``length`` rows).
+
+        Raises:
+            TransportError: the client is gone or stopped reading.
+        """
+        self._send(notice.batch(slot, epoch, index, length))
+
+    def send_batch_at(
+        self, slot: int, epoch: int, index: int, length: int, segment: str, offset: int
+    ) -> None:
+        """Like :meth:`send_batch`, for a batch that lives at ``offset`` in ``segment``."""
+        self._send(notice.batch_at(slot, epoch, index, length, segment, offset))
+
+    def send_end(self, epoch: int, batches: int) -> None:
+        """Tell the client that ``epoch`` ended after ``batches`` batches."""
+        self._send(notice.end(epoch, batches))
+
+    def _send(self, record: bytes) -> None:
+        if self.closed:
+            raise TransportError("the client closed the stream's notice channel")
+        try:
+            self._sock.send(record)
+        except BlockingIOError:
+            raise TransportError(
+                "the client stopped reading its notice channel (its socket buffer is full)"
+            ) from None
+        except OSError as exc:
+            raise TransportError(f"the client's notice channel broke: {exc}") from None
+
+    # -- receiving (loop reader) ------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        while not self.closed:
+            try:
+                data = self._sock.recv(notice.MAX_RECORD + 1)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.close()
+                return
+            try:
+                kind, a, b, c, _d, payload = notice.unpack(data)
+            except ValueError:
+                kind, a, b, c, payload = -1, 0, 0, 0, b""
+            if not self.bound:
+                if kind != notice.HELLO or not self._hub._bind(payload, self):
+                    log.warning("notice channel: a connection presented no valid stream token")
+                    self.close()
+                    return
+                self.bound = True
+            elif kind == notice.RELEASE and self.on_release is not None:
+                self.on_release(a, b, c)
+            else:
+                log.warning("notice channel: unexpected record kind %d; closing it", kind)
+                self.close()
+                return
+
+    def _expire(self) -> None:
+        if not self.bound:
+            log.warning("notice channel: no HELLO within %.0f s; closing it", HELLO_TIMEOUT_S)
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection (idempotent); calls ``on_close`` once."""
+        if self.closed:
+            return
+        self.closed = True
+        self._hub._forget(self)
+        with contextlib.suppress(Exception):
+            self._hub.loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        cb, self.on_close, self.on_release = self.on_close, None, None
+        if cb is not None:
+            cb()
+
+
+class NoticeHub:
+    """Listens for notice connections and hands each to the stream whose token it presents.
+
+    Args:
+        namer: names the socket file like the daemon's segments (``beton-<pid>-notice-<n>``).
+        loop: the daemon's event loop (call from its thread).
+        shm_dir: where the socket file lives; it must be the directory of the rings.
+
+    Raises:
+        OSError: the socket cannot be created or bound.
+    """
+
+    def __init__(
+        self,
+        namer: ShmNamer,
+        loop: asyncio.AbstractEventLoop,
+        shm_dir: Path = SHM_DIR,
+    ) -> None:
+        self.loop = loop
+        self.name = namer.next("notice")
+        self.path = shm_dir / self.name
+        self._waiting: dict[bytes, asyncio.Future[NoticeConn]] = {}
+        self._conns: set[NoticeConn] = set()
+        self._closed = False
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            old = os.umask(0o177)  # the file is created 0600: nobody else may connect
+            try:
+                sock.bind(str(self.path))
+            finally:
+                os.umask(old)
+            sock.setblocking(False)
+            sock.listen(128)
+            loop.add_reader(sock.fileno(), self._accept)
+        except BaseException:
+            sock.close()
+            self.path.unlink(missing_ok=True)
+            raise
+        self._sock = sock
+
+    def register(self) -> tuple[bytes, asyncio.Future[NoticeConn]]:
+        """A fresh token for a stream, and the future of the connection that presents it."""
+        token = secrets.token_bytes(notice.TOKEN_BYTES)
+        fut: asyncio.Future[NoticeConn] = self.loop.create_future()
+        self._waiting[token] = fut
+        return token, fut
+
+    def unregister(self, token: bytes) -> None:
+        """Forget a stream's token (it ended); a connection bound to it is the stream's to close."""
+        fut = self._waiting.pop(token, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    def _bind(self, token: bytes, conn: NoticeConn) -> bool:
+        fut = self._waiting.pop(bytes(token), None)
+        if fut is None or fut.done():
+            return False
+        fut.set_result(conn)
+        return True
+
+    def _forget(self, conn: NoticeConn) -> None:
+        self._conns.discard(conn)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: leave it for the next wake-up
+                log.warning("notice channel: accept failed: %s", exc)
+                return
+            try:
+                _pid, uid, _gid = _UCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+                )
+            except OSError:
+                uid = -1
+            unbound = sum(1 for c in self._conns if not c.bound)
+            if uid != os.getuid() or unbound >= MAX_UNBOUND:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = NoticeConn(self, sock)
+            self._conns.add(conn)
+            self.loop.add_reader(sock.fileno(), conn._on_readable)
+            self.loop.call_later(HELLO_TIMEOUT_S, conn._expire)
+
+    def close(self) -> None:
+        """Stop listening, close every connection and unlink the socket file (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        self.path.unlink(missing_ok=True)
+        for conn in list(self._conns):
+            conn.close()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.cancel()
+        self._waiting.clear()

@@ -1,0 +1,157 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""The shm notice channel (beton_wire.notice) against a real daemon: used by default, equal to
+the gRPC path, and robust to bad tokens, garbage, a client that closes it and one that never
+connects it."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from beton_client import Loader, OrderOption
+from beton_serve.fields.decoders import IntDecoder, NDArrayDecoder
+from beton_serve.transforms import ToTensor
+from beton_wire import notice
+from beton_wire.v1 import beton_pb2 as pb
+from beton_wire.v1 import beton_pb2_grpc as pb_grpc
+from helpers.daemon import SHM, daemon  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+PIPES = {
+    "int": [IntDecoder(), ToTensor()],
+    "float": None,
+    "array": [NDArrayDecoder(), ToTensor()],
+    "blob": None,
+    "meta": None,
+}
+
+
+def _epochs(loader: Loader, n: int) -> list[tuple[np.ndarray, ...]]:
+    out = []
+    for _ in range(n):
+        for batch in loader:
+            out.append((*(t.numpy().copy() for t in batch), loader.last_sample_ids.copy()))
+    return out
+
+
+def _socket_of(d) -> Path:
+    names = [n for n in d.shm_files() if "-notice-" in n]
+    assert len(names) == 1, names
+    return SHM / names[0]
+
+
+def _wait(pred, timeout: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def test_notice_channel_is_used_and_equals_the_grpc_path(daemon, monkeypatch) -> None:
+    kw = dict(batch_size=7, pipelines=PIPES, order=OrderOption.RANDOM, seed=5, drop_last=False)
+    with Loader("mixed_fields", server=daemon.address, **kw) as fast:
+        assert fast._stream is not None and fast._stream.notice is not None
+        got_fast = _epochs(fast, 2)
+    monkeypatch.setattr("beton_client._stream._connect_notices", lambda *a: None)
+    with Loader("mixed_fields", server=daemon.address, **kw) as slow:
+        assert slow._stream is not None and slow._stream.notice is None
+        got_slow = _epochs(slow, 2)
+        per_epoch = len(slow)
+    assert len(got_fast) == len(got_slow) == 2 * per_epoch
+    for a, b in zip(got_fast, got_slow, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+    # The last partial batch (50 samples, batch 7) travelled with its true length and ids.
+    assert len(got_fast[per_epoch - 1][0]) == 50 % 7
+
+
+def test_bad_token_and_garbage_are_refused_and_the_daemon_keeps_serving(daemon) -> None:
+    path = _socket_of(daemon)
+    for record in (notice.hello(b"x" * notice.TOKEN_BYTES), b"\x00" * 5, notice.release(0, 0, 0)):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(5)
+        try:
+            s.connect(str(path))
+            s.send(record)
+            assert s.recv(64) == b""  # the daemon closed it
+        finally:
+            s.close()
+    with Loader("mixed_fields", batch_size=10, pipelines=PIPES, server=daemon.address) as ld:
+        assert sum(len(b[0]) for b in ld) == 50
+
+
+def test_a_client_that_closes_its_notice_channel_loses_its_stream(daemon) -> None:
+    ld = Loader("mixed_fields", batch_size=5, pipelines=PIPES, server=daemon.address)
+    try:
+        it = iter(ld)
+        next(it)
+        stream_id = ld._stream.reply.stream_id
+        assert any(s.stream_id == stream_id for s in daemon.stats().streams)
+        ld._stream.notice.close()
+        _wait(lambda: not any(s.stream_id == stream_id for s in daemon.stats().streams), 3.0)
+    finally:
+        ld.close()
+    with Loader("mixed_fields", batch_size=25, pipelines=PIPES, server=daemon.address) as ld2:
+        assert sum(len(b[0]) for b in ld2) == 50
+
+
+def _open_raw(stub, transport: str) -> pb.OpenStreamResponse:
+    from beton_client._transport.identity import gather_facts
+
+    ident = gather_facts("cpu", transport).to_dict()["identity"]
+    return stub.OpenStream(
+        pb.OpenStreamRequest(
+            dataset="mixed_fields",
+            batch_size=5,
+            pipelines=[
+                pb.PipelineSpec(name="int", field="int", ops=[pb.OpSpec(name="IntDecoder")]),
+                *(pb.PipelineSpec(name=n, field=n, skip=True) for n in PIPES if n != "int"),
+            ],
+            transport=transport,
+            host=pb.HostIdentity(
+                boot_id=ident["boot_id"],
+                hostname=ident["hostname"],
+                uid=ident["uid"],
+                pid=ident["pid"],
+                ipc_ns=ident["ipc_ns"] or 0,
+                has_ipc_ns=ident["ipc_ns"] is not None,
+            ),
+            capabilities=pb.Capabilities(transports=["shm", "grpc"]),
+        ),
+        timeout=30,
+    )
+
+
+def test_notices_on_a_stream_without_a_channel_is_invalid_argument(daemon) -> None:
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.BetonServeStub(ch)
+        reply = _open_raw(stub, "grpc")
+        assert reply.transport.kind == "grpc" and not reply.transport.shm.notice_socket
+        start = pb.ClientMessage(start=pb.Start(stream_id=reply.stream_id, notices=True))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Batches(iter([start]), timeout=20))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "notice channel" in err.value.details()
+
+
+def test_notices_asked_for_but_never_connected_fail_the_stream(daemon) -> None:
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.BetonServeStub(ch)
+        reply = _open_raw(stub, "shm")
+        setup = reply.transport.shm
+        assert setup.notice_socket and len(setup.notice_token) == notice.TOKEN_BYTES
+        assert setup.ids_offset == setup.slot_count * setup.slot_bytes
+        start = pb.ClientMessage(start=pb.Start(stream_id=reply.stream_id, notices=True))
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Batches(iter([start]), timeout=30))
+        assert "did not connect its notice channel" in err.value.details()
+        assert 5 < time.monotonic() - t0 < 25
+    _wait(lambda: not any(s.stream_id == reply.stream_id for s in daemon.stats().streams), 3.0)

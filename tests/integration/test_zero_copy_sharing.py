@@ -1,0 +1,125 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""Zero-copy sharing (issue 6): identical shm streams read one group buffer in place.
+
+Clients on the notice channel get shared batches as references into a sharing arena
+(``/dev/shm/beton-<pid>-share-<n>``) instead of a copy in their own slot. A batch a client
+still holds must never be overwritten, however far the others run ahead; every arena is unlinked
+once its streams are gone; and a client without the notice channel still gets copies.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from beton_client import Loader, OrderOption
+from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
+from beton_serve.transforms import ToTensor
+from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+N_SAMPLES = 64  # images_smart.beton
+
+
+def _loader(address: str, batch: int = 4) -> Loader:
+    return Loader(
+        "images_smart",
+        batch_size=batch,
+        order=OrderOption.RANDOM,
+        seed=3,
+        pipelines={
+            "image": [CenterCropRGBImageDecoder((24, 24), 0.8), ToTensor()],
+            "label": [IntDecoder(), ToTensor()],
+        },
+        server=address,
+        spawn=False,
+    )
+
+
+def _shared_mappings(ld: Loader) -> list[str]:
+    assert ld._stream is not None
+    return [n for n in ld._stream.receiver._extra if "-share-" in n]
+
+
+def _wait(pred, timeout: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def test_shared_batches_are_read_in_place_and_a_held_one_never_changes(
+    daemon_factory, fixtures_dir
+) -> None:
+    d = daemon_factory([fixtures_dir / "images_smart.beton"], args=["--share-retain", "16"])
+    holder, *others = [_loader(d.address) for _ in range(3)]
+    try:
+        # All three streams are open before anyone reads: every batch is a group batch.
+        held_it = iter(holder)
+        held = next(held_it)  # a view into a group buffer, kept without cloning
+        snapshot = [t.clone() for t in held]
+        held_ids = holder.last_sample_ids.copy()
+        errors: list[BaseException] = []
+        got: list[list[np.ndarray]] = [[] for _ in others]
+
+        def run(i: int) -> None:
+            try:
+                for _ in range(3):  # far past the holder: it is detached meanwhile
+                    for b in others[i]:
+                        got[i].append(others[i].last_sample_ids.copy())
+                        assert len(b[0]) == 4
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"beton-test-{i}") for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert _shared_mappings(holder), "the holder's batch did not come by reference"
+        assert all(_shared_mappings(ld) for ld in others)
+        for t, s in zip(held, snapshot, strict=True):
+            assert torch.equal(t, s)  # the group never reused the buffer the holder still reads
+        # The holder carries on, exact, on its own: the rest of its first epoch.
+        rest = [holder.last_sample_ids.copy() for _ in held_it]
+        ids = np.concatenate([held_ids, *rest])
+        assert sorted(ids.tolist()) == list(range(N_SAMPLES))
+        assert np.array_equal(np.concatenate(got[0][: N_SAMPLES // 4]), ids)
+    finally:
+        for ld in (holder, *others):
+            ld.close()
+    _wait(lambda: not d.stats().streams, 5.0)
+    _wait(lambda: not [s for s in d.segments() if "-share-" in s], 5.0)  # every arena unlinked
+    decoded = {x.name: x.samples_decoded for x in d.stats().datasets}["images_smart"]
+    assert decoded < 3 * 3 * N_SAMPLES  # shared, not decoded once per client
+
+
+def test_zero_copy_and_copying_clients_get_identical_batches(
+    daemon_factory, fixtures_dir, monkeypatch
+) -> None:
+    d = daemon_factory([fixtures_dir / "images_smart.beton"], args=["--share-retain", "16"])
+    fast = _loader(d.address, batch=8)
+    monkeypatch.setattr("beton_client._stream._connect_notices", lambda *a: None)
+    slow = _loader(d.address, batch=8)  # no notice channel: shared batches are copied
+    try:
+        assert slow._stream is not None and slow._stream.notice is None
+        a, b = [], []
+        for _ in range(2):
+            for x, y in zip(fast, slow, strict=True):
+                a.append((fast.last_sample_ids.copy(), x[0].clone(), x[1].clone()))
+                b.append((slow.last_sample_ids.copy(), y[0].clone(), y[1].clone()))
+        assert _shared_mappings(fast) and not _shared_mappings(slow)
+        for (i1, x1, l1), (i2, x2, l2) in zip(a, b, strict=True):
+            assert np.array_equal(i1, i2) and torch.equal(x1, x2) and torch.equal(l1, l2)
+    finally:
+        fast.close()
+        slow.close()
+    decoded = {x.name: x.samples_decoded for x in d.stats().datasets}["images_smart"]
+    assert decoded == 2 * N_SAMPLES  # 1x: the copying client shared the decodes too
