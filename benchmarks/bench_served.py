@@ -1,14 +1,15 @@
 """Served (shm) against in-process throughput, client CPU per batch, and 4 clients on one daemon.
 
-    python benchmarks/bench_served.py [--imagenet-n 500] [--cifar-n 5000] [--epochs 2] [--clients 4]
+    python benchmarks/bench_served.py [--imagenet-n 500] [--cifar-n 5000] [--epochs 2] [--rounds 3]
+                                      [--clients 4]
 
 Uses the issue-3 datasets and pipelines of ``bench_loader.py`` (ImageNet-like JPEG with
 RandomResizedCrop 224 + flip, batch 256; CIFAR-like raw 32x32 + flip, batch 512), order RANDOM.
 
 1. Throughput: one in-process ``beton_serve.loader.Loader`` (2 workers) and one
-   ``beton_client.Loader`` against a daemon subprocess (``--workers 2``), each after a warm-up
-   epoch (compilation); ``--epochs`` timed epochs of each, interleaved, medians; the ratio
-   served / in-process.
+   ``beton_client.Loader`` against a daemon subprocess (``--workers 2``), taking turns for
+   ``--rounds`` rounds: each turn is a warm-up epoch, then ``--epochs`` timed epochs back to back
+   (see :func:`time_blocks`); the median epoch of each; the ratio served / in-process.
 2. Client-side CPU per batch: the trainer process's own CPU time (user + system) for a served
    epoch divided by its batches: the cost of receiving a batch (control messages + tensor views).
 3. ``--clients`` processes sharing one daemon against as many processes each running an
@@ -45,25 +46,34 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / CLK
 
 
-def time_interleaved(loaders: list, epochs: int) -> list[tuple[float, float, int]]:
-    """Warm up every loader, then alternate timed epochs between them (the machine is shared and
-    its load drifts, so interleaving keeps the comparison fair). Returns, per loader, the median
-    wall time, the mean CPU time of this process and the samples of an epoch."""
-    for ld in loaders:
-        for _ in ld:
-            pass
+def time_blocks(loaders: list, epochs: int, rounds: int) -> list[tuple[float, float, int]]:
+    """Time each loader in blocks of back-to-back epochs, the loaders taking turns.
+
+    A block is one untimed epoch, then ``epochs`` timed epochs run back to back, as a training
+    loop runs them: the served stream's look-ahead into the next epoch (``daemon._pump``) is
+    then earned inside the block, in the tail of the epoch before, exactly as in steady state.
+    After every block the machine is left idle for a moment, so that work a loader started for
+    an epoch nobody will read (the look-ahead after its last block) never runs inside another
+    loader's timed block. The machine is shared and its load drifts, hence the turns and the
+    ``rounds``. Returns, per loader, the median wall time of an epoch, the mean CPU time of this
+    process per epoch and the samples of an epoch.
+    """
     walls: list[list[float]] = [[] for _ in loaders]
     cpus: list[list[float]] = [[] for _ in loaders]
     counts = [0] * len(loaders)
-    for _ in range(epochs):
+    for _ in range(rounds):
         for i, ld in enumerate(loaders):
-            c0, t0 = time.process_time(), time.perf_counter()
-            n = 0
-            for b in ld:
-                n += len(b[0])
-            walls[i].append(time.perf_counter() - t0)
-            cpus[i].append(time.process_time() - c0)
-            counts[i] = n
+            for _ in ld:  # untimed: compilation (first round), then the steady state's start
+                pass
+            for _ in range(epochs):
+                c0, t0 = time.process_time(), time.perf_counter()
+                n = 0
+                for b in ld:
+                    n += len(b[0])
+                walls[i].append(time.perf_counter() - t0)
+                cpus[i].append(time.process_time() - c0)
+                counts[i] = n
+            time.sleep(0.3)
     return [
         (statistics.median(w), statistics.mean(c), n)
         for w, c, n in zip(walls, cpus, counts, strict=True)
@@ -143,6 +153,7 @@ def main() -> None:
     ap.add_argument("--imagenet-n", type=int, default=500)
     ap.add_argument("--cifar-n", type=int, default=5000)
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--kinds", default="cifar,imagenet")
     args = ap.parse_args()
@@ -178,7 +189,7 @@ def main() -> None:
                     pipelines=pipelines(kind),
                     server=d.address,
                 )
-                (lw, lc, n), (sw, sc, n2) = time_interleaved([local, served], args.epochs)
+                (lw, lc, n), (sw, sc, n2) = time_blocks([local, served], args.epochs, args.rounds)
                 batches = len(served)
                 local.close()
                 served.close()

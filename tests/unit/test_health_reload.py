@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from beton_serve.errors import FormatError
 def test_file_watch_detects_shrinking_and_sticks(tmp_path: Path) -> None:
     f = tmp_path / "a.beton"
     f.write_bytes(b"x" * 4096)
-    w = FileWatch([str(f), str(tmp_path / "missing")])
+    w = FileWatch([str(f), str(tmp_path / "missing")], min_interval=0)
     try:
         w.check("a")
         with open(f, "ab") as fh:  # growing is harmless
@@ -32,6 +33,21 @@ def test_file_watch_detects_shrinking_and_sticks(tmp_path: Path) -> None:
             w.check("a")
     finally:
         w.close()
+        w.close()
+
+
+def test_file_watch_skips_checks_closer_than_its_interval(tmp_path: Path) -> None:
+    f = tmp_path / "a.beton"
+    f.write_bytes(b"x" * 4096)
+    w = FileWatch([str(f)], min_interval=0.2)
+    try:
+        w.check("a")
+        os.truncate(f, 100)
+        w.check("a")  # within 0.2 s of the last check: skipped
+        time.sleep(0.25)
+        with pytest.raises(FormatError, match="shrank from 4096 to 100"):
+            w.check("a")
+    finally:
         w.close()
 
 

@@ -33,6 +33,7 @@ from beton_wire.slots import slot_layout
 
 from beton_serve.daemon._backend import Backend, EngineBackend, OutputInfo, PlanLike, SourceParams
 from beton_serve.daemon._datasets import Dataset, DatasetTable
+from beton_serve.daemon._pump import NoticePump
 from beton_serve.daemon._stream import (
     BatchOut,
     ClientEvent,
@@ -704,6 +705,8 @@ class Daemon:
                 hung_up.set()
                 starts.put_nowait(None)
                 stream._wake.set()
+                if stream.pump is not None:  # the client hung up mid-epoch
+                    stream.pump.fail(ClientHungUp("the client closed its Batches call"))
 
         def notice_closed() -> None:
             hung_up.set()
@@ -719,15 +722,14 @@ class Daemon:
                     return
                 if start.stream_id and start.stream_id != stream.stream_id:
                     raise SpecError("a Batches call serves one stream; open another call")
-                if start.notices:
+                if start.notices:  # published from the workers, off this loop (daemon._pump)
                     await stream.attach_notices(notice_closed)
+                    await NoticePump(stream, start, asyncio.get_running_loop()).run()
+                    continue
                 async for item in stream.run_epoch(start):
                     if hung_up.is_set():
                         return  # the client closed its side mid-epoch: nobody will read more
-                    if start.notices:
-                        stream.send_notice(item)
-                    else:
-                        yield item
+                    yield item
         except ClientHungUp:
             return
         finally:

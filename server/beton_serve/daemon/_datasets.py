@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,8 @@ class Dataset:
         num_samples: total samples over all shards.
         fields: ``(name, type)`` pairs in file order.
         schema_key: the schema hash (equal for every shard).
-        samples_decoded / batches_decoded: counters for stats (event-loop thread only).
-        bad_samples: samples skipped under the bad-sample budget (event-loop thread only).
+        samples_decoded / batches_decoded: counters for stats (change them with :meth:`count`).
+        bad_samples: samples skipped under the bad-sample budget (:meth:`count` too).
         watch: guards against the files shrinking under the mmap (``_health``).
     """
 
@@ -49,6 +50,7 @@ class Dataset:
     bad_samples: int = 0
     watch: FileWatch | None = None
     _extra: dict[str, Any] = field(default_factory=dict)
+    _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
     #: The reader the planner compiles against: the file's own, or the shards combined.
     combined: Any = None
@@ -57,6 +59,13 @@ class Dataset:
     def reader(self) -> Any:
         """The reader the planner compiles against (one index space over every shard)."""
         return self.combined if self.combined is not None else self.readers[0]
+
+    def count(self, *, batches: int = 0, samples: int = 0, bad: int = 0) -> None:
+        """Add to the counters (from any thread: streams publish from engine workers)."""
+        with self._count_lock:
+            self.batches_decoded += batches
+            self.samples_decoded += samples
+            self.bad_samples += bad
 
     def check_files(self) -> None:
         """Raise ``FormatError`` if a file shrank while served (see ``_health``)."""

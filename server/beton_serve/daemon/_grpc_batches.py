@@ -269,8 +269,7 @@ class StreamProducer:
         s.counters.batches_sent += 1
         s.counters.samples_sent += length
         if getattr(f, "decoded_here", True):
-            s.dataset.batches_decoded += 1
-            s.dataset.samples_decoded += length
+            s.dataset.count(batches=1, samples=length)
         named = [(o.name, a[:length]) for o, a in zip(s.outputs, arrays, strict=True)]
         named.append((SAMPLE_IDS, ids))
         out.set_result(OutgoingBatch(named, release=lambda: self._release(slot)))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -182,6 +183,13 @@ class Stream:
     notice_unregister: Any = None
     #: Shared batches published by reference, by slot: released with the slot (issue 6).
     _refs: dict[int, Any] = field(default_factory=dict)
+    #: Guards the ring, the lease counts and the references while a :class:`NoticePump`
+    #: publishes from engine workers (``daemon._pump``); the pump serving the epoch, if any.
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    pump: Any = None
+    #: Batches of the next epoch a pump submitted ahead of the client's Start
+    #: (``daemon._pump.Lookahead``), adopted or discarded by the next epoch's start.
+    lookahead: Any = None
 
     async def attach_notices(self, on_hangup: Any) -> Any:
         """Wait for the client's notice connection and route its releases to this stream.
@@ -239,6 +247,8 @@ class Stream:
         self.abort_exc = exc
         self.starts.put_nowait(None)
         self._wake.set()
+        if self.pump is not None:
+            self.pump.fail(exc)
 
     @property
     def num_batches(self) -> int:
@@ -248,15 +258,18 @@ class Stream:
     # -- events from the client (event-loop thread) -------------------------------------------
     def on_release(self, ev: ReleaseSlot) -> None:
         """Return a slot; unknown or double releases are ignored (logged at debug level)."""
-        if self.ring.release(ev.slot):
-            self._published -= 1
-            ref = self._refs.pop(ev.slot, None)
-            if ref is not None:  # the group may free the shared buffer now
-                ref.release()
-        else:
-            log.debug("stream %s: ignored release of slot %d", self.stream_id, ev.slot)
-        self.counters.client_wait_us += max(0, ev.wait_us)
+        with self.lock:
+            if self.ring.release(ev.slot):
+                self._published -= 1
+                ref = self._refs.pop(ev.slot, None)
+                if ref is not None:  # the group may free the shared buffer now
+                    ref.release()
+            else:
+                log.debug("stream %s: ignored release of slot %d", self.stream_id, ev.slot)
+            self.counters.client_wait_us += max(0, ev.wait_us)
         self._wake.set()
+        if self.pump is not None:
+            self.pump.fill()
 
     def on_credit(self, ev: CreditEvent) -> None:
         """Grant more credits, up to the ring size."""
@@ -284,10 +297,10 @@ class Stream:
             raise SpecError(f"next_batch {start.next_batch} is outside the epoch's {n} batches")
         slots = self.ring.slot_count
         self._credits = slots if start.credits <= 0 else min(start.credits, slots)
+        self.drop_lookahead()  # only the notice path looks ahead
         epoch = start.epoch
         b_next = start.next_batch
-        # Zero-copy sharing needs the notice channel: only it can name another segment.
-        by_ref = {"by_reference": True} if start.notices and self._by_reference() else {}
+        by_ref = start.notices and self.by_reference()
         pending: deque[tuple[int, int, asyncio.Future[list[np.ndarray]]]] = deque()
         try:
             delivered = b_next
@@ -299,17 +312,11 @@ class Stream:
                     slot = self.ring.acquire()
                     if slot is None:
                         break
-                    waiting = self._published <= 1 and not pending
-                    # A batch the client waits for is split over the workers (it arrives
-                    # sooner); prefetch work stays whole, which costs less per image.
-                    cfut = self.source.submit(
-                        epoch,
-                        b_next,
-                        self.ring.host_views(slot),
-                        priority=0 if waiting else 1,
-                        slices=None if waiting else 1,
-                        **by_ref,
-                    )
+                    try:
+                        cfut = self.submit(epoch, b_next, slot, not pending, by_ref)
+                    except BaseException:
+                        self.ring.abandon(slot)
+                        raise
                     afut = asyncio.wrap_future(cfut)
                     afut.add_done_callback(self._on_done)
                     pending.append((b_next, slot, afut))
@@ -325,40 +332,13 @@ class Stream:
                     await self._wait_wake()
                     continue
                 pending.popleft()
-                # A shared source marks batches another identical stream decoded (issue 6).
                 cfut = self._submitted.pop(b, None)
-                decoded = getattr(cfut, "decoded_here", True)
                 try:
                     arrays = fut.result()
                 except BaseException:
                     self.ring.abandon(slot)
                     raise
-                ref = getattr(cfut, "shared_ref", None)
-                if ref is not None:
-                    self._refs[slot] = ref
-                self._count_bad()
-                ids = np.asarray(self.source.batch_ids(epoch, b), dtype=np.uint64)
-                length = len(ids) if arrays is None or not len(arrays) else len(arrays[0])
-                write_ids = getattr(self.ring, "write_ids", None)
-                if write_ids is not None:  # shm: the notice channel's clients read them there
-                    write_ids(slot, ids)
-                published = self.ring.publish(slot, length)
-                self._published += 1
-                self.counters.batches_sent += 1
-                self.counters.samples_sent += length
-                if decoded:
-                    self.dataset.batches_decoded += 1
-                    self.dataset.samples_decoded += length
-                yield BatchOut(
-                    epoch=epoch,
-                    batch_index=b,
-                    slot=slot,
-                    length=length,
-                    tensors=self._tensors(length),
-                    sample_ids=ids,
-                    published=published,
-                    at=None if ref is None else (ref.segment, ref.offset),
-                )
+                yield self.publish(epoch, b, slot, cfut, arrays)
                 delivered += 1
             yield EpochEnd(epoch=epoch, batches=n)
         finally:
@@ -370,9 +350,81 @@ class Stream:
                     ref.release()
             self._submitted.clear()
 
-    def _by_reference(self) -> bool:
+    def drop_lookahead(self) -> None:
+        """Discard batches submitted ahead for the next epoch (they will not be published)."""
+        with self.lock:
+            la, self.lookahead = self.lookahead, None
+            if la is not None:
+                self.discard(la.pending)
+
+    def discard(self, pending: Any) -> None:
+        """Cancel submitted ``(batch, slot, future)`` entries that will not be published:
+        return their slots and shared references, and empty ``pending`` (hold :attr:`lock`)."""
+        for _, slot, cfut in pending:
+            cfut.cancel()
+            self.ring.abandon(slot)
+            ref = getattr(cfut, "shared_ref", None)
+            if ref is not None:  # decoded by reference but never published
+                ref.release()
+        pending.clear()
+
+    def by_reference(self) -> bool:
+        """Whether shared batches can be published by reference: zero-copy sharing needs a
+        sharing source with an arena and the ring's id table (shm; with the notice channel,
+        the only one that can name another segment)."""
         return bool(getattr(self.source, "supports_by_reference", False)) and bool(
             getattr(self.ring, "write_ids", None)
+        )
+
+    def submit(self, epoch: int, b: int, slot: int, first: bool, by_ref: bool) -> Any:
+        """Submit batch ``b`` into ``slot`` (acquired); ``first``: nothing else is pending.
+
+        A batch the client waits for (nothing published for it to read, nothing ahead of it) is
+        split over the workers, so it arrives sooner; prefetch work stays whole, which costs
+        less per image (as in the in-process Loader).
+        """
+        waiting = self._published <= 1 and first
+        return self.source.submit(
+            epoch,
+            b,
+            self.ring.host_views(slot),
+            priority=0 if waiting else 1,
+            slices=None if waiting else 1,
+            **({"by_reference": True} if by_ref else {}),
+        )
+
+    def publish(self, epoch: int, b: int, slot: int, cfut: Any, arrays: Any) -> BatchOut:
+        """Publish the finished batch ``b`` of ``slot``: ids, lease, counters (the caller holds
+        :attr:`lock` when engine workers may publish concurrently).
+
+        Raises:
+            TransportError: the slot was not being filled (the ring was closed meanwhile).
+        """
+        ref = getattr(cfut, "shared_ref", None)
+        if ref is not None:
+            self._refs[slot] = ref
+        self._count_bad()
+        ids = np.asarray(self.source.batch_ids(epoch, b), dtype=np.uint64)
+        length = len(ids) if arrays is None or not len(arrays) else len(arrays[0])
+        write_ids = getattr(self.ring, "write_ids", None)
+        if write_ids is not None:  # shm: the notice channel's clients read them there
+            write_ids(slot, ids)
+        published = self.ring.publish(slot, length)
+        self._published += 1
+        self.counters.batches_sent += 1
+        self.counters.samples_sent += length
+        # A shared source marks batches another identical stream decoded (issue 6).
+        if getattr(cfut, "decoded_here", True):
+            self.dataset.count(batches=1, samples=length)
+        return BatchOut(
+            epoch=epoch,
+            batch_index=b,
+            slot=slot,
+            length=length,
+            tensors=self._tensors(length),
+            sample_ids=ids,
+            published=published,
+            at=None if ref is None else (ref.segment, ref.offset),
         )
 
     def _count_bad(self) -> None:
@@ -380,11 +432,14 @@ class Stream:
         inner = getattr(self.source, "source", self.source)  # a SharedSource wraps its own
         bad = getattr(inner, "bad_samples", None)
         if bad is not None and len(bad) > self._bad_seen:
-            self.dataset.bad_samples += len(bad) - self._bad_seen
+            self.dataset.count(bad=len(bad) - self._bad_seen)
             self._bad_seen = len(bad)
 
     def _promote(self, b: int) -> None:
-        cfut = self._submitted.get(b)
+        self.promote(self._submitted.get(b))
+
+    def promote(self, cfut: Any) -> None:
+        """Move the decode behind ``cfut`` ahead of prefetch work (the client is waiting)."""
         promote = getattr(self.source, "promote", None)
         if cfut is not None and promote is not None:
             promote(cfut)
@@ -397,9 +452,14 @@ class Stream:
 
     def close(self) -> None:
         """Free the ring and every lease (idempotent)."""
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self.drop_lookahead()
         close_source = getattr(self.source, "close", None)
         if callable(close_source):  # a shared source leaves its sharing group
             with contextlib.suppress(Exception):

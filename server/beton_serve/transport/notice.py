@@ -9,8 +9,9 @@ Ownership: the hub owns the listening socket, its file and every connection; the
 the hub, which unlinks the file (the next daemon's sweep removes it after a crash, like a ring).
 A stream closes its own connection when it ends, which is how its client learns that it ended.
 
-Threads: everything runs on the daemon's event-loop thread, driven by ``loop.add_reader``.
-Sends never block: a stream has at most ``slot_count`` BATCH notices and one END outstanding,
+Threads: the hub and the reading side run on the daemon's event-loop thread, driven by
+``loop.add_reader``; a stream's ``NoticePump`` also sends from engine workers, so a connection's
+sends and its close are serialised by its own lock. Sends never block: a stream has at most ``slot_count`` BATCH notices and one END outstanding,
 far below a socket buffer, so a send that would block means a client that stopped reading, and
 fails the stream with :class:`~beton_serve.errors.TransportError`.
 """
@@ -24,6 +25,7 @@ import os
 import secrets
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +56,7 @@ class NoticeConn:
     def __init__(self, hub: NoticeHub, sock: socket.socket) -> None:
         self._hub = hub
         self._sock = sock
+        self._lock = threading.Lock()
         self.bound = False
         self.closed = False
         self.on_release: Callable[[int, int, int], None] | None = None
@@ -79,10 +82,11 @@ class NoticeConn:
         self._send(notice.end(epoch, batches))
 
     def _send(self, record: bytes) -> None:
-        if self.closed:
-            raise TransportError("the client closed the stream's notice channel")
         try:
-            self._sock.send(record)
+            with self._lock:
+                if self.closed:
+                    raise TransportError("the client closed the stream's notice channel")
+                self._sock.send(record)
         except BlockingIOError:
             raise TransportError(
                 "the client stopped reading its notice channel (its socket buffer is full)"
@@ -125,14 +129,15 @@ class NoticeConn:
             self.close()
 
     def close(self) -> None:
-        """Close the connection (idempotent); calls ``on_close`` once."""
-        if self.closed:
-            return
-        self.closed = True
+        """Close the connection (idempotent); calls ``on_close`` once (event-loop thread)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            with contextlib.suppress(Exception):
+                self._hub.loop.remove_reader(self._sock.fileno())
+            self._sock.close()
         self._hub._forget(self)
-        with contextlib.suppress(Exception):
-            self._hub.loop.remove_reader(self._sock.fileno())
-        self._sock.close()
         cb, self.on_close, self.on_release = self.on_close, None, None
         if cb is not None:
             cb()
