@@ -70,7 +70,12 @@ _CHANNEL_OPTIONS = (
 def _shm_receiver(setup: Any) -> Receiver:
     s = setup.shm
     return ShmReceiver(
-        s.segment, s.segment_bytes, s.slot_count, s.slot_bytes, ids_offset=s.ids_offset
+        s.segment,
+        s.segment_bytes,
+        s.slot_count,
+        s.slot_bytes,
+        ids_offset=s.ids_offset,
+        release_offset=s.release_offset,
     )
 
 
@@ -402,8 +407,11 @@ class Loader:
         return req, plans
 
     @staticmethod
-    def _key(req: pb.OpenStreamRequest) -> bytes:
-        return bytes(req.SerializeToString(deterministic=True))
+    def _key(plans: Sequence[PipelinePlan]) -> bytes:
+        """What decides whether a stream can serve the next epoch: the daemon-side spec of every
+        pipeline and the device (cheap: ``__iter__`` computes it every epoch)."""
+        spec = [(p.name, p.field, p.skip, p.ops) for p in plans]
+        return repr((spec, device_of(plans))).encode()
 
     def _open(self) -> _Stream:
         req, plans = self._request()
@@ -423,14 +431,14 @@ class Loader:
                 targets=self._servers,
                 make_channel=self._make_channel,
                 plans=plans,
-                key=self._key(req),
+                key=self._key(plans),
             )
         try:
             receiver = self._receiver(reply)
         except TransportUnavailable as exc:
             return self._fall_back_to_shm(exc)
         return _Stream(
-            self._channel, self._stub, reply, receiver, plans, self._key(req), self.server
+            self._channel, self._stub, reply, receiver, plans, self._key(plans), self.server
         )
 
     def _make_channel(self, target: str) -> grpc.Channel:
@@ -481,9 +489,8 @@ class Loader:
         if self._stream is None:
             raise BetonClientError("the Loader is closed")
         stream = self._stream
-        req, _ = self._request()
         abandoned = self._current is not None and not self._current.done
-        if abandoned or self._key(req) != stream.key:
+        if abandoned or self._key(split_pipelines(self.pipelines)) != stream.key:
             stream.close()
             self._stream = None
             try:

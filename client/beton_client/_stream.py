@@ -89,8 +89,11 @@ class _Stream:
             build_tail([*(SpecOp.from_wire(op) for op in o.client_ops), *tails.get(o.name, [])])
             for o in reply.outputs
         ]
-        self.held: tuple[int, int, int] | None = None  # (slot, batch index, wait_us)
+        self.held: tuple[int, int, int, int] | None = None  # (slot, batch, wait_us, lease token)
+        self.wait_us = 0  # total, reported through the release words
+        self._started = False
         self.notice = _connect_notices(reply, receiver)
+        self._words = self.notice is not None and getattr(receiver, "has_release_words", False)
         self._layout = slot_layout(
             [(o.name, tuple(o.shape), DTYPE_NAMES[o.dtype]) for o in reply.outputs],
             max(1, int(reply.batch_size)),
@@ -107,7 +110,12 @@ class _Stream:
         self._requests.put(msg)
 
     def start(self, epoch: int, next_batch: int) -> None:
-        """Start ``epoch`` at ``next_batch`` with every credit."""
+        """Start ``epoch`` at ``next_batch`` with every credit (after the Batches call's first
+        ``Start``, on the notice channel when there is one)."""
+        if self.notice is not None and self._started:
+            self.notice.start(epoch, next_batch, self.reply.max_credits)
+            return
+        self._started = True
         self.send(
             pb.ClientMessage(
                 start=pb.Start(
@@ -122,12 +130,17 @@ class _Stream:
 
     def release_held(self) -> None:
         if self.held is not None:
-            slot, index, wait_us = self.held
+            slot, index, wait_us, token = self.held
             self.held = None
             release = getattr(self.receiver, "release", None)
             if release is not None:  # cuda_ipc: record the free event before the Release
                 release(slot)
-            if self.notice is not None:
+            if self._words:  # a store in shared memory; a record only if the daemon starves
+                assert isinstance(self.receiver, ShmReceiver) and self.notice is not None
+                self.wait_us += wait_us
+                if self.receiver.release_word(slot, token, self.wait_us):
+                    self.notice.wake()
+            elif self.notice is not None:
                 self.notice.release(slot, index, wait_us)
             else:
                 self.send(
@@ -293,7 +306,7 @@ class _EpochIterator(Iterator[tuple[Any, ...]]):
             arrays = s.receiver.arrays_at(b.at[0], b.at[1], b.tensors)
         else:
             arrays = s.receiver.arrays(b.slot, b.tensors)
-        s.held = (b.slot, b.index, wait_us)
+        s.held = (b.slot, b.index, wait_us, notice.lease_token(b.epoch, b.index, s.num_batches))
         if self.loader.copy:
             arrays = [
                 np.array(a, copy=True) if isinstance(a, np.ndarray) else a.clone() for a in arrays

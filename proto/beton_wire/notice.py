@@ -7,15 +7,21 @@ daemon therefore also listens on a ``SOCK_SEQPACKET`` unix socket under ``/dev/s
 exactly when the ring's segment is, mode 0600), and the per-batch traffic moves there:
 
 * the client connects and sends ``HELLO`` with the stream's secret token
-  (``ShmSetup.notice_token``) as payload, then starts epochs on the Batches call with
-  ``Start.notices = true``;
+  (``ShmSetup.notice_token``) as payload, then starts its first epoch on the Batches call with
+  ``Start.notices = true``, and later epochs with ``START`` records;
 * the daemon sends ``BATCH`` (slot, epoch, batch index, rows) when a slot is published, and
   ``END`` (epoch, batches) after an epoch's last batch. ``BATCH_AT`` is a ``BATCH`` whose data is
   not in the slot but in another segment of the daemon (a batch decoded once for several
   identical streams, issue 6): its payload is the byte offset (uint64) and the segment name; the sample ids of a batch are in the
   segment's id table (``ShmSetup.ids_offset``), written before the notice is sent;
-* the client sends ``RELEASE`` (slot, batch index, microseconds it waited) when it is done with a
-  slot.
+* the client releases a slot it is done with. When the segment has release words
+  (``ShmSetup.release_offset``: ``[starved, wait_us, word per slot]``, uint64 each) it stores the
+  batch's lease token (:func:`lease_token`) in the slot's word and its total wait in ``wait_us``,
+  which costs no system call: the daemon collects released slots whenever a batch completes.
+  Only when the daemon has nothing in flight and is waiting for a slot does it set ``starved``;
+  a client that sees it sends ``WAKE``. (If both sides miss each other's store, the daemon's
+  back-off timer collects the release a few milliseconds later.) Without release words the
+  client sends ``RELEASE`` (slot, batch index, microseconds it waited) instead.
 
 Errors and the end of the stream still travel on the Batches call: when the daemon ends a stream
 it closes the connection, the client reads end-of-file and then the call's status.
@@ -36,14 +42,22 @@ __all__ = [
     "MAX_RECORD",
     "RECORD",
     "RELEASE",
+    "RELEASE_WORDS",
+    "START",
+    "STARVED_WORD",
+    "WAIT_WORD",
+    "WAKE",
     "TOKEN_BYTES",
     "batch",
     "batch_at",
     "end",
     "hello",
+    "lease_token",
     "release",
     "split_at",
+    "start",
     "unpack",
+    "wake",
 ]
 
 #: ``kind`` (uint8), 3 pad bytes, ``a`` (uint32), ``b``, ``c``, ``d`` (uint64), little-endian.
@@ -60,6 +74,17 @@ RELEASE = 4
 
 #: Daemon -> client: like ``BATCH``, but the data is at payload ``(offset, segment name)``.
 BATCH_AT = 5
+#: Client -> daemon: release words changed while the daemon was starved (no fields).
+WAKE = 6
+#: Client -> daemon: start epoch ``b`` at batch ``c`` with ``a`` credits (0: the ring size), as
+#: the Batches call's ``Start`` with ``notices``; only after the call's first ``Start``.
+START = 7
+
+#: Index of the ``starved`` word and of the ``wait_us`` word among the release words; the word
+#: of slot ``s`` is ``RELEASE_WORDS + s``.
+STARVED_WORD = 0
+WAIT_WORD = 1
+RELEASE_WORDS = 2
 
 #: Length of a stream token.
 TOKEN_BYTES = 32
@@ -111,6 +136,22 @@ def end(epoch: int, batches: int) -> bytes:
 def release(slot: int, index: int, wait_us: int) -> bytes:
     """The ``RELEASE`` record (``wait_us`` is clamped to ``[0, 2**64)``)."""
     return RECORD.pack(RELEASE, slot, index, min(max(0, wait_us), 2**64 - 1), 0)
+
+
+def start(epoch: int, next_batch: int, credits: int) -> bytes:
+    """The ``START`` record."""
+    return RECORD.pack(START, credits, epoch, next_batch, 0)
+
+
+def wake() -> bytes:
+    """The ``WAKE`` record."""
+    return RECORD.pack(WAKE, 0, 0, 0, 0)
+
+
+def lease_token(epoch: int, index: int, batches_per_epoch: int) -> int:
+    """The token that releases batch ``index`` of ``epoch``: its position in the stream plus one
+    (never 0, which a fresh word holds, and never the same for two leases of a stream)."""
+    return epoch * batches_per_epoch + index + 1
 
 
 def unpack(data: bytes) -> tuple[int, int, int, int, int, bytes]:

@@ -155,3 +155,31 @@ def test_notices_asked_for_but_never_connected_fail_the_stream(daemon) -> None:
         assert "did not connect its notice channel" in err.value.details()
         assert 5 < time.monotonic() - t0 < 25
     _wait(lambda: not any(s.stream_id == reply.stream_id for s in daemon.stats().streams), 3.0)
+
+
+def _slow_epoch(ld: Loader, pause: float) -> list[np.ndarray]:
+    ids = []
+    for _ in ld:
+        ids.append(ld.last_sample_ids.copy())
+        time.sleep(pause)  # slower than the daemon: its ring fills and it starves
+    return ids
+
+
+def test_a_slow_client_wakes_a_starved_daemon(daemon) -> None:
+    kw = dict(batch_size=2, pipelines=PIPES, order=OrderOption.RANDOM, seed=9, drop_last=False)
+    with Loader("mixed_fields", server=daemon.address, **kw) as ld:
+        assert ld._stream is not None and ld._stream._words  # releases through the words
+        t0 = time.monotonic()
+        ids = _slow_epoch(ld, 0.01)
+        took = time.monotonic() - t0
+    assert sorted(np.concatenate(ids).tolist()) == list(range(50))
+    assert took < 25 * 0.01 + 2.0  # no release waited for the back-off timer for long
+
+
+def test_a_missed_wake_is_rescued_by_the_daemons_timer(daemon, monkeypatch) -> None:
+    monkeypatch.setattr("beton_client._transport.shm.NoticeChannel.wake", lambda self: None)
+    kw = dict(batch_size=2, pipelines=PIPES, order=OrderOption.RANDOM, seed=9, drop_last=False)
+    with Loader("mixed_fields", server=daemon.address, **kw) as ld:
+        ids = [_slow_epoch(ld, 0.005) for _ in range(2)]
+    for epoch in ids:
+        assert sorted(np.concatenate(epoch).tolist()) == list(range(50))

@@ -92,3 +92,46 @@ def test_sweep_removes_only_dead_pids(tmp_path: Path) -> None:
     removed = sweep_stale_segments(tmp_path)
     assert removed == [stale.name]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_id_table_and_release_words_are_seen_by_the_client() -> None:
+    from beton_client._transport.shm import ShmReceiver
+    from beton_wire import notice
+
+    ring = ShmFactory(ShmNamer()).create(_layout(), 3)
+    rx = None
+    try:
+        setup = ring.setup()
+        assert setup.ids_offset == 3 * ring.layout.slot_bytes
+        assert setup.release_offset == setup.ids_offset + 8 * 8 * 3
+        rx = ShmReceiver(
+            setup.segment,
+            setup.segment_bytes,
+            3,
+            setup.slot_bytes,
+            ids_offset=setup.ids_offset,
+            release_offset=setup.release_offset,
+        )
+        assert rx.has_release_words
+        slots = [ring.acquire(), ring.acquire()]
+        for s in slots:
+            ring.write_ids(s, np.arange(5, dtype=np.uint64) + 100 * s)
+            ring.publish(s, 5)
+            ring.arm(s, notice.lease_token(2, s, 10))
+        assert rx.ids(slots[1], 5).tolist() == [100, 101, 102, 103, 104]
+        assert ring.reap() == []  # nothing released yet
+        assert ring.leased() == 2
+        # A stale token (another lease of the slot) releases nothing.
+        assert not rx.release_word(slots[0], notice.lease_token(1, 0, 10), 7)
+        assert ring.reap() == []
+        ring.starved = True
+        assert rx.release_word(slots[0], notice.lease_token(2, 0, 10), 9)  # sees "starved"
+        assert ring.reap() == [slots[0]] and ring.client_wait_us() == 9
+        assert ring.reap() == []  # disarmed: reaped once
+        ring.starved = False
+        assert not rx.release_word(slots[1], notice.lease_token(2, 1, 10), 12)
+        assert ring.reap() == [slots[1]]
+    finally:
+        if rx is not None:
+            rx.close()
+        ring.close()

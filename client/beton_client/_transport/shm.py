@@ -58,6 +58,7 @@ class ShmReceiver:
         slot_count: number of slots.
         slot_bytes: bytes per slot.
         ids_offset: where the segment's sample-id table starts (0: it has none).
+        release_offset: where its release words start (0: it has none).
 
     Raises:
         TransportError: the segment cannot be opened or is smaller than announced (e.g. the
@@ -74,6 +75,7 @@ class ShmReceiver:
         slot_bytes: int,
         shm_dir: Path = SHM_DIR,
         ids_offset: int = 0,
+        release_offset: int = 0,
     ) -> None:
         if "/" in segment or not segment.startswith("beton-"):
             raise TransportError(f"refusing to map {segment!r}: not a beton-serve segment name")
@@ -102,7 +104,8 @@ class ShmReceiver:
         self._extra: OrderedDict[str, np.ndarray] = OrderedDict()
         self._ids: np.ndarray | None = None
         if ids_offset:
-            rows = (segment_bytes - ids_offset) // (8 * slot_count)
+            table_end = release_offset or segment_bytes  # the release words follow the table
+            rows = (table_end - ids_offset) // (8 * slot_count)
             if ids_offset < slot_count * slot_bytes or rows < 1:
                 raise TransportError(
                     f"shared memory {path}: the id table at {ids_offset} does not fit in "
@@ -110,6 +113,30 @@ class ShmReceiver:
                 )
             table = self._base[ids_offset : ids_offset + 8 * rows * slot_count]
             self._ids = table.view("<u8").reshape(slot_count, rows)
+        self._ctl: np.ndarray | None = None
+        if release_offset:
+            end = release_offset + 8 * (notice.RELEASE_WORDS + slot_count)
+            if release_offset < slot_count * slot_bytes or end > segment_bytes:
+                raise TransportError(
+                    f"shared memory {path}: the release words at {release_offset} do not fit in "
+                    f"{segment_bytes} bytes"
+                )
+            self._ctl = self._base[release_offset:end].view("<u8")
+
+    @property
+    def has_release_words(self) -> bool:
+        """Whether slots are released through the segment's release words."""
+        return self._ctl is not None
+
+    def release_word(self, slot: int, token: int, wait_us: int) -> bool:
+        """Release ``slot`` by storing its lease token, with the total wait so far; returns
+        whether the daemon is starved (then send it a ``WAKE``)."""
+        ctl = self._ctl
+        if ctl is None or not 0 <= slot < self.slot_count:
+            raise TransportError(f"no release word for slot {slot} in {self.segment}")
+        ctl[notice.WAIT_WORD] = wait_us
+        ctl[notice.RELEASE_WORDS + slot] = token
+        return bool(ctl[notice.STARVED_WORD])
 
     def ids(self, slot: int, length: int) -> np.ndarray:
         """A copy of the sample ids of the ``length``-row batch in ``slot`` (from the id table).
@@ -173,7 +200,7 @@ class ShmReceiver:
     def close(self) -> None:
         """Drop the mapping (it stays alive while user tensors still reference it)."""
         self._base = np.empty(0, np.uint8)
-        self._ids = None
+        self._ids = self._ctl = None
         self._extra.clear()  # each mapping closes when its last view is dropped
         with contextlib.suppress(BufferError):
             self._mmap.close()
@@ -250,6 +277,16 @@ class NoticeChannel:
         """Give ``slot`` back; a daemon that is gone is noticed by the next :meth:`recv`."""
         with contextlib.suppress(OSError):
             self._sock.send(notice.release(slot, index, wait_us))
+
+    def start(self, epoch: int, next_batch: int, credits: int) -> None:
+        """Start an epoch (a daemon that is gone is noticed by the next :meth:`recv`)."""
+        with contextlib.suppress(OSError):
+            self._sock.send(notice.start(epoch, next_batch, credits))
+
+    def wake(self) -> None:
+        """Tell a starved daemon that release words changed."""
+        with contextlib.suppress(OSError):
+            self._sock.send(notice.wake())
 
     def close(self) -> None:
         """Close the connection (idempotent); the daemon ends the stream if it still runs."""

@@ -305,6 +305,7 @@ class ShmSetup(_message.Message):
         "ids_offset",
         "notice_socket",
         "notice_token",
+        "release_offset",
         "segment",
         "segment_bytes",
         "slot_bytes",
@@ -317,6 +318,7 @@ class ShmSetup(_message.Message):
     IDS_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NOTICE_SOCKET_FIELD_NUMBER: _ClassVar[int]
     NOTICE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     segment: str
     slot_count: int
     slot_bytes: int
@@ -324,6 +326,7 @@ class ShmSetup(_message.Message):
     ids_offset: int
     notice_socket: str
     notice_token: bytes
+    release_offset: int
     def __init__(
         self,
         segment: str | None = ...,
@@ -333,6 +336,7 @@ class ShmSetup(_message.Message):
         ids_offset: int | None = ...,
         notice_socket: str | None = ...,
         notice_token: bytes | None = ...,
+        release_offset: int | None = ...,
     ) -> None: ...
 
 class CudaIpcSetup(_message.Message):

@@ -4,8 +4,17 @@ Why: a CIFAR-sized batch is a few hundred microseconds of decoding. Waking the e
 batch completes (a self-pipe write, a task step, the async generator) costs a sizeable share of
 that on a machine whose cores the workers already fill. So the :class:`NoticePump` publishes from
 the engine worker that finishes a batch: it marks the slot leased, writes the sample ids and sends
-the ``BATCH`` record itself. The event loop only reads the client's releases, and refills the
-pipeline in the same callback (:meth:`NoticePump.fill`), without a task step.
+the ``BATCH`` record itself. The client releases a slot by storing its lease token in the slot's
+release word (``beton_wire.notice``), and the same worker, right after publishing, collects the
+released slots and submits the next batches into them (:meth:`NoticePump._fill_locked`). In
+steady state the event loop does nothing per batch.
+
+Starvation: when nothing is in flight (every slot is leased to the client), no completion will
+come to collect releases. The pump then sets the ring's ``starved`` word, looks at the release
+words once more, and waits for the client's ``WAKE`` record (a client that sees ``starved`` after
+storing its word sends one), with a back-off timer (1 to 16 ms) for the rare case where each side
+missed the other's store. Clients without release words send ``RELEASE`` records, which refill
+the pipeline from the event loop.
 
 State and threads: the stream's :attr:`~beton_serve.daemon._stream.Stream.lock` (an ``RLock``)
 guards the ring, the pending deque and every counter the pump touches; ``fill`` runs on the
@@ -43,6 +52,11 @@ from beton_serve.errors import SpecError
 __all__ = ["Lookahead", "NoticePump"]
 
 Pending = deque[tuple[int, int, Future[Any]]]
+
+#: First and longest delay of the starvation timer (seconds): it only runs while the stream
+#: waits for its client with nothing in flight, and only matters when a WAKE was missed.
+TIMER_FIRST_S = 0.001
+TIMER_MAX_S = 0.016
 
 
 class Lookahead:
@@ -88,6 +102,10 @@ class NoticePump:
                 stream.discard(la.pending)
         self.failed = False
         self.stopped = False
+        self.ring: Any = stream.ring
+        self.ctl = hasattr(stream.ring, "reap")  # release words (beton_wire.notice)
+        self.timer_armed = False
+        self.delay = TIMER_FIRST_S
         self.done: asyncio.Future[None] = loop.create_future()
         slots = stream.ring.slot_count
         stream._credits = slots if start.credits <= 0 else min(start.credits, slots)
@@ -109,50 +127,87 @@ class NoticePump:
             self._stop()
 
     def fill(self) -> None:
-        """Submit batches into free slots up to the credits (event-loop thread)."""
-        s = self.stream
-        new: list[Future[Any]] = []
-        with s.lock:
-            if self.stopped or self.failed:
-                return
-            try:
-                while self.b_next < self.n and s.ring.leased() < s._credits:
-                    s.dataset.check_files()  # a truncated file would SIGBUS the daemon
-                    slot = s.ring.acquire()
-                    if slot is None:
-                        break
-                    try:
-                        cfut = s.submit(
-                            self.epoch, self.b_next, slot, not self.pending, self.by_ref
-                        )
-                    except BaseException:
-                        s.ring.abandon(slot)
-                        raise
-                    self.pending.append((self.b_next, slot, cfut))
-                    new.append(cfut)
-                    self.b_next += 1
-                while self.b_next >= self.n and self.ahead_next < self.n:
-                    if s.ring.leased() >= s._credits:
-                        break
-                    slot = s.ring.acquire()
-                    if slot is None:
-                        break
-                    try:
-                        cfut = s.submit(self.epoch + 1, self.ahead_next, slot, False, self.by_ref)
-                    except BaseException:
-                        s.ring.abandon(slot)
-                        raise
-                    self.ahead.append((self.ahead_next, slot, cfut))
-                    self.ahead_next += 1
-                if self.pending and s._published == 0 and not self.pending[0][2].done():
-                    s.promote(self.pending[0][2])  # the client has read everything: it waits
-            except BaseException as exc:
-                self._fail_locked(exc)
+        """Collect released slots and submit batches into them, up to the credits (event-loop
+        thread: the start, a ``RELEASE`` or ``WAKE`` record, the starvation timer)."""
+        with self.stream.lock:
+            new = self._fill_locked()
         for cfut in new:
             cfut.add_done_callback(self._on_done)
 
+    def _fill_locked(self) -> list[Future[Any]]:
+        s = self.stream
+        if self.stopped or self.failed:
+            return []
+        new: list[Future[Any]] = []
+        try:
+            while True:
+                s.reap()
+                self._submit_locked(new)
+                if self.pending or new or not self.ctl:
+                    break
+                # Nothing in flight, so no completion will collect releases: ask the client
+                # to wake us (WAKE), then look once more in case it released meanwhile.
+                if not self._wants_slot():
+                    break
+                self.ring.starved = True
+                if not s.reap():
+                    self._arm_timer()
+                    return new
+            if self.ctl and self.ring.starved:
+                self.ring.starved = False
+            self.delay = TIMER_FIRST_S
+            if self.pending and s._published == 0 and not self.pending[0][2].done():
+                s.promote(self.pending[0][2])  # the client has read everything: it waits
+        except BaseException as exc:
+            self._fail_locked(exc)
+        return new
+
+    def _wants_slot(self) -> bool:
+        return self.b_next < self.n or self.ahead_next < self.n
+
+    def _submit_locked(self, new: list[Future[Any]]) -> None:
+        s = self.stream
+        while self._wants_slot() and s.ring.leased() < s._credits:
+            s.dataset.check_files()  # a truncated file would SIGBUS the daemon
+            slot = s.ring.acquire()
+            if slot is None:
+                return
+            ahead = self.b_next >= self.n
+            epoch, b = (self.epoch + 1, self.ahead_next) if ahead else (self.epoch, self.b_next)
+            try:
+                cfut = s.submit(epoch, b, slot, not ahead and not self.pending, self.by_ref)
+            except BaseException:
+                s.ring.abandon(slot)
+                raise
+            if ahead:  # not published by this pump: no callback (see the module docstring)
+                self.ahead.append((b, slot, cfut))
+                self.ahead_next += 1
+            else:
+                self.pending.append((b, slot, cfut))
+                new.append(cfut)
+                self.b_next += 1
+
+    def _arm_timer(self) -> None:
+        """While starved, look for releases on a back-off timer too (a missed WAKE)."""
+        if self.timer_armed:
+            return
+        self.timer_armed = True
+
+        def schedule() -> None:
+            self.loop.call_later(self.delay, self._tick)
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            self.loop.call_soon_threadsafe(schedule)
+
+    def _tick(self) -> None:
+        self.timer_armed = False
+        if self.stopped or self.failed:
+            return
+        self.delay = min(TIMER_MAX_S, self.delay * 2)
+        self.fill()
+
     def _on_done(self, _f: Future[Any]) -> None:
-        """Publish every finished batch at the head of the deque (any thread)."""
+        """Publish every finished batch at the head of the deque, then refill (any thread)."""
         s = self.stream
         with s.lock:
             while not (self.stopped or self.failed) and self.pending and self.pending[0][2].done():
@@ -164,7 +219,7 @@ class NoticePump:
                     self._fail_locked(exc)
                     return
                 try:
-                    s.send_notice(s.publish(self.epoch, b, slot, cfut, arrays))
+                    s.publish_notice(self.epoch, b, slot, cfut, arrays)
                     self.delivered += 1
                     if self.delivered == self.n:
                         s.send_notice(EpochEnd(epoch=self.epoch, batches=self.n))
@@ -172,6 +227,9 @@ class NoticePump:
                 except BaseException as exc:
                     self._fail_locked(exc)
                     return
+            new = self._fill_locked()
+        for cfut in new:
+            cfut.add_done_callback(self._on_done)
 
     def fail(self, exc: BaseException) -> None:
         """End the epoch with ``exc`` (the daemon's abort, the client hanging up)."""
@@ -201,6 +259,8 @@ class NoticePump:
             self.stopped = True
             if s.pump is self:
                 s.pump = None
+            if self.ctl:
+                self.ring.starved = False
             s.discard(self.pending)
             if self.delivered == self.n and not self.failed and not s.closed and self.ahead:
                 s.lookahead = Lookahead(self.epoch + 1, self.ahead, self.ahead_next)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from beton_wire.notice import lease_token
 from beton_wire.slots import SlotLayout
 
 from beton_serve.daemon._backend import BatchSourceLike, OutputInfo
@@ -219,12 +220,46 @@ class Stream:
             if conn.closed:
                 raise ClientHungUp("the client closed its notice channel")
             conn.on_release = self._notice_release
+            conn.on_wake = self._notice_wake
+            conn.on_start = self._notice_start
             conn.on_close = on_hangup
             self.notice = conn
         return self.notice
 
     def _notice_release(self, slot: int, index: int, wait_us: int) -> None:
         self.on_release(ReleaseSlot(slot, index, wait_us))
+
+    def _notice_start(self, epoch: int, next_batch: int, credits: int) -> None:
+        self.starts.put_nowait(StartEpoch(self.stream_id, epoch, next_batch, credits, True))
+
+    def _notice_wake(self) -> None:
+        if self.pump is not None:
+            self.pump.fill()
+
+    def reap(self) -> bool:
+        """Release the slots whose release word the client set (hold :attr:`lock`); whether
+        there were any."""
+        reap = getattr(self.ring, "reap", None)
+        if reap is None:
+            return False
+        slots = reap()
+        for slot in slots:
+            self._release_slot(slot)
+        if slots:
+            self.counters.client_wait_us = max(
+                self.counters.client_wait_us,
+                self.ring.client_wait_us(),  # type: ignore[attr-defined]
+            )
+        return bool(slots)
+
+    def _release_slot(self, slot: int) -> bool:
+        if not self.ring.release(slot):
+            return False
+        self._published -= 1
+        ref = self._refs.pop(slot, None)
+        if ref is not None:  # the group may free the shared buffer now
+            ref.release()
+        return True
 
     def send_notice(self, item: BatchOut | EpochEnd) -> None:
         """Publish ``item`` on the notice channel (see :meth:`attach_notices`).
@@ -259,11 +294,10 @@ class Stream:
     def on_release(self, ev: ReleaseSlot) -> None:
         """Return a slot; unknown or double releases are ignored (logged at debug level)."""
         with self.lock:
-            if self.ring.release(ev.slot):
-                self._published -= 1
-                ref = self._refs.pop(ev.slot, None)
-                if ref is not None:  # the group may free the shared buffer now
-                    ref.release()
+            if self._release_slot(ev.slot):
+                disarm = getattr(self.ring, "disarm", None)
+                if disarm is not None:
+                    disarm(ev.slot)
             else:
                 log.debug("stream %s: ignored release of slot %d", self.stream_id, ev.slot)
             self.counters.client_wait_us += max(0, ev.wait_us)
@@ -400,22 +434,7 @@ class Stream:
         Raises:
             TransportError: the slot was not being filled (the ring was closed meanwhile).
         """
-        ref = getattr(cfut, "shared_ref", None)
-        if ref is not None:
-            self._refs[slot] = ref
-        self._count_bad()
-        ids = np.asarray(self.source.batch_ids(epoch, b), dtype=np.uint64)
-        length = len(ids) if arrays is None or not len(arrays) else len(arrays[0])
-        write_ids = getattr(self.ring, "write_ids", None)
-        if write_ids is not None:  # shm: the notice channel's clients read them there
-            write_ids(slot, ids)
-        published = self.ring.publish(slot, length)
-        self._published += 1
-        self.counters.batches_sent += 1
-        self.counters.samples_sent += length
-        # A shared source marks batches another identical stream decoded (issue 6).
-        if getattr(cfut, "decoded_here", True):
-            self.dataset.count(batches=1, samples=length)
+        length, ids, ref, published = self._book(epoch, b, slot, cfut, arrays)
         return BatchOut(
             epoch=epoch,
             batch_index=b,
@@ -426,6 +445,43 @@ class Stream:
             published=published,
             at=None if ref is None else (ref.segment, ref.offset),
         )
+
+    def publish_notice(self, epoch: int, b: int, slot: int, cfut: Any, arrays: Any) -> None:
+        """:meth:`publish` straight to the notice channel (``BATCH`` or ``BATCH_AT``), without
+        building the message the Batches call would need (hold :attr:`lock`).
+
+        Raises:
+            TransportError: the slot was not being filled, or the client is gone.
+        """
+        length, _, ref, _ = self._book(epoch, b, slot, cfut, arrays)
+        if ref is None:
+            self.notice.send_batch(slot, epoch, b, length)
+        else:
+            self.notice.send_batch_at(slot, epoch, b, length, ref.segment, ref.offset)
+
+    def _book(
+        self, epoch: int, b: int, slot: int, cfut: Any, arrays: Any
+    ) -> tuple[int, np.ndarray, Any, Published]:
+        ref = getattr(cfut, "shared_ref", None)
+        if ref is not None:
+            self._refs[slot] = ref
+        self._count_bad()
+        ids = self.source.batch_ids(epoch, b)
+        length = len(ids) if arrays is None or not len(arrays) else len(arrays[0])
+        write_ids = getattr(self.ring, "write_ids", None)
+        if write_ids is not None:  # shm: the notice channel's clients read them there
+            write_ids(slot, ids)
+        published = self.ring.publish(slot, length)
+        arm = getattr(self.ring, "arm", None)
+        if arm is not None:  # a client on the notice channel releases through its word
+            arm(slot, lease_token(epoch, b, self.num_batches))
+        self._published += 1
+        self.counters.batches_sent += 1
+        self.counters.samples_sent += length
+        # A shared source marks batches another identical stream decoded (issue 6).
+        if getattr(cfut, "decoded_here", True):
+            self.dataset.count(batches=1, samples=length)
+        return length, np.asarray(ids, dtype=np.uint64), ref, published
 
     def _count_bad(self) -> None:
         """Add the samples this stream's source skipped since the last batch to the dataset's."""

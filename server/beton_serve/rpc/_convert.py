@@ -130,6 +130,7 @@ def opened_message(o: StreamOpened) -> pb.OpenStreamResponse:
                 slot_bytes=o.setup.slot_bytes,
                 segment_bytes=o.setup.segment_bytes,
                 ids_offset=o.setup.ids_offset,
+                release_offset=o.setup.release_offset,
                 notice_socket=o.setup.notice_socket,
                 notice_token=o.setup.notice_token,
             )

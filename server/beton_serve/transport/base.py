@@ -29,6 +29,7 @@ class TransportSetup:
         segment: shm segment name under /dev/shm (shm).
         segment_bytes: size of that segment (shm).
         ids_offset: offset of the sample-id table inside the segment (shm; 0: none).
+        release_offset: offset of the release words inside the segment (shm; 0: none).
         notice_socket: the notice channel's socket name under /dev/shm (shm; "": none).
         notice_token: the secret binding a notice connection to the stream (shm).
         extra: transport-specific values (e.g. cuda_ipc handles as bytes); plain data only.
@@ -40,6 +41,7 @@ class TransportSetup:
     segment: str = ""
     segment_bytes: int = 0
     ids_offset: int = 0
+    release_offset: int = 0
     notice_socket: str = ""
     notice_token: bytes = b""
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -152,6 +154,7 @@ class HostSlotRing:
 
     def _init_slots(self) -> None:
         self._state = [_FREE] * self.slot_count
+        self._busy = 0  # slots FILLING or LEASED
         self._closed = False
         self._views = [self._make_views(s) for s in range(self.slot_count)]
 
@@ -168,9 +171,12 @@ class HostSlotRing:
         """Take a FREE slot (lowest index first) and mark it FILLING; ``None`` if none is free."""
         if self._closed:
             return None
+        if self._busy >= self.slot_count:
+            return None
         for i, st in enumerate(self._state):
             if st == _FREE:
                 self._state[i] = _FILLING
+                self._busy += 1
                 return i
         return None
 
@@ -190,20 +196,23 @@ class HostSlotRing:
         if not 0 <= slot < self.slot_count or self._state[slot] != _LEASED:
             return False
         self._state[slot] = _FREE
+        self._busy -= 1
         return True
 
     def abandon(self, slot: int) -> None:
         """Return a FILLING slot to FREE without publishing it."""
         if 0 <= slot < self.slot_count and self._state[slot] == _FILLING:
             self._state[slot] = _FREE
+            self._busy -= 1
 
     def leased(self) -> int:
         """Slots that are FILLING or LEASED."""
-        return sum(1 for st in self._state if st != _FREE)
+        return self._busy
 
     def _reset_slots(self) -> None:
         """Mark the ring closed: every slot FREE, no views, no memory."""
         self._closed = True
         self._state = [_FREE] * self.slot_count
+        self._busy = 0
         self._views = []
         self._base = np.empty(0, np.uint8)

@@ -50,6 +50,9 @@ class NoticeConn:
 
     Attributes:
         on_release: called with ``(slot, batch_index, wait_us)`` for each ``RELEASE``.
+        on_wake: called for each ``WAKE`` (the client stored release words while the daemon
+            was starved).
+        on_start: called with ``(epoch, next_batch, credits)`` for each ``START``.
         on_close: called once when the client closes the connection or breaks the protocol.
     """
 
@@ -60,6 +63,8 @@ class NoticeConn:
         self.bound = False
         self.closed = False
         self.on_release: Callable[[int, int, int], None] | None = None
+        self.on_wake: Callable[[], None] | None = None
+        self.on_start: Callable[[int, int, int], None] | None = None
         self.on_close: Callable[[], None] | None = None
 
     # -- sending (the stream's serving task) ----------------------------------------------------
@@ -118,6 +123,11 @@ class NoticeConn:
                 self.bound = True
             elif kind == notice.RELEASE and self.on_release is not None:
                 self.on_release(a, b, c)
+            elif kind == notice.WAKE:
+                if self.on_wake is not None:
+                    self.on_wake()
+            elif kind == notice.START and self.on_start is not None:
+                self.on_start(b, c, a)
             else:
                 log.warning("notice channel: unexpected record kind %d; closing it", kind)
                 self.close()
@@ -138,7 +148,8 @@ class NoticeConn:
                 self._hub.loop.remove_reader(self._sock.fileno())
             self._sock.close()
         self._hub._forget(self)
-        cb, self.on_close, self.on_release = self.on_close, None, None
+        cb, self.on_close = self.on_close, None
+        self.on_release = self.on_wake = self.on_start = None
         if cb is not None:
             cb()
 

@@ -3,7 +3,10 @@
 Data structure: a segment ``/dev/shm/beton-<daemon pid>-ring-<n>`` of ``slot_count`` slots laid
 out by :func:`beton_wire.slots.slot_layout`, followed by the sample-id table: one row of
 ``batch_size`` little-endian uint64 per slot, written by :meth:`ShmRing.write_ids` when the slot is
-published (clients on the notice channel read a batch's ids there instead of in a message). The daemon creates it with mode 0600 (``O_EXCL``, so
+published (clients on the notice channel read a batch's ids there instead of in a message),
+then the release words of :mod:`beton_wire.notice` (``[starved, wait_us, one per slot]``): a
+client on the notice channel releases a slot by storing its lease token there
+(:meth:`ShmRing.arm`, :meth:`ShmRing.reap`). The daemon creates it with mode 0600 (``O_EXCL``, so
 a name is never reused), maps it once, and hands the engine numpy views of a slot to write into;
 the client maps the same segment once and wraps slot views as tensors without copying.
 
@@ -26,6 +29,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from beton_wire import notice
 from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import TransportError
@@ -39,6 +43,10 @@ log = logging.getLogger("beton_serve.transport.shm")
 SHM_DIR = Path("/dev/shm")
 
 _NAME = re.compile(r"^beton-(\d+)-")
+#: What ``publish`` returns: the client reads the slot through its own mapping.
+_PUBLISHED = Published()
+#: The expected token of a slot that is not leased (a client never stores it).
+_NO_LEASE = np.uint64(2**64 - 1)
 
 
 class ShmNamer:
@@ -123,7 +131,8 @@ class ShmRing(HostSlotRing):
         self.name = name
         self.path = shm_dir / name
         self.ids_offset = layout.slot_bytes * slot_count
-        self.size = self.ids_offset + 8 * layout.batch_size * slot_count
+        self.release_offset = self.ids_offset + 8 * layout.batch_size * slot_count
+        self.size = self.release_offset + 8 * (notice.RELEASE_WORDS + slot_count)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -142,7 +151,14 @@ class ShmRing(HostSlotRing):
         finally:
             os.close(fd)
         self._base = np.frombuffer(self._mmap, dtype=np.uint8)
-        self._ids = self._base[self.ids_offset :].view("<u8").reshape(slot_count, layout.batch_size)
+        self._ids = (
+            self._base[self.ids_offset : self.release_offset]
+            .view("<u8")
+            .reshape(slot_count, layout.batch_size)
+        )
+        self._ctl = self._base[self.release_offset :].view("<u8")
+        self._words = self._ctl[notice.RELEASE_WORDS :]
+        self._expected = np.full(slot_count, _NO_LEASE, dtype=np.uint64)
         self._init_slots()
 
     # -- SlotTransport -----------------------------------------------------------------------
@@ -155,7 +171,37 @@ class ShmRing(HostSlotRing):
             segment=self.name,
             segment_bytes=self.size,
             ids_offset=self.ids_offset,
+            release_offset=self.release_offset,
         )
+
+    def arm(self, slot: int, token: int) -> None:
+        """Expect ``token`` in ``slot``'s release word: the client stores it when it is done."""
+        self._expected[slot] = token
+
+    def reap(self) -> list[int]:
+        """The slots whose release word holds the armed token (disarmed; release them)."""
+        hits = np.flatnonzero(self._words == self._expected)
+        if len(hits):
+            self._expected[hits] = _NO_LEASE
+        return hits.tolist()  # type: ignore[no-any-return]
+
+    def disarm(self, slot: int) -> None:
+        """Stop expecting a token in ``slot``'s word (it was released another way)."""
+        self._expected[slot] = _NO_LEASE
+
+    @property
+    def starved(self) -> bool:
+        """Whether the daemon waits for a release to go on (clients then send ``WAKE``)."""
+        return bool(self._ctl[notice.STARVED_WORD]) if len(self._ctl) else False
+
+    @starved.setter
+    def starved(self, value: bool) -> None:
+        if len(self._ctl):
+            self._ctl[notice.STARVED_WORD] = 1 if value else 0
+
+    def client_wait_us(self) -> int:
+        """The client's total wait for data, as it last stored it (microseconds)."""
+        return int(self._ctl[notice.WAIT_WORD]) if len(self._ctl) else 0
 
     def write_ids(self, slot: int, ids: np.ndarray) -> None:
         """Store the sample ids of the batch in ``slot`` in the id table (before publishing it)."""
@@ -165,7 +211,7 @@ class ShmRing(HostSlotRing):
         """Mark a FILLING slot LEASED; the client reads it through its own mapping."""
         if not self._mark_leased(slot):
             raise TransportError(f"slot {slot} of {self.name} was published without being filled")
-        return Published()
+        return _PUBLISHED
 
     def nbytes(self) -> int:
         """Size of the segment."""
@@ -184,6 +230,7 @@ class ShmRing(HostSlotRing):
         finally:
             self._reset_slots()
             self._ids = np.empty((0, 0), "<u8")
+            self._ctl = self._words = np.empty(0, "<u8")
             with contextlib.suppress(BufferError):
                 self._mmap.close()
 
