@@ -123,3 +123,64 @@ def test_zero_copy_and_copying_clients_get_identical_batches(
         slow.close()
     decoded = {x.name: x.samples_decoded for x in d.stats().datasets}["images_smart"]
     assert decoded == 2 * N_SAMPLES  # 1x: the copying client shared the decodes too
+
+
+_HOLDER = """
+import sys, time
+from beton_client import Loader, OrderOption
+from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
+from beton_serve.transforms import ToTensor
+ld = Loader("images_smart", batch_size=4, order=OrderOption.RANDOM, seed=3,
+            pipelines={"image": [CenterCropRGBImageDecoder((24, 24), 0.8), ToTensor()],
+                       "label": [IntDecoder(), ToTensor()]},
+            server=sys.argv[1], spawn=False)
+it = iter(ld)
+held = [next(it), next(it)]
+print("HOLDING", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_member_frees_what_it_held_and_the_others_carry_on(
+    daemon_factory, fixtures_dir
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    d = daemon_factory([fixtures_dir / "images_smart.beton"], args=["--share-retain", "16"])
+    others = [_loader(d.address) for _ in range(2)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, d.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"HOLDING"
+        got: list[list[np.ndarray]] = [[] for _ in others]
+        its = [iter(ld) for ld in others]
+        for _ in range(3):  # the others read on, sharing with the holder's batches
+            for i, it in enumerate(its):
+                next(it)
+                got[i].append(others[i].last_sample_ids.copy())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        _wait(lambda: not any(s.client_pid == proc.pid for s in d.stats().streams), 3.0)
+        for i, it in enumerate(its):  # the rest of the epoch, then one more
+            for _ in it:
+                got[i].append(others[i].last_sample_ids.copy())
+            for _ in others[i]:
+                got[i].append(others[i].last_sample_ids.copy())
+        per_epoch = N_SAMPLES // 4
+        for g in got:
+            assert len(g) == 2 * per_epoch
+            for e in range(2):
+                ids = np.concatenate(g[e * per_epoch : (e + 1) * per_epoch])
+                assert sorted(ids.tolist()) == list(range(N_SAMPLES))
+        assert all(np.array_equal(a, b) for a, b in zip(got[0], got[1], strict=True))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for ld in others:
+            ld.close()
+    _wait(lambda: not d.stats().streams, 5.0)
+    _wait(lambda: not [s for s in d.segments() if "-share-" in s], 5.0)

@@ -22,8 +22,6 @@ guards the free list.
 from __future__ import annotations
 
 import contextlib
-import mmap
-import os
 import threading
 from pathlib import Path
 
@@ -31,7 +29,7 @@ import numpy as np
 from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import TransportError
-from beton_serve.transport.shm import SHM_DIR
+from beton_serve.transport.shm import SHM_DIR, create_segment
 
 __all__ = ["ShmArena"]
 
@@ -51,21 +49,7 @@ class ShmArena:
         self.name = name
         self.path = shm_dir / name
         self.size = layout.slot_bytes * count
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise TransportError(f"cannot create shared-memory segment {self.path}: {exc}") from exc
-        try:
-            os.fchmod(fd, 0o600)
-            os.posix_fallocate(fd, 0, self.size)
-            self._mmap = mmap.mmap(fd, self.size, mmap.MAP_SHARED)
-        except OSError as exc:
-            self.path.unlink(missing_ok=True)
-            raise TransportError(
-                f"cannot allocate {self.size} bytes of shared memory for {self.path}: {exc}"
-            ) from exc
-        finally:
-            os.close(fd)
+        self._mmap = create_segment(self.path, self.size)
         base = np.frombuffer(self._mmap, dtype=np.uint8)
         self._views: list[list[np.ndarray]] = []
         for i in range(count):

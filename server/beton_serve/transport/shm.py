@@ -35,7 +35,14 @@ from beton_wire.slots import SlotLayout
 from beton_serve.errors import TransportError
 from beton_serve.transport.base import HostSlotRing, Published, TransportSetup
 
-__all__ = ["SHM_DIR", "ShmFactory", "ShmNamer", "ShmRing", "sweep_stale_segments"]
+__all__ = [
+    "SHM_DIR",
+    "ShmFactory",
+    "ShmNamer",
+    "ShmRing",
+    "create_segment",
+    "sweep_stale_segments",
+]
 
 log = logging.getLogger("beton_serve.transport.shm")
 
@@ -106,6 +113,31 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     return removed
 
 
+def create_segment(path: Path, size: int) -> mmap.mmap:
+    """Create ``path`` (mode 0600, never an existing file), allocate ``size`` bytes and map it.
+
+    Raises:
+        TransportError: it cannot be created or allocated (e.g. ``/dev/shm`` is full); a file
+            created before the failure is removed.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise TransportError(f"cannot create shared-memory segment {path}: {exc}") from exc
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have narrowed it; never widen beyond 0600
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise TransportError(
+            f"cannot allocate {size} bytes of shared memory for {path} ({exc}); free space in "
+            "/dev/shm or lower batches_ahead"
+        ) from exc
+    finally:
+        os.close(fd)
+
+
 class ShmRing(HostSlotRing):
     """A ring of batch slots in a POSIX shared-memory segment created by this process.
 
@@ -133,23 +165,7 @@ class ShmRing(HostSlotRing):
         self.ids_offset = layout.slot_bytes * slot_count
         self.release_offset = self.ids_offset + 8 * layout.batch_size * slot_count
         self.size = self.release_offset + 8 * (notice.RELEASE_WORDS + slot_count)
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise TransportError(f"cannot create shared-memory segment {self.path}: {exc}") from exc
-        try:
-            try:
-                os.fchmod(fd, 0o600)  # the umask may have narrowed it; never widen beyond 0600
-                os.posix_fallocate(fd, 0, self.size)
-                self._mmap = mmap.mmap(fd, self.size, mmap.MAP_SHARED)
-            except OSError as exc:
-                self.path.unlink(missing_ok=True)
-                raise TransportError(
-                    f"cannot allocate {self.size} bytes of shared memory for {self.path} "
-                    f"({exc}); free space in /dev/shm or lower batches_ahead"
-                ) from exc
-        finally:
-            os.close(fd)
+        self._mmap = create_segment(self.path, self.size)
         self._base = np.frombuffer(self._mmap, dtype=np.uint8)
         self._ids = (
             self._base[self.ids_offset : self.release_offset]
