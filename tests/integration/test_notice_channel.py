@@ -59,6 +59,9 @@ def test_notice_channel_is_used_and_equals_the_grpc_path(daemon, monkeypatch) ->
     with Loader("mixed_fields", server=daemon.address, **kw) as fast:
         assert fast._stream is not None and fast._stream.notice is not None
         got_fast = _epochs(fast, 2)
+        # The client's waiting time reaches the daemon through the release words (data stall).
+        mine = [x for x in daemon.stats().streams if x.stream_id == fast._stream.reply.stream_id]
+        assert len(mine) == 1 and mine[0].client_wait_us > 0
     monkeypatch.setattr("beton_client._stream._connect_notices", lambda *a: None)
     with Loader("mixed_fields", server=daemon.address, **kw) as slow:
         assert slow._stream is not None and slow._stream.notice is None
