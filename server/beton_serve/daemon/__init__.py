@@ -8,19 +8,16 @@ here touches protobuf.
 from __future__ import annotations
 
 from beton_serve.daemon._backend import Backend, EngineBackend, OutputInfo, SourceParams
-from beton_serve.daemon._daemon import (
-    MAX_BATCH_SIZE,
-    Daemon,
+from beton_serve.daemon._daemon import MAX_BATCH_SIZE, Daemon, ShuttingDown, local_identity
+from beton_serve.daemon._datasets import Dataset, DatasetTable, expand_dataset_args
+from beton_serve.daemon._messages import (
     DaemonStats,
     OpRequest,
     PipelineRequest,
-    ShuttingDown,
     StreamOpened,
     StreamRequest,
     StreamStats,
-    local_identity,
 )
-from beton_serve.daemon._datasets import Dataset, DatasetTable, expand_dataset_args
 from beton_serve.daemon._stream import (
     BatchOut,
     ClientEvent,

@@ -1,0 +1,115 @@
+"""The daemon's plain request, reply and snapshot types (``beton_serve.rpc`` converts protobuf
+messages to and from them, so the daemon itself never touches protobuf)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from beton_serve.daemon._backend import OutputInfo
+from beton_serve.transport.base import TransportSetup
+from beton_serve.transport.negotiate import ClientOffer, Rejection
+
+__all__ = [
+    "DaemonStats",
+    "OpRequest",
+    "PipelineRequest",
+    "StreamOpened",
+    "StreamRequest",
+    "StreamStats",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpRequest:
+    """One op as sent by a client: registered name and JSON parameters (already decoded)."""
+
+    name: str
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineRequest:
+    """One output pipeline: its name, the field it reads, its daemon-side ops, or skipped."""
+
+    name: str
+    field: str = ""
+    ops: tuple[OpRequest, ...] = ()
+    skip: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamRequest:
+    """Everything a client asks for when it opens a stream (validated by :meth:`Daemon.open_stream`)."""
+
+    dataset: str
+    pipelines: tuple[PipelineRequest, ...]
+    batch_size: int
+    order: str = "SEQUENTIAL"
+    seed: int = 0
+    drop_last: bool = False
+    indices: tuple[int, ...] | None = None
+    distributed: bool = False
+    rank: int = 0
+    world_size: int = 1
+    batches_ahead: int = 3
+    offer: ClientOffer
+    client_name: str = ""
+    custom_fields: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamOpened:
+    """The reply to an accepted stream."""
+
+    stream_id: str
+    outputs: tuple[OutputInfo, ...]
+    setup: TransportSetup
+    rejected: tuple[Rejection, ...]
+    num_batches: int
+    batch_size: int
+    num_samples: int
+    plan_cached: bool
+    max_credits: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamStats:
+    """A snapshot of one stream."""
+
+    stream_id: str
+    dataset: str
+    client_name: str
+    client_pid: int
+    transport: str
+    batches_sent: int
+    samples_sent: int
+    slots_leased: int
+    slot_count: int
+    client_wait_us: int
+    age_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DaemonStats:
+    """A snapshot of the daemon (what the Stats RPC returns)."""
+
+    pid: int
+    uptime_s: float
+    workers: int
+    streams: tuple[StreamStats, ...]
+    datasets: tuple[tuple[str, int, int], ...]  # (name, samples_decoded, batches_decoded)
+    shm_bytes: int
+    compiled_plans: int
+    streams_opened: int
+    #: Batches queued in the worker pool, not yet started (approximate).
+    queue_depth: int = 0
+    #: Share of the workers' time spent running batches since the previous snapshot, in [0, 1].
+    worker_utilisation: float = 0.0
+    #: Workers that died and were replaced (their batches were redone).
+    workers_replaced: int = 0
+    #: ``(dataset, samples skipped under the bad-sample budget)``.
+    bad_samples: tuple[tuple[str, int], ...] = ()
+    #: ``(op, seconds, batches)``: time each op spent, summed over every batch (all plans).
+    op_seconds: tuple[tuple[str, float, int], ...] = ()
