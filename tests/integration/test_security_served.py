@@ -158,3 +158,31 @@ def test_non_loopback_listen_needs_protection_or_insecure(
     assert "INSECURE" in d.log()
     with Loader("mixed_fields", 16, server=f"127.0.0.1:{port}", transport="grpc") as ld:
         assert _one_epoch(ld) > 0
+
+
+def test_stats_cli_sends_the_token(daemon_factory, fixtures_dir: Path, short_tmp: Path) -> None:
+    token_file = _token_file(short_tmp)
+    d = daemon_factory([fixtures_dir / "mixed_fields.beton"], args=["--token-file", token_file])
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from beton_serve.cli import main; sys.exit(main())",
+        "stats",
+        "--json",
+        "--server",
+        d.address,
+        "--timeout",
+        "10",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "BETON_SERVE_TOKEN"}
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+    ok = subprocess.run(
+        [*cmd, "--token-file", token_file], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert '"pid"' in ok.stdout
+    by_env = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=60, env={**env, "BETON_SERVE_TOKEN": TOKEN}
+    )
+    assert by_env.returncode == 0, by_env.stderr

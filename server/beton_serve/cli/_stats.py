@@ -21,7 +21,10 @@ present) plus the derived ``batches_per_s``, ``images_per_s`` and ``stall_pct`` 
 ``samples_per_s`` per dataset. Each dataset's total ``samples_decoded`` is there.
 
 The address is resolved as for ``beton-serve health``: ``--server``, then
-``BETON_SERVE_ADDRESS``, then the per-user default socket.
+``BETON_SERVE_ADDRESS``, then the per-user default socket. A daemon started with a token wants
+it on every call, the Unix socket included: ``--token-file`` or ``BETON_SERVE_TOKEN`` (the
+variable the client reads). A TLS listener takes ``--tls-ca`` (and ``--tls-cert``/``--tls-key``
+for mutual TLS), as for ``health``.
 """
 
 from __future__ import annotations
@@ -68,8 +71,26 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="stop after N refreshes of the live view (default 0: until Ctrl-C)",
     )
     p.add_argument("--timeout", type=_positive_float, default=5.0, help="RPC deadline in seconds")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the daemon's bearer token (default: $BETON_SERVE_TOKEN, if set)",
+    )
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA that signed the daemon's cert")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="client private key (mTLS)")
     p.set_defaults(func=run)
     return p
+
+
+def _token(path: str | None, environ: Mapping[str, str]) -> str | None:
+    """The bearer token: from ``path`` (``--token-file``), else ``BETON_SERVE_TOKEN``."""
+    if path:
+        from beton_serve.transport.security import read_token_file
+
+        return read_token_file(path)
+    return environ.get("BETON_SERVE_TOKEN") or None
 
 
 def _positive_float(text: str) -> float:
@@ -82,8 +103,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def fetch_stats(target: str, *, timeout: float = 5.0) -> Any:
+def fetch_stats(
+    target: str,
+    *,
+    timeout: float = 5.0,
+    token: str | None = None,
+    credentials: Any = None,
+) -> Any:
     """Call ``Stats`` on the daemon at ``target`` and return its ``StatsResponse``.
+
+    Args:
+        target: the gRPC target.
+        timeout: the RPC deadline in seconds.
+        token: the daemon's bearer token, sent as ``authorization`` metadata.
+        credentials: ``grpc.ChannelCredentials`` for a TLS listener (``None``: plaintext).
 
     Raises:
         TransportError: no daemon answered before the deadline, or it returned an error; the
@@ -93,10 +126,18 @@ def fetch_stats(target: str, *, timeout: float = 5.0) -> Any:
     from beton_wire.v1 import beton_pb2 as pb
     from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with channel:
         stub = pb_grpc.BetonServeStub(channel)
         try:
-            return stub.Stats(pb.StatsRequest(), timeout=timeout, wait_for_ready=True)
+            return stub.Stats(
+                pb.StatsRequest(), timeout=timeout, wait_for_ready=True, metadata=metadata
+            )
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             detail = exc.details() if hasattr(exc, "details") else str(exc)
@@ -283,10 +324,22 @@ def run(
     """
     import os
 
-    from beton_serve.cli._health import resolve_target
+    from beton_serve.cli._health import resolve_target, tls_credentials
 
-    target = resolve_target(args.server, os.environ if environ is None else environ)
-    get = fetch if fetch is not None else (lambda t: fetch_stats(t, timeout=args.timeout))
+    env = os.environ if environ is None else environ
+    target = resolve_target(args.server, env)
+    if fetch is None:
+        token = _token(getattr(args, "token_file", None), env)
+        creds = tls_credentials(
+            getattr(args, "tls_ca", None),
+            getattr(args, "tls_cert", None),
+            getattr(args, "tls_key", None),
+        )
+
+        def fetch(t: str) -> Any:
+            return fetch_stats(t, timeout=args.timeout, token=token, credentials=creds)
+
+    get = fetch
     stream = out if out is not None else sys.stdout
     if args.json:
         stream.write(json.dumps(snapshot_dict(get(target)), indent=2, sort_keys=True) + "\n")
