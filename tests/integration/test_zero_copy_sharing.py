@@ -40,9 +40,10 @@ def _loader(address: str, batch: int = 4) -> Loader:
     )
 
 
-def _shared_mappings(ld: Loader) -> list[str]:
+def _shared_mappings(ld: Loader) -> int:
+    """Batches this client read by reference from a sharing arena."""
     assert ld._stream is not None
-    return [n for n in ld._stream.receiver._extra if "-share-" in n]
+    return int(ld._stream.receiver.shared_batches)
 
 
 def _wait(pred, timeout: float) -> None:
@@ -184,3 +185,22 @@ def test_a_killed_member_frees_what_it_held_and_the_others_carry_on(
             ld.close()
     _wait(lambda: not d.stats().streams, 5.0)
     _wait(lambda: not [s for s in d.segments() if "-share-" in s], 5.0)
+
+
+def test_a_job_that_modifies_its_batch_in_place_never_changes_the_others(
+    daemon_factory, fixtures_dir
+) -> None:
+    d = daemon_factory([fixtures_dir / "images_smart.beton"], args=["--share-retain", "16"])
+    vandal, peer = _loader(d.address), _loader(d.address)
+    try:
+        for _ in range(2):
+            for a, b in zip(vandal, peer, strict=True):  # lockstep: the same group batch
+                kept = a[0].clone()
+                a[0].fill_(7)  # in place, on the view of the shared batch
+                a[1].fill_(-1)
+                assert torch.equal(b[0], kept)  # the peer reads the batch as decoded
+                assert not torch.equal(b[1], torch.full_like(b[1], -1))
+        assert _shared_mappings(vandal) > 0 and _shared_mappings(peer) > 0
+    finally:
+        vandal.close()
+        peer.close()

@@ -34,7 +34,7 @@ from beton_client.errors import TransportError
 __all__ = ["SHM_DIR", "NoticeChannel", "ShmReceiver", "TensorInfo"]
 
 SHM_DIR = Path("/dev/shm")
-#: Other segments of the daemon (sharing arenas) a receiver keeps mapped, at most.
+#: Other segments of the daemon (sharing arenas) a receiver keeps open, at most.
 MAX_EXTRA_SEGMENTS = 32
 
 
@@ -101,7 +101,10 @@ class ShmReceiver:
         self.slot_bytes = slot_bytes
         self._base = np.frombuffer(self._mmap, dtype=np.uint8)
         self._shm_dir = shm_dir
-        self._extra: OrderedDict[str, np.ndarray] = OrderedDict()
+        #: Other segments of the daemon: descriptor and size, by name.
+        self._extra: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        #: Batches read from other segments (sharing arenas), for tests and diagnostics.
+        self.shared_batches = 0
         self._ids: np.ndarray | None = None
         if ids_offset:
             table_end = release_offset or segment_bytes  # the release words follow the table
@@ -152,40 +155,59 @@ class ShmReceiver:
         self, segment: str, offset: int, tensors: Sequence[TensorInfo]
     ) -> list[np.ndarray]:
         """Views of a batch the daemon keeps at ``offset`` in another of its segments (a batch
-        decoded once for several identical streams); the segment is mapped once and kept.
+        decoded once for several identical streams, whose other clients read the same memory).
+
+        Each such batch gets its own copy-on-write mapping (``MAP_PRIVATE`` of a read-only
+        descriptor): reading it costs no copy, and a training loop that modifies its batch in
+        place changes private pages of its own, never what the other jobs read. The mapping is
+        unmapped when the last view of it is dropped.
 
         Raises:
             TransportError: the name is not a segment of this ring's daemon, it cannot be mapped,
                 or the batch does not fit in it.
         """
-        base = self._extra.get(segment)
-        if base is None:
-            base = self._map_extra(segment)
+        got = self._extra.get(segment)
+        if got is None:
+            got = self._open_extra(segment)
         else:
             self._extra.move_to_end(segment)
-        return _views(base, offset, self.slot_bytes, tensors)
+        fd, size = got
+        if offset < 0 or offset + self.slot_bytes > size:  # past the end would be SIGBUS
+            raise TransportError(
+                f"a {self.slot_bytes}-byte batch at {offset} does not fit in {segment} ({size} B)"
+            )
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        length = offset - start + self.slot_bytes
+        try:
+            mapping = mmap.mmap(
+                fd,
+                length,
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=start,
+            )
+        except (OSError, ValueError) as exc:
+            raise TransportError(
+                f"cannot map {self.slot_bytes} bytes at {offset} of {segment}: {exc}"
+            ) from None
+        self.shared_batches += 1
+        base = np.frombuffer(mapping, dtype=np.uint8)
+        return _views(base, offset - start, self.slot_bytes, tensors)
 
-    def _map_extra(self, segment: str) -> np.ndarray:
+    def _open_extra(self, segment: str) -> tuple[int, int]:
         owner = self.segment.split("-", 2)[:2]  # ["beton", "<daemon pid>"]
         if "/" in segment or segment.split("-", 2)[:2] != owner:
             raise TransportError(f"refusing to map {segment!r}: not a segment of this daemon")
         path = self._shm_dir / segment
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
             raise TransportError(f"cannot open the daemon's shared memory {path}: {exc}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < 1:
-                raise TransportError(f"shared memory {path} is empty")
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        base = np.frombuffer(mapping, dtype=np.uint8)
-        self._extra[segment] = base
-        while len(self._extra) > MAX_EXTRA_SEGMENTS:  # views still in use keep theirs alive
-            self._extra.popitem(last=False)
-        return base
+        got = (fd, os.fstat(fd).st_size)
+        self._extra[segment] = got
+        while len(self._extra) > MAX_EXTRA_SEGMENTS:
+            os.close(self._extra.popitem(last=False)[1][0])
+        return got
 
     def arrays(self, slot: int, tensors: Sequence[TensorInfo]) -> list[np.ndarray]:
         """Numpy views of the tensors of ``slot`` (no copy), valid until the slot is released.
@@ -201,7 +223,10 @@ class ShmReceiver:
         """Drop the mapping (it stays alive while user tensors still reference it)."""
         self._base = np.empty(0, np.uint8)
         self._ids = self._ctl = None
-        self._extra.clear()  # each mapping closes when its last view is dropped
+        extra, self._extra = self._extra, OrderedDict()
+        for fd, _ in extra.values():  # the mappings made from them live on while viewed
+            with contextlib.suppress(OSError):
+                os.close(fd)
         with contextlib.suppress(BufferError):
             self._mmap.close()
 
