@@ -147,6 +147,10 @@ def test_bad_sample_budget_skips_by_replacing_with_next_good_sample():
         np.testing.assert_array_equal(lab[:, 0], np.array([4, 5, 7, 7]) * 1010)
         np.testing.assert_array_equal(img[2], fake_image(7) + 1)
         assert src.bad_samples == [(0, 6, "FakeImageDecoder#0 (pipeline 'image')")]
+        # The same batch decoded again (a discarded look-ahead, redone) does not count twice.
+        again = src.submit(0, 1).result(60)
+        np.testing.assert_array_equal(again[1][:, 0], np.array([4, 5, 7, 7]) * 1010)
+        assert len(src.bad_samples) == 1
         with pytest.raises(PipelineError, match="budget 1 exhausted"):
             src.submit(1, 1).result(60)
 

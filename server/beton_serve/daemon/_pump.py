@@ -32,7 +32,8 @@ epoch is submitted, ``fill`` goes on submitting batches of the *next* epoch into
 prefetch work, within the same credits). They are not published: when the epoch ends they are
 handed to the stream (:class:`Lookahead`), and the next pump adopts them if the client starts
 that epoch at batch 0, which it almost always does; any other start (a resume, a re-opened
-stream) discards them: cancelled, slots returned, references released.
+stream) discards them: cancelled, slots returned, references released. A stream with a
+bad-sample budget does not look ahead (the budget is spent in decode order).
 
 The gRPC path (``Stream.run_epoch``) has no look-ahead; both publish through ``Stream.submit``
 and ``Stream.publish``.
@@ -91,7 +92,8 @@ class NoticePump:
         self.by_ref = stream.by_reference()
         self.pending: Pending = deque()
         self.ahead: Pending = deque()  # batches of the next epoch (see the module docstring)
-        self.ahead_next = 0
+        # n: nothing to look ahead at (see ``Stream.may_look_ahead``).
+        self.ahead_next = 0 if stream.may_look_ahead() else n
         self.adopted: list[Future[Any]] = []
         with stream.lock:
             la, stream.lookahead = stream.lookahead, None

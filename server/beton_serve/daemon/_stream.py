@@ -402,6 +402,13 @@ class Stream:
                 ref.release()
         pending.clear()
 
+    def may_look_ahead(self) -> bool:
+        """Whether batches of the next epoch may be decoded before the client starts it: not
+        under a bad-sample budget, which is spent in decode order (a bad sample of the next
+        epoch decoded ahead could use up the budget before one of the current epoch)."""
+        inner = getattr(self.source, "source", self.source)  # a SharedSource wraps its own
+        return not getattr(inner, "bad_sample_budget", 0)
+
     def by_reference(self) -> bool:
         """Whether shared batches can be published by reference: zero-copy sharing needs a
         sharing source with an arena and the ring's id table (shm; with the notice channel,

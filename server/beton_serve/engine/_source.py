@@ -332,10 +332,14 @@ class BatchSource:
             fixed[i - lo] = batch[repl]
         first_i, first = bad[0]
         with self._lock:
-            over = len(self.bad_samples) + len(bad) > self.bad_sample_budget
+            # A sample already skipped in this epoch (its batch was decoded again, e.g. after a
+            # daemon's look-ahead was discarded) does not count twice.
+            seen = {(x.epoch, x.sample_id) for x in self.bad_samples}
+            new = [(i, f) for i, f in bad if (epoch, int(batch[i])) not in seen]
+            over = len(self.bad_samples) + len(new) > self.bad_sample_budget
             if not over and not all_bad:
                 self.bad_samples.extend(
-                    BadSample(epoch, int(batch[i]), f.node.name) for i, f in bad
+                    BadSample(epoch, int(batch[i]), f.node.name) for i, f in new
                 )
         if over or all_bad:
             if all_bad:
