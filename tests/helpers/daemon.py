@@ -80,6 +80,17 @@ class DaemonProcess:
         return int(self.proc.returncode)
 
 
+def wait_for(pred, timeout: float, step: float = 0.02) -> float:
+    """Poll ``pred()`` until it is true; returns the seconds it took (``AssertionError`` after
+    ``timeout``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
 def wait_until_serving(address: str, proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
     """Block until a channel to ``address`` is ready; fail if ``proc`` exits first."""
     deadline = time.monotonic() + timeout

@@ -18,7 +18,7 @@ from beton_serve.transforms import ToTensor
 from beton_wire import notice
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
-from helpers.daemon import SHM, daemon  # noqa: F401
+from helpers.daemon import SHM, daemon, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -43,15 +43,6 @@ def _socket_of(d) -> Path:
     names = [n for n in d.shm_files() if "-notice-" in n]
     assert len(names) == 1, names
     return SHM / names[0]
-
-
-def _wait(pred, timeout: float) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def test_notice_channel_is_used_and_equals_the_grpc_path(daemon, monkeypatch) -> None:
@@ -98,7 +89,7 @@ def test_a_client_that_closes_its_notice_channel_loses_its_stream(daemon) -> Non
         stream_id = ld._stream.reply.stream_id
         assert any(s.stream_id == stream_id for s in daemon.stats().streams)
         ld._stream.notice.close()
-        _wait(lambda: not any(s.stream_id == stream_id for s in daemon.stats().streams), 3.0)
+        wait_for(lambda: not any(s.stream_id == stream_id for s in daemon.stats().streams), 3.0)
     finally:
         ld.close()
     with Loader("mixed_fields", batch_size=25, pipelines=PIPES, server=daemon.address) as ld2:
@@ -157,7 +148,7 @@ def test_notices_asked_for_but_never_connected_fail_the_stream(daemon) -> None:
             list(stub.Batches(iter([start]), timeout=30))
         assert "did not connect its notice channel" in err.value.details()
         assert 5 < time.monotonic() - t0 < 25
-    _wait(lambda: not any(s.stream_id == reply.stream_id for s in daemon.stats().streams), 3.0)
+    wait_for(lambda: not any(s.stream_id == reply.stream_id for s in daemon.stats().streams), 3.0)
 
 
 def _slow_epoch(ld: Loader, pause: float) -> list[np.ndarray]:

@@ -10,7 +10,6 @@ once its streams are gone; and a client without the notice channel still gets co
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ import torch
 from beton_client import Loader, OrderOption
 from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
 from beton_serve.transforms import ToTensor
-from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.daemon import daemon_factory, short_tmp, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +43,6 @@ def _shared_mappings(ld: Loader) -> int:
     """Batches this client read by reference from a sharing arena."""
     assert ld._stream is not None
     return int(ld._stream.receiver.shared_batches)
-
-
-def _wait(pred, timeout: float) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def test_shared_batches_are_read_in_place_and_a_held_one_never_changes(
@@ -96,8 +86,8 @@ def test_shared_batches_are_read_in_place_and_a_held_one_never_changes(
     finally:
         for ld in (holder, *others):
             ld.close()
-    _wait(lambda: not d.stats().streams, 5.0)
-    _wait(lambda: not [s for s in d.segments() if "-share-" in s], 5.0)  # every arena unlinked
+    wait_for(lambda: not d.stats().streams, 5.0)
+    wait_for(lambda: not [s for s in d.segments() if "-share-" in s], 5.0)  # every arena unlinked
     decoded = {x.name: x.samples_decoded for x in d.stats().datasets}["images_smart"]
     assert decoded < 3 * 3 * N_SAMPLES  # shared, not decoded once per client
 
@@ -164,7 +154,7 @@ def test_a_killed_member_frees_what_it_held_and_the_others_carry_on(
                 got[i].append(others[i].last_sample_ids.copy())
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        _wait(lambda: not any(s.client_pid == proc.pid for s in d.stats().streams), 3.0)
+        wait_for(lambda: not any(s.client_pid == proc.pid for s in d.stats().streams), 3.0)
         for i, it in enumerate(its):  # the rest of the epoch, then one more
             for _ in it:
                 got[i].append(others[i].last_sample_ids.copy())
@@ -183,8 +173,8 @@ def test_a_killed_member_frees_what_it_held_and_the_others_carry_on(
             proc.wait(10)
         for ld in others:
             ld.close()
-    _wait(lambda: not d.stats().streams, 5.0)
-    _wait(lambda: not [s for s in d.segments() if "-share-" in s], 5.0)
+    wait_for(lambda: not d.stats().streams, 5.0)
+    wait_for(lambda: not [s for s in d.segments() if "-share-" in s], 5.0)
 
 
 def test_a_job_that_modifies_its_batch_in_place_never_changes_the_others(
