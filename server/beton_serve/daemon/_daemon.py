@@ -62,7 +62,7 @@ from beton_serve.transport.negotiate import (
     Negotiation,
     negotiate,
 )
-from beton_serve.transport.shm import ShmFactory, ShmNamer, sweep_stale_segments
+from beton_serve.transport.shm import ShmFactory, ShmNamer, pid_alive, sweep_stale_segments
 
 __all__ = [
     "MAX_BATCH_SIZE",
@@ -167,21 +167,6 @@ def _shared(
         indices=req.indices,
     )
     return SharedSource(source, registry, key, make_arena=make_arena)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (killed, not yet reaped by its parent) is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 @dataclass(kw_only=True)
@@ -298,7 +283,7 @@ class Daemon:
             await asyncio.sleep(self.liveness_interval)
             now = time.monotonic()
             for s in list(self.streams.values()):
-                if s.client_pid and not _pid_alive(s.client_pid):
+                if s.client_pid and not pid_alive(s.client_pid):
                     log.warning(
                         "stream %s: client pid %d is gone; reclaiming its %d slot(s)",
                         s.stream_id,

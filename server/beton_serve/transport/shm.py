@@ -41,6 +41,7 @@ __all__ = [
     "ShmNamer",
     "ShmRing",
     "create_segment",
+    "pid_alive",
     "sweep_stale_segments",
 ]
 
@@ -68,14 +69,20 @@ class ShmNamer:
         return f"beton-{self.pid}-{purpose}-{next(self._counter)}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: not gone, and not a zombie (killed, not yet reaped by its
+    parent), which is dead for every purpose here."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's live process
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
@@ -100,7 +107,7 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
         except OSError:
             continue
         pid = int(m.group(1))
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         try:
             entry.unlink()
