@@ -121,3 +121,20 @@ class Field(ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items())
         return f"{type(self).__name__}({args})"
+
+
+def lazy_decoders(module: str, names: tuple[str, ...]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that also exposes ``names`` from
+    :mod:`beton_serve.fields.decoders`, as FFCV does (e.g. ``ffcv.fields.basics.IntDecoder``).
+
+    They are imported on first access, so importing the field module stays free of Numba.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            from beton_serve.fields import decoders
+
+            return getattr(decoders, name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

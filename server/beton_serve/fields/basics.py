@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from beton_serve.fields.base import Field, Malloc, zero_args
+from beton_serve.fields.base import Field, Malloc, lazy_decoders, zero_args
 
 __all__ = ["FloatField", "IntField"]
 
@@ -70,17 +70,5 @@ class IntField(Field):
         return IntDecoder
 
 
-_FFCV_DECODERS = ("IntDecoder", "FloatDecoder")
-
-
-def __getattr__(name: str) -> Any:
-    """FFCV also exposes its decoders here (e.g. ``ffcv.fields.basics.IntDecoder``).
-
-    They are imported lazily from :mod:`beton_serve.fields.decoders`, so importing this module
-    stays free of Numba.
-    """
-    if name in _FFCV_DECODERS:
-        from beton_serve.fields import decoders
-
-        return getattr(decoders, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# FFCV also exposes its decoders here (e.g. ``ffcv.fields.basics.<Decoder>``).
+__getattr__ = lazy_decoders(__name__, ("IntDecoder", "FloatDecoder"))

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from beton_serve.fields.base import AllocationCheck, Field, Malloc, zero_args
+from beton_serve.fields.base import AllocationCheck, Field, Malloc, lazy_decoders, zero_args
 from beton_serve.format._layout import BYTES_META_DTYPE
 
 __all__ = ["BytesField"]
@@ -80,17 +80,5 @@ class BytesField(Field):
         return [AllocationCheck(f"{type(self).__name__} ptr", ptrs, sizes_i, empty_as_one=True)]
 
 
-_FFCV_DECODERS = ("BytesDecoder",)
-
-
-def __getattr__(name: str) -> Any:
-    """FFCV also exposes its decoders here (e.g. ``ffcv.fields.bytes.BytesDecoder``).
-
-    They are imported lazily from :mod:`beton_serve.fields.decoders`, so importing this module
-    stays free of Numba.
-    """
-    if name in _FFCV_DECODERS:
-        from beton_serve.fields import decoders
-
-        return getattr(decoders, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# FFCV also exposes its decoders here (e.g. ``ffcv.fields.bytes.<Decoder>``).
+__getattr__ = lazy_decoders(__name__, ("BytesDecoder",))

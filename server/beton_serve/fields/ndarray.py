@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from beton_serve.fields.base import AllocationCheck, Field, Malloc
+from beton_serve.fields.base import AllocationCheck, Field, Malloc, lazy_decoders
 from beton_serve.format._layout import ARGS_SIZE, NDARRAY_ARGS_DTYPE
 
 __all__ = ["NDArrayField"]
@@ -153,17 +153,5 @@ class NDArrayField(Field):
         return {"dtype": self.dtype.str, "shape": list(self.shape)}
 
 
-_FFCV_DECODERS = ("NDArrayDecoder",)
-
-
-def __getattr__(name: str) -> Any:
-    """FFCV also exposes its decoders here (e.g. ``ffcv.fields.ndarray.NDArrayDecoder``).
-
-    They are imported lazily from :mod:`beton_serve.fields.decoders`, so importing this module
-    stays free of Numba.
-    """
-    if name in _FFCV_DECODERS:
-        from beton_serve.fields import decoders
-
-        return getattr(decoders, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# FFCV also exposes its decoders here (e.g. ``ffcv.fields.ndarray.<Decoder>``).
+__getattr__ = lazy_decoders(__name__, ("NDArrayDecoder",))

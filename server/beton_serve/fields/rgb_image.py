@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from beton_serve.fields.base import AllocationCheck, Field, Malloc, zero_args
+from beton_serve.fields.base import AllocationCheck, Field, Malloc, lazy_decoders, zero_args
 from beton_serve.format._layout import RGB_META_DTYPE
 
 __all__ = ["RGBImageField", "encode_jpeg", "resize_to_max", "to_rgb_array"]
@@ -208,21 +208,12 @@ class RGBImageField(Field):
         return {}
 
 
-_FFCV_DECODERS = (
-    "SimpleRGBImageDecoder",
-    "RandomResizedCropRGBImageDecoder",
-    "CenterCropRGBImageDecoder",
+# FFCV also exposes its decoders here (e.g. ``ffcv.fields.rgb_image.<Decoder>``).
+__getattr__ = lazy_decoders(
+    __name__,
+    (
+        "SimpleRGBImageDecoder",
+        "RandomResizedCropRGBImageDecoder",
+        "CenterCropRGBImageDecoder",
+    ),
 )
-
-
-def __getattr__(name: str) -> Any:
-    """FFCV also exposes its decoders here (e.g. ``ffcv.fields.rgb_image.SimpleRGBImageDecoder``).
-
-    They are imported lazily from :mod:`beton_serve.fields.decoders`, so importing this module
-    stays free of Numba.
-    """
-    if name in _FFCV_DECODERS:
-        from beton_serve.fields import decoders
-
-        return getattr(decoders, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
