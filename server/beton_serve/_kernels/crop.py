@@ -60,8 +60,9 @@ def random_resized_crop(
 
 
 @_jit
-def rrc_batch(seed_key, batch_indices, heights, widths, scale, ratio):  # pragma: no cover
-    """Crops ``(B, 4)`` int64 of a batch; ``heights``/``widths`` are indexed by sample id."""
+def _rrc_rows(seed_key, batch_indices, heights, widths, scale, ratio):  # pragma: no cover
+    """Crops ``(B, 4)`` int64: row ``b`` for sample ``batch_indices[b]`` of size
+    ``heights[b] x widths[b]``."""
     n = batch_indices.shape[0]
     out = np.empty((n, 4), np.int64)
     lr0 = math.log(ratio[0])
@@ -69,12 +70,11 @@ def rrc_batch(seed_key, batch_indices, heights, widths, scale, ratio):  # pragma
     rmin = min(ratio[0], ratio[1])
     rmax = max(ratio[0], ratio[1])
     for b in range(n):
-        sid = batch_indices[b]
         i, j, h, w = random_resized_crop(
             seed_key,
-            np.uint64(sid),
-            int(heights[sid]),
-            int(widths[sid]),
+            np.uint64(batch_indices[b]),
+            int(heights[b]),
+            int(widths[b]),
             scale[0],
             scale[1],
             lr0,
@@ -90,32 +90,25 @@ def rrc_batch(seed_key, batch_indices, heights, widths, scale, ratio):  # pragma
 
 
 @_jit
+def rrc_batch(seed_key, batch_indices, heights, widths, scale, ratio):  # pragma: no cover
+    """Crops ``(B, 4)`` int64 of a batch; ``heights``/``widths`` are indexed by sample id."""
+    return _rrc_rows(
+        seed_key, batch_indices, heights[batch_indices], widths[batch_indices], scale, ratio
+    )
+
+
+@_jit
 def rrc_batch_fixed(seed_key, batch_indices, height, width, scale, ratio):  # pragma: no cover
     """Crops ``(B, 4)`` of a batch whose images all are ``height x width``."""
     n = batch_indices.shape[0]
-    out = np.empty((n, 4), np.int64)
-    lr0 = math.log(ratio[0])
-    lr1 = math.log(ratio[1])
-    rmin = min(ratio[0], ratio[1])
-    rmax = max(ratio[0], ratio[1])
-    for b in range(n):
-        i, j, h, w = random_resized_crop(
-            seed_key,
-            np.uint64(batch_indices[b]),
-            height,
-            width,
-            scale[0],
-            scale[1],
-            lr0,
-            lr1,
-            rmin,
-            rmax,
-        )
-        out[b, 0] = i
-        out[b, 1] = j
-        out[b, 2] = h
-        out[b, 3] = w
-    return out
+    return _rrc_rows(
+        seed_key,
+        batch_indices,
+        np.full(n, height, np.int64),
+        np.full(n, width, np.int64),
+        scale,
+        ratio,
+    )
 
 
 @_jit
