@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket as socket_mod
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,30 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         return int(self.proc.returncode)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a daemon's ``--listen``)."""
+    with socket_mod.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def daemons_serving(socket: str) -> list[int]:
+    """PIDs of live (not zombie) ``beton-serve serve`` processes whose command line names
+    ``socket``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and socket.encode() in cmd and b"serve" in cmd:
+            pids.append(int(entry.name))
+    return pids
 
 
 def wait_for(pred, timeout: float, step: float = 0.02) -> float:

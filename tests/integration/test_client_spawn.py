@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.daemon import short_tmp  # noqa: F401
+from helpers.daemon import daemons_serving, short_tmp  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -22,21 +22,6 @@ pipes = {"int": [IntDecoder()], "float": None, "array": None, "blob": None, "met
 with Loader(sys.argv[1], batch_size=10, pipelines=pipes, server=sys.argv[2]) as ld:
     print(sum(len(b[0]) for b in ld), flush=True)
 """
-
-
-def _daemons_for(socket: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and socket.encode() in cmd and b"serve" in cmd:
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_four_processes_starting_together_spawn_exactly_one_daemon(
@@ -60,7 +45,7 @@ def test_four_processes_starting_together_spawn_exactly_one_daemon(
         for p, (out, err) in zip(procs, outs, strict=True):
             assert p.returncode == 0, err.decode()[-2000:]
             assert out.strip() == b"50"
-        spawned = _daemons_for(sock)
+        spawned = daemons_serving(sock)
         assert len(spawned) == 1, spawned
         lock_pid = int(Path(sock + ".lock").read_text().split()[0])
         assert spawned == [lock_pid]
@@ -70,11 +55,11 @@ def test_four_processes_starting_together_spawn_exactly_one_daemon(
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-        for pid in spawned or _daemons_for(sock):
+        for pid in spawned or daemons_serving(sock):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 20
-        while _daemons_for(sock) and time.monotonic() < deadline:
+        while daemons_serving(sock) and time.monotonic() < deadline:
             time.sleep(0.1)
-        for pid in _daemons_for(sock):
+        for pid in daemons_serving(sock):
             os.kill(pid, signal.SIGKILL)
-    assert not _daemons_for(sock)
+    assert not daemons_serving(sock)

@@ -18,7 +18,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.daemon import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -95,15 +95,9 @@ def sample_dataset(tmp_path: Path) -> Path:
     return write_sample_dataset(tmp_path / "sample.beton", n=256, size=32)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def daemon(sample_dataset: Path, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(sample_dataset, tmp_path, listen=f"127.0.0.1:{_free_port()}")
+    d = Daemon(sample_dataset, tmp_path, listen=f"127.0.0.1:{free_port()}")
     try:
         yield d
     finally:

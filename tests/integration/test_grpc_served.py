@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -27,15 +26,9 @@ from beton_serve.transforms import (
     ToTensor,
     ToTorchImage,
 )
-from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.daemon import daemon_factory, free_port, short_tmp  # noqa: F401
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pipelines() -> dict:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -13,15 +12,9 @@ import torch
 from beton_client import Loader, OrderOption
 from beton_serve.fields.decoders import CenterCropRGBImageDecoder, SimpleRGBImageDecoder
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
-from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.daemon import daemon_factory, free_port, short_tmp  # noqa: F401
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pipelines() -> dict:

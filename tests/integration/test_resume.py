@@ -21,6 +21,7 @@ from beton_serve.transforms import RandomHorizontalFlip, ToTensor
 from helpers.daemon import (  # noqa: F401
     SHM,
     daemon_factory,
+    daemons_serving,
     short_tmp,
     start_daemon,
     wait_until_serving,
@@ -261,21 +262,6 @@ def test_an_auto_spawned_daemon_killed_mid_epoch_is_spawned_again(
             _stop_child(pid)
 
 
-def _serving_daemons(sock: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and sock.encode() in cmd and b"serve" in cmd:
-            pids.append(int(entry.name))
-    return pids
-
-
 def test_auto_spawn_racing_a_manual_start_leaves_one_daemon(
     short_tmp: Path, fixtures_dir: Path
 ) -> None:
@@ -301,7 +287,7 @@ def test_auto_spawn_racing_a_manual_start_leaves_one_daemon(
         out, err = client.communicate(timeout=90)
         assert client.returncode == 0, err.decode()[-2000:]
         assert out.strip() == b"50"
-        alive = _serving_daemons(sock)
+        alive = daemons_serving(sock)
         assert len(alive) == 1, alive  # one of the two won the lock, the other exited
         assert alive == [_lock_pid(sock)]
         if manual.proc.poll() is not None:  # the auto-spawned one won
@@ -311,10 +297,10 @@ def test_auto_spawn_racing_a_manual_start_leaves_one_daemon(
             client.kill()
             client.wait(10)
         manual.stop()
-        for pid in _serving_daemons(sock):  # an auto-spawned winner is not our child
+        for pid in daemons_serving(sock):  # an auto-spawned winner is not our child
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 20
-        while _serving_daemons(sock) and time.monotonic() < deadline:
+        while daemons_serving(sock) and time.monotonic() < deadline:
             time.sleep(0.1)
-    assert not _serving_daemons(sock)
+    assert not daemons_serving(sock)

@@ -7,7 +7,6 @@ Decision under test: a configured token is required on every address, the Unix s
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from beton_client import Loader
 from beton_client.errors import AuthError, ServerUnavailable
 from helpers import tls_certs
-from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.daemon import daemon_factory, free_port, short_tmp  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -25,12 +24,6 @@ TOKEN = "s3cret-token_for-tests"
 needs_certs = pytest.mark.skipif(
     not tls_certs.available(), reason="needs the cryptography package or the openssl command"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _token_file(d: Path, token: str = TOKEN) -> str:
