@@ -93,7 +93,6 @@ class _Stream:
         self.wait_us = 0  # total, reported through the release words
         self._started = False
         self.notice = _connect_notices(reply, receiver)
-        self._words = self.notice is not None and getattr(receiver, "has_release_words", False)
         self._layout = slot_layout(
             [(o.name, tuple(o.shape), DTYPE_NAMES[o.dtype]) for o in reply.outputs],
             max(1, int(reply.batch_size)),
@@ -135,13 +134,11 @@ class _Stream:
             release = getattr(self.receiver, "release", None)
             if release is not None:  # cuda_ipc: record the free event before the Release
                 release(slot)
-            if self._words:  # a store in shared memory; a record only if the daemon starves
-                assert isinstance(self.receiver, ShmReceiver) and self.notice is not None
+            if self.notice is not None:  # a store in shared memory; a record only if starved
+                assert isinstance(self.receiver, ShmReceiver)
                 self.wait_us += wait_us
                 if self.receiver.release_word(slot, token, self.wait_us):
                     self.notice.wake()
-            elif self.notice is not None:
-                self.notice.release(slot, index, wait_us)
             else:
                 self.send(
                     pb.ClientMessage(
@@ -225,9 +222,10 @@ class _Stream:
 def _connect_notices(reply: Any, receiver: Receiver) -> NoticeChannel | None:
     """The stream's notice channel when the daemon offers one and it can be reached."""
     setup = reply.transport
-    if setup.kind != "shm" or not setup.shm.notice_socket or not setup.shm.ids_offset:
+    shm = setup.shm
+    if setup.kind != "shm" or not (shm.notice_socket and shm.ids_offset and shm.release_offset):
         return None
-    if not isinstance(receiver, ShmReceiver):
+    if not isinstance(receiver, ShmReceiver) or not receiver.has_release_words:
         return None
     try:
         return NoticeChannel(setup.shm.notice_socket, bytes(setup.shm.notice_token))

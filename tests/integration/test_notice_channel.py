@@ -162,7 +162,9 @@ def _slow_epoch(ld: Loader, pause: float) -> list[np.ndarray]:
 def test_a_slow_client_wakes_a_starved_daemon(daemon) -> None:
     kw = dict(batch_size=2, pipelines=PIPES, order=OrderOption.RANDOM, seed=9, drop_last=False)
     with Loader("mixed_fields", server=daemon.address, **kw) as ld:
-        assert ld._stream is not None and ld._stream._words  # releases through the words
+        assert (
+            ld._stream is not None and ld._stream.notice is not None
+        )  # releases through the words
         t0 = time.monotonic()
         ids = _slow_epoch(ld, 0.01)
         took = time.monotonic() - t0

@@ -47,7 +47,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
-from beton_serve.daemon._stream import EpochEnd, StartEpoch, Stream
+from beton_serve.daemon._stream import StartEpoch, Stream
 from beton_serve.errors import SpecError
 
 __all__ = ["Lookahead", "NoticePump"]
@@ -119,7 +119,7 @@ class NoticePump:
             s.pump = self
         try:
             if self.delivered == self.n:
-                s.send_notice(EpochEnd(epoch=self.epoch, batches=self.n))
+                s.send_end(self.epoch)
                 return
             for cfut in self.adopted:
                 cfut.add_done_callback(self._on_done)
@@ -224,7 +224,7 @@ class NoticePump:
                     s.publish_notice(self.epoch, b, slot, cfut, arrays)
                     self.delivered += 1
                     if self.delivered == self.n:
-                        s.send_notice(EpochEnd(epoch=self.epoch, batches=self.n))
+                        s.send_end(self.epoch)
                         self._settle(None)
                 except BaseException as exc:
                     self._fail_locked(exc)

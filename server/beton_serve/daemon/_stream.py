@@ -261,21 +261,14 @@ class Stream:
             ref.release()
         return True
 
-    def send_notice(self, item: BatchOut | EpochEnd) -> None:
-        """Publish ``item`` on the notice channel (see :meth:`attach_notices`).
+    def send_end(self, epoch: int) -> None:
+        """Tell the client on the notice channel that ``epoch`` ended (see :meth:`publish_notice`
+        for the batches).
 
         Raises:
             TransportError: the client is gone or stopped reading.
         """
-        if isinstance(item, BatchOut):
-            if item.at is not None:
-                self.notice.send_batch_at(
-                    item.slot, item.epoch, item.batch_index, item.length, *item.at
-                )
-            else:
-                self.notice.send_batch(item.slot, item.epoch, item.batch_index, item.length)
-        else:
-            self.notice.send_end(item.epoch, item.batches)
+        self.notice.send_end(epoch, self.num_batches)
 
     def abort(self, exc: BaseException) -> None:
         """Make the serving task end with ``exc`` (e.g. ``ShuttingDown``) at its next step."""

@@ -29,6 +29,7 @@ import numpy as np
 from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import TransportError
+from beton_serve.transport.base import slot_views
 from beton_serve.transport.shm import SHM_DIR, create_segment
 
 __all__ = ["ShmArena"]
@@ -51,14 +52,7 @@ class ShmArena:
         self.size = layout.slot_bytes * count
         self._mmap = create_segment(self.path, self.size)
         base = np.frombuffer(self._mmap, dtype=np.uint8)
-        self._views: list[list[np.ndarray]] = []
-        for i in range(count):
-            start = layout.slot_offset(i)
-            views = []
-            for t in layout.tensors:
-                raw = base[start + t.offset : start + t.offset + t.sample_bytes * layout.batch_size]
-                views.append(raw.view(np.dtype(t.dtype)).reshape((layout.batch_size, *t.shape)))
-            self._views.append(views)
+        self._views = [slot_views(base, layout, i) for i in range(count)]
         self._free = list(range(count - 1, -1, -1))
         self._lock = threading.Lock()
         self._closing = False

@@ -15,6 +15,7 @@ __all__ = [
     "SlotTransport",
     "TransportFactory",
     "TransportSetup",
+    "slot_views",
 ]
 
 
@@ -136,6 +137,17 @@ class TransportFactory(Protocol):
 _FREE, _FILLING, _LEASED = 0, 1, 2
 
 
+def slot_views(base: np.ndarray, layout: SlotLayout, slot: int) -> list[np.ndarray]:
+    """The writable ``(batch_size, *shape)`` arrays of ``slot`` of ``layout`` in ``base`` (a flat
+    uint8 array of whole slots), in output order."""
+    start = layout.slot_offset(slot)
+    views = []
+    for t in layout.tensors:
+        raw = base[start + t.offset : start + t.offset + t.sample_bytes * layout.batch_size]
+        views.append(raw.view(np.dtype(t.dtype)).reshape((layout.batch_size, *t.shape)))
+    return views
+
+
 class HostSlotRing:
     """The slot state machine and host views shared by rings whose slots live in host memory.
 
@@ -159,13 +171,7 @@ class HostSlotRing:
         self._views = [self._make_views(s) for s in range(self.slot_count)]
 
     def _make_views(self, slot: int) -> list[np.ndarray]:
-        start = self.layout.slot_offset(slot)
-        views = []
-        for t in self.layout.tensors:
-            nbytes = t.sample_bytes * self.layout.batch_size
-            raw = self._base[start + t.offset : start + t.offset + nbytes]
-            views.append(raw.view(np.dtype(t.dtype)).reshape((self.layout.batch_size, *t.shape)))
-        return views
+        return slot_views(self._base, self.layout, slot)
 
     def acquire(self) -> int | None:
         """Take a FREE slot (lowest index first) and mark it FILLING; ``None`` if none is free."""
