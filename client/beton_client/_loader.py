@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 import numpy as np
 from beton_wire.address import ENV_ADDRESS, default_socket_path, socket_path_of, unix_target
+from beton_wire.file_identity import FileIdentity
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
@@ -147,8 +148,10 @@ class Loader:
     """FFCV's ``Loader``, served by a beton-serve daemon (see the module docstring).
 
     Args:
-        fname_or_dataset: a ``.beton`` path (the dataset is its stem; used to auto-spawn) or the
-            name of a dataset the daemon serves.
+        fname_or_dataset: a ``.beton`` path or the name of a dataset the daemon serves. A path
+            that exists here names that file: the daemon serves exactly it (same device, inode,
+            size and mtime; across hosts, same size and content fingerprint) or the Loader fails
+            with :class:`SpecError` naming both paths; a file is never matched by its stem.
         batch_size: samples per batch.
         num_workers: accepted for FFCV compatibility; a hint only, since the daemon owns the pool.
         os_cache: accepted for FFCV compatibility (the daemon maps files).
@@ -247,6 +250,14 @@ class Loader:
         self.fname = text
         is_file = text.endswith(".beton") or os.sep in text
         self.dataset = Path(text).stem if is_file else text
+        #: The file named, resolved by the daemon by identity, never by stem (issue 11); ``None``
+        #: for a dataset name, or a path that does not exist here (a remote daemon's file).
+        self._file: FileIdentity | None = None
+        if is_file and os.path.isfile(text):
+            try:
+                self._file = FileIdentity.of(text)
+            except OSError as exc:
+                raise SpecError(f"dataset file {text} cannot be read: {exc}") from None
         self.batch_size = int(batch_size)
         self.num_workers = num_workers
         self.os_cache = os_cache
@@ -404,6 +415,18 @@ class Loader:
             client_name=os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python",
             custom_fields=list(self.custom_fields),
         )
+        f = self._file
+        if f is not None:
+            req.file.CopyFrom(
+                pb.FileIdentity(
+                    path=f.path,
+                    device=f.device,
+                    inode=f.inode,
+                    size=f.size,
+                    mtime_ns=f.mtime_ns,
+                    fingerprint=f.fingerprint,
+                )
+            )
         return req, plans
 
     @staticmethod

@@ -193,6 +193,7 @@ class OpenStreamRequest(_message.Message):
         "device",
         "distributed",
         "drop_last",
+        "file",
         "has_indices",
         "host",
         "indices",
@@ -222,6 +223,7 @@ class OpenStreamRequest(_message.Message):
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_FIELDS_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     pipelines: _containers.RepeatedCompositeFieldContainer[PipelineSpec]
     batch_size: int
@@ -241,6 +243,7 @@ class OpenStreamRequest(_message.Message):
     client_name: str
     compression: str
     custom_fields: _containers.RepeatedScalarFieldContainer[str]
+    file: FileIdentity
     def __init__(
         self,
         dataset: str | None = ...,
@@ -262,6 +265,31 @@ class OpenStreamRequest(_message.Message):
         client_name: str | None = ...,
         compression: str | None = ...,
         custom_fields: _Iterable[str] | None = ...,
+        file: FileIdentity | _Mapping | None = ...,
+    ) -> None: ...
+
+class FileIdentity(_message.Message):
+    __slots__ = ("device", "fingerprint", "inode", "mtime_ns", "path", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    fingerprint: str
+    def __init__(
+        self,
+        path: str | None = ...,
+        device: int | None = ...,
+        inode: int | None = ...,
+        size: int | None = ...,
+        mtime_ns: int | None = ...,
+        fingerprint: str | None = ...,
     ) -> None: ...
 
 class OutputSpec(_message.Message):

@@ -399,7 +399,9 @@ class Daemon:
             [p.name, p.field or p.name, p.skip, [[o.name, dict(o.params)] for o in p.ops]]
             for p in req.pipelines
         ]
-        text = json.dumps([ds.schema_key, req.batch_size, spec], sort_keys=True)
+        # The plan holds the dataset's reader: keyed by the dataset's identity, not only its schema
+        # (train and val files share a schema; issue 11).
+        text = json.dumps([ds.key, ds.schema_key, req.batch_size, spec], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _compile_sync(self, req: StreamRequest, ds: Dataset) -> _PlanEntry:
@@ -479,7 +481,9 @@ class Daemon:
         """
         if self.draining:
             raise ShuttingDown("the daemon is shutting down; retry against a new daemon")
-        ds = self.dataset(req.dataset)
+        ident = req.offer.identity
+        same_host = bool(ident.boot_id) and ident.boot_id == self.facts.identity.boot_id
+        ds = self.datasets.resolve(req.dataset, req.file, same_host=same_host)
         self._validate(req, ds)
         neg, factory = self._negotiate(req.offer)
         entry, cached = await self._plan(req, ds)
@@ -514,12 +518,8 @@ class Daemon:
                 if neg.transport == "shm" and isinstance(factory, ShmFactory)
                 else None
             )
-            source = _shared(
-                source, self.sharing, self._spec_key(req, ds), req, ds.name, make_arena
-            )
+            source = _shared(source, self.sharing, self._spec_key(req, ds), req, ds.key, make_arena)
         ring: SlotTransport = factory.create(layout, slot_count, device_index=neg.device_index)
-        ident = req.offer.identity
-        same_host = bool(ident.boot_id) and ident.boot_id == self.facts.identity.boot_id
         stream = Stream(
             stream_id=secrets.token_hex(8),
             dataset=ds,

@@ -2,19 +2,29 @@
 
 A dataset is named by its file stem (``beton-serve /data/cifar.beton`` serves ``cifar``) or
 explicitly (``--dataset imagenet=/data/train-*.beton``). Several files under one name are shards
-with one schema, served as one index space in the given order. Clients can open only these
-names, never paths (DESIGN.md §8).
+with one schema, served as one index space in the given order.
+
+A client opens a dataset by that name, or by naming a file (``Loader('/data/cifar.beton')``):
+then the file it names is resolved by identity (:mod:`beton_wire.file_identity`: device, inode,
+size and mtime on one host), never by its stem, and a file the daemon does not serve is an
+error naming both paths (DESIGN.md §8). Every cache and sharing group is keyed by
+:attr:`Dataset.key`, which covers the identity of every file, so two datasets of one schema
+(train and val) can never be confused.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from beton_wire.file_identity import FileIdentity
 
 from beton_serve.daemon._backend import Backend
 from beton_serve.daemon._health import FileWatch
@@ -37,6 +47,7 @@ class Dataset:
         samples_decoded / batches_decoded: counters for stats (change them with :meth:`count`).
         bad_samples: samples skipped under the bad-sample budget (:meth:`count` too).
         watch: guards against the files shrinking under the mmap (``_health``).
+        files: the identity of each file when it was opened.
     """
 
     name: str
@@ -49,11 +60,23 @@ class Dataset:
     batches_decoded: int = 0
     bad_samples: int = 0
     watch: FileWatch | None = None
+    files: tuple[FileIdentity, ...] = ()
     _extra: dict[str, Any] = field(default_factory=dict)
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
     #: The reader the planner compiles against: the file's own, or the shards combined.
     combined: Any = None
+
+    @property
+    def key(self) -> str:
+        """What identifies this dataset in every cache, sharing group and stream: a hash of its
+        name, schema and the identity (path, device, inode, size, mtime) of every file."""
+        cached = self._extra.get("key")
+        if cached is None:
+            ids = [[f.path, f.device, f.inode, f.size, f.mtime_ns] for f in self.files]
+            text = json.dumps([self.name, self.paths, self.schema_key, ids])
+            cached = self._extra["key"] = hashlib.sha256(text.encode()).hexdigest()
+        return str(cached)
 
     @property
     def reader(self) -> Any:
@@ -167,6 +190,44 @@ class DatasetTable:
             schema_key=key,
             combined=combined,
             watch=FileWatch(paths),
+            files=tuple(_identity(p) for p in paths),
+        )
+
+    def resolve(self, name: str, file: FileIdentity | None, *, same_host: bool) -> Dataset:
+        """The dataset a client asked for: by ``name``, or, when it named a file, the dataset
+        whose file *is* that file (see the module docstring); never one with the same stem.
+
+        Raises:
+            SpecError: no served dataset has that name or file; the file is one shard of a
+                dataset (open it by name); the daemon's file of that name is another file (the
+                message names both paths).
+        """
+        if file is None:
+            return self.get(name)
+        for ds in self._by_name.values():
+            for i, ident in enumerate(ds.files):
+                if not ident.same_file(file, same_host=same_host):
+                    continue
+                if len(ds.files) > 1:
+                    raise SpecError(
+                        f"{_short(file.path)} is shard {i + 1} of {len(ds.files)} of dataset "
+                        f"{ds.name!r}; open the whole dataset by its name, Loader({ds.name!r}, ...)"
+                    )
+                return ds
+        how = "device, inode, size and mtime" if same_host else "size and content fingerprint"
+        other = self._by_name.get(name)
+        if other is not None:
+            theirs = ", ".join(f.describe() for f in other.files)
+            raise SpecError(
+                f"this Loader names {file.describe()}, but the daemon's dataset {name!r} is another "
+                f"file: {theirs} ({how} differ). Serve the file you mean (beton-serve "
+                f"{_short(file.path)}), or open the daemon's dataset by its name"
+            )
+        served = "; ".join(f"{d.name!r}: {', '.join(d.paths)}" for d in self._by_name.values())
+        raise SpecError(
+            f"this daemon does not serve {file.describe()} (compared by {how}); it serves "
+            f"{served}. Serve the file (beton-serve {_short(file.path)}) or open a served "
+            "dataset by name"
         )
 
     def get(self, name: str) -> Dataset:
@@ -194,6 +255,19 @@ class DatasetTable:
             for r in ds.readers:
                 r.close()
         self._by_name = {}
+
+
+def _identity(path: str) -> FileIdentity:
+    try:
+        return FileIdentity.of(path)
+    except OSError:  # a test backend's name that is not a file: identified by its path alone
+        return FileIdentity(
+            path=os.path.abspath(path), device=0, inode=0, size=0, mtime_ns=0, fingerprint=""
+        )
+
+
+def _short(text: str, limit: int = 240) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _schema_diff(b: Backend, a: Any, other: Any, fields: list[tuple[str, str]]) -> str:

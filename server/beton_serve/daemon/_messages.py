@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from beton_wire.file_identity import FileIdentity
+
 from beton_serve.daemon._backend import OutputInfo
 from beton_serve.transport.base import TransportSetup
 from beton_serve.transport.negotiate import ClientOffer, Rejection
@@ -57,6 +59,9 @@ class StreamRequest:
     offer: ClientOffer
     client_name: str = ""
     custom_fields: tuple[str, ...] = ()
+    #: The file the client named (``Loader(path)``), checked against the served files by
+    #: identity; ``None`` when it named a dataset.
+    file: FileIdentity | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from beton_wire.file_identity import FileIdentity
 from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2 as pb
 
@@ -116,6 +117,18 @@ def stream_request(msg: pb.OpenStreamRequest) -> StreamRequest:
         offer=offer,
         client_name=msg.client_name,
         custom_fields=tuple(msg.custom_fields),
+        file=_file_identity(msg.file) if msg.HasField("file") else None,
+    )
+
+
+def _file_identity(f: pb.FileIdentity) -> FileIdentity:
+    return FileIdentity(
+        path=f.path,
+        device=f.device,
+        inode=f.inode,
+        size=f.size,
+        mtime_ns=f.mtime_ns,
+        fingerprint=f.fingerprint,
     )
 
 

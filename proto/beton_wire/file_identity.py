@@ -1,0 +1,96 @@
+"""Which file a ``.beton`` path names: the identity a client sends and a daemon checks.
+
+A dataset is a file, never a stem (DESIGN.md §8). ``Loader('other/train.beton')`` against a daemon
+that serves ``./train.beton`` must either get that very file or fail, naming both paths. Both
+sides compute a :class:`FileIdentity` with :meth:`FileIdentity.of`, the same way:
+
+* ``device``, ``inode``, ``size`` and ``mtime_ns`` from ``stat``: on one host (same boot id),
+  two paths name the same file exactly when these four agree;
+* ``fingerprint``: SHA-256 over the file's size, its first and its last
+  :data:`FINGERPRINT_SPAN` bytes. A ``.beton`` keeps its header and field table at the start and
+  its allocation table at the end, so a copy of the file on another host has the same
+  fingerprint, and a different dataset of the same schema does not. Across hosts, where device
+  and inode numbers mean nothing, size and fingerprint are compared instead.
+
+Reading the two spans costs two ``pread`` calls of 64 KiB, once per Loader and once per served
+file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+__all__ = ["FINGERPRINT_SPAN", "FileIdentity"]
+
+#: Bytes hashed at each end of the file.
+FINGERPRINT_SPAN = 64 << 10
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FileIdentity:
+    """One file as a path resolved to it (see the module docstring).
+
+    Attributes:
+        path: the absolute path it was resolved from (for messages only; never compared).
+        device, inode, size, mtime_ns: from ``stat``.
+        fingerprint: hex SHA-256 of the size and both ends of the file.
+    """
+
+    path: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    fingerprint: str
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str]) -> FileIdentity:
+        """Stat and fingerprint ``path`` (symlinks followed: the file is what it names).
+
+        Raises:
+            OSError: it cannot be opened or read.
+        """
+        text = os.path.abspath(os.fspath(path))
+        fd = os.open(text, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            return cls(
+                path=text,
+                device=st.st_dev,
+                inode=st.st_ino,
+                size=st.st_size,
+                mtime_ns=st.st_mtime_ns,
+                fingerprint=_fingerprint(fd, st.st_size),
+            )
+        finally:
+            os.close(fd)
+
+    def same_file(self, other: FileIdentity, *, same_host: bool) -> bool:
+        """Whether ``other`` names this file: (device, inode, size, mtime) on one host; size
+        and fingerprint across hosts."""
+        if same_host:
+            return (self.device, self.inode, self.size, self.mtime_ns) == (
+                other.device,
+                other.inode,
+                other.size,
+                other.mtime_ns,
+            )
+        return (self.size, self.fingerprint) == (other.size, other.fingerprint)
+
+    def describe(self) -> str:
+        """``path (device:inode, N bytes, mtime T)`` for error messages."""
+        return (
+            f"{self.path} (device {self.device} inode {self.inode}, {self.size} bytes, "
+            f"mtime_ns {self.mtime_ns})"
+        )
+
+
+def _fingerprint(fd: int, size: int) -> str:
+    h = hashlib.sha256(size.to_bytes(8, "little"))
+    h.update(os.pread(fd, min(size, FINGERPRINT_SPAN), 0))
+    if size > FINGERPRINT_SPAN:
+        tail = max(FINGERPRINT_SPAN, size - FINGERPRINT_SPAN)
+        h.update(os.pread(fd, size - tail, tail))
+    return h.hexdigest()

@@ -1,0 +1,147 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""Issue 11 §1-2: a daemon never serves one dataset's samples for another's.
+
+* Two files with the same schema (train and val always have one), served at once and opened
+  with the same pipeline and batch size, in both orders and with sharing on and off: each
+  client gets its own file's labels and pixels and its own batch count (the compiled-plan cache
+  used to hand the second dataset the first one's reader).
+* ``Loader(path)`` names a file: a file with the daemon's stem elsewhere is refused with both
+  paths in the message; a hard link or symlink to the served file is the same file; a served
+  file replaced on disk (new inode) is no longer the file the daemon has open.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from beton_client import Loader as ServedLoader
+from beton_client.errors import SpecError as ClientSpecError
+from beton_serve.fields import IntField, NDArrayField
+from beton_serve.fields.decoders import IntDecoder, NDArrayDecoder
+from beton_serve.loader import Loader as InProcessLoader
+from beton_serve.transforms import ToTensor
+from beton_serve.writer import DatasetWriter
+from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+BATCH = 8
+
+
+class _Rows:
+    """An indexed dataset of (vector, label); ``base`` makes every value distinct per file."""
+
+    def __init__(self, n: int, base: int) -> None:
+        self.n, self.base = n, base
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return np.full(4, self.base + i, dtype=np.float32), self.base + i
+
+
+def _write(path: Path, n: int, base: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = DatasetWriter(
+        str(path), {"vec": NDArrayField(np.dtype("float32"), (4,)), "label": IntField()}
+    )
+    writer.from_indexed_dataset(_Rows(n, base))
+    return path
+
+
+def _pipelines(tensor: bool) -> dict[str, list[object]]:
+    tail = [ToTensor()] if tensor else []
+    return {
+        "vec": [NDArrayDecoder(), *tail],
+        "label": [IntDecoder(), *tail],
+    }
+
+
+def _epoch_served(target: str, address: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    loader = ServedLoader(
+        target, BATCH, pipelines=_pipelines(True), server=address, spawn=False, seed=3
+    )
+    try:
+        return [(np.asarray(v).copy(), np.asarray(y).copy()) for v, y in loader]
+    finally:
+        loader.close()
+
+
+def _epoch_in_process(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    loader = InProcessLoader(str(path), BATCH, pipelines=_pipelines(False), seed=3)
+    return [(np.asarray(v).copy(), np.asarray(y).copy()) for v, y in loader]
+
+
+def _same(a: list[tuple[np.ndarray, np.ndarray]], b: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    assert len(a) == len(b)
+    for (va, ya), (vb, yb) in zip(a, b, strict=True):
+        np.testing.assert_array_equal(va, vb)
+        np.testing.assert_array_equal(ya.reshape(-1), yb.reshape(-1))
+
+
+@pytest.fixture
+def two_files(tmp_path: Path) -> tuple[Path, Path]:
+    # Same schema, different sizes and values: train labels 0..63, val labels 1000..1023.
+    return _write(tmp_path / "a" / "train.beton", 64, 0), _write(
+        tmp_path / "a" / "val.beton", 24, 1000
+    )
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["share", "no-share"])
+@pytest.mark.parametrize("first", ["train", "val"])
+def test_same_schema_datasets_each_get_their_own_samples(
+    daemon_factory, two_files, first: str, share: bool
+) -> None:
+    train, val = two_files
+    d = daemon_factory([train, val], args=() if share else ("--no-share",))
+    expected = {"train": _epoch_in_process(train), "val": _epoch_in_process(val)}
+    order = ["train", "val"] if first == "train" else ["val", "train"]
+    for name in order:
+        path = train if name == "train" else val
+        # By path and by name: both resolve to the right file.
+        for target in (str(path), name):
+            got = _epoch_served(target, d.address)
+            _same(got, expected[name])
+    labels = {n: np.concatenate([y.reshape(-1) for _, y in expected[n]]) for n in expected}
+    assert labels["train"].max() < 1000 <= labels["val"].min()  # the two really differ
+
+
+def test_a_file_with_the_daemons_stem_elsewhere_is_refused(daemon_factory, tmp_path: Path) -> None:
+    served = _write(tmp_path / "served" / "train.beton", 32, 0)
+    other = _write(tmp_path / "other" / "train.beton", 32, 5000)  # same stem, same schema
+    d = daemon_factory([served])
+    with pytest.raises(ClientSpecError) as info:
+        ServedLoader(str(other), BATCH, pipelines=_pipelines(True), server=d.address, spawn=False)
+    msg = str(info.value)
+    assert str(other) in msg and str(served) in msg, msg
+    # The daemon's own file still serves, by path and by name.
+    _same(_epoch_served(str(served), d.address), _epoch_in_process(served))
+
+
+def test_links_to_the_served_file_are_the_same_file(daemon_factory, tmp_path: Path) -> None:
+    served = _write(tmp_path / "served" / "data.beton", 32, 7)
+    hard = tmp_path / "elsewhere" / "renamed.beton"
+    hard.parent.mkdir()
+    os.link(served, hard)
+    soft = tmp_path / "elsewhere" / "soft.beton"
+    soft.symlink_to(served)
+    d = daemon_factory([served])
+    expected = _epoch_in_process(served)
+    _same(_epoch_served(str(hard), d.address), expected)
+    _same(_epoch_served(str(soft), d.address), expected)
+
+
+def test_a_replaced_file_is_not_the_one_the_daemon_has_open(daemon_factory, tmp_path: Path) -> None:
+    served = _write(tmp_path / "served" / "train.beton", 32, 0)
+    d = daemon_factory([served])
+    _same(_epoch_served(str(served), d.address), _epoch_in_process(served))
+    # Rewritten by rename (the safe way): the daemon still maps the old inode.
+    fresh = _write(tmp_path / "tmp" / "train.beton", 32, 9000)
+    os.replace(fresh, served)
+    with pytest.raises(ClientSpecError) as info:
+        ServedLoader(str(served), BATCH, pipelines=_pipelines(True), server=d.address, spawn=False)
+    assert "another file" in str(info.value)
