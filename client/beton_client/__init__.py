@@ -18,6 +18,7 @@ from beton_client.errors import (
     ServerUnavailable,
     SpecError,
     TransportError,
+    UntrustedSocketError,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "ServerUnavailable",
     "SpecError",
     "TransportError",
+    "UntrustedSocketError",
 ]

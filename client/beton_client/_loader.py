@@ -38,6 +38,20 @@ import grpc
 import numpy as np
 from beton_wire.address import ENV_ADDRESS, default_socket_path, socket_path_of, unix_target
 from beton_wire.file_identity import FileIdentity
+from beton_wire.limits import (
+    MAX_BATCH_SIZE,
+    MAX_BATCHES_AHEAD,
+    MAX_INDICES,
+    MAX_NAME_CHARS,
+    MAX_OPS,
+    MAX_PATH_CHARS,
+    MAX_PIPELINES,
+    MAX_REQUEST_BYTES,
+    MAX_SPEC_BYTES,
+    MAX_WORLD_SIZE,
+    parse_params,
+    short_repr,
+)
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
@@ -64,7 +78,7 @@ SPAWN_IDLE_TIMEOUT_S = 300.0
 _TRANSPORTS = ("auto", "shm", "cuda_ipc", "grpc")
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 1 << 30),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
 )
 
 
@@ -88,9 +102,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-#: Largest value of a uint32 field of the wire (batch_size, batches_ahead).
-_MAX_WIRE_U32 = 2**32 - 1
-
 RECEIVERS: dict[str, Callable[[Any], Receiver]] = {"shm": _shm_receiver}
 RECEIVERS["grpc"] = make_grpc_receiver  # type: ignore[assignment] # read through _multi_loader, not slot by slot
 RECEIVERS["cuda_ipc"] = make_cuda_ipc_receiver
@@ -113,6 +124,66 @@ _ORDER_PB = {
     "RANDOM": pb.ORDER_RANDOM,
     "QUASI_RANDOM": pb.ORDER_QUASI_RANDOM,
 }
+
+
+def _check_indices(indices: Sequence[int] | np.ndarray) -> list[int]:
+    """``indices`` as a list of sample ids, within the daemon's limits (SpecError otherwise)."""
+    arr = np.asarray(indices).reshape(-1)
+    if arr.size > MAX_INDICES:
+        raise SpecError(f"{arr.size} indices are too many: a daemon accepts at most {MAX_INDICES}")
+    if arr.size == 0:
+        raise SpecError("indices=[] selects no samples; pass indices=None for every sample")
+    if arr.dtype.kind not in "iu" and not all(_is_int(i) for i in arr.tolist()):
+        raise SpecError(f"indices must be integers, not {arr.dtype}")
+    out = [int(i) for i in arr.tolist()]
+    if min(out) < 0 or max(out) >= 2**64:
+        raise SpecError("indices must be non-negative sample ids")
+    return out
+
+
+def _check_request(req: pb.OpenStreamRequest, facts: Mapping[str, Any]) -> None:
+    """Refuse, as the daemon would (``beton_wire.limits``), before sending ``req``."""
+    if len(req.pipelines) > MAX_PIPELINES:
+        raise SpecError(f"{len(req.pipelines)} pipelines are too many: at most {MAX_PIPELINES}")
+    spec_bytes = sum(len(o.name) + len(o.params_json) for p in req.pipelines for o in p.ops)
+    if spec_bytes > MAX_SPEC_BYTES:
+        raise SpecError(
+            f"the pipelines' names and parameters take {spec_bytes} bytes; a daemon accepts "
+            f"{MAX_SPEC_BYTES} in all"
+        )
+    for p in req.pipelines:
+        if max(len(p.name), len(p.field)) > MAX_NAME_CHARS or len(p.ops) > MAX_OPS:
+            raise SpecError(
+                f"pipeline {short_repr(p.name)}: names are at most {MAX_NAME_CHARS} characters "
+                f"and a pipeline has at most {MAX_OPS} daemon-side ops"
+            )
+        for o in p.ops:
+            try:
+                parse_params(o.params_json)
+            except ValueError as exc:
+                raise SpecError(
+                    f"pipeline {short_repr(p.name)}, op {short_repr(o.name)}: {exc}"
+                ) from None
+    device = req.device
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        have = [d["index"] for d in facts["cuda_devices"]]
+        if index not in have:
+            hint = (
+                "pick one of those"
+                if have
+                else "install a CUDA build of torch here, or use ToDevice('cpu')"
+            )
+            raise SpecError(
+                f"ToDevice({short_repr(device)}): this process sees "
+                f"{[f'cuda:{i}' for i in have] or 'no CUDA device'}; {hint}"
+            )
+
+
+def _client_name() -> str:
+    """The script's name, for the daemon's logs (at most ``MAX_NAME_CHARS`` characters)."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    return name[:MAX_NAME_CHARS]
 
 
 def _rank_world(environ: Mapping[str, str]) -> tuple[int, int]:
@@ -194,12 +265,18 @@ class Loader:
             read when the Loader is built.
         tls_ca: PEM CA that signed the daemon's certificate: TLS to a ``host:port`` daemon.
         tls_cert, tls_key: this client's PEM certificate and key, for mutual TLS.
+        socket_owner: the uid that must own a Unix-socket daemon's socket and its directory
+            (default: this process's uid). Checked before every connection, for the default
+            socket and for ``server=`` alike; a socket of anyone else raises
+            :class:`~beton_client.errors.UntrustedSocketError`. Name another user's uid here to
+            trust a daemon that user runs.
 
     Raises:
         SpecError: invalid arguments or pipelines (also as reported by the daemon).
         ServerUnavailable: no daemon answers and none could be spawned (also while iterating,
             once the reconnection budget is spent).
         TransportError: the transport cannot work.
+        UntrustedSocketError: the Unix socket or its directory is not ``socket_owner``'s.
     """
 
     def __init__(
@@ -227,19 +304,25 @@ class Loader:
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        socket_owner: int | None = None,
     ) -> None:
         environ = os.environ
+        # The daemon's request limits (beton_wire.limits), checked before anything is sent.
         if transport not in _TRANSPORTS:
-            raise SpecError(f"transport must be one of {_TRANSPORTS}, not {transport!r}")
-        if not _is_int(batch_size) or not 1 <= batch_size <= _MAX_WIRE_U32:
+            raise SpecError(f"transport must be one of {_TRANSPORTS}, not {short_repr(transport)}")
+        if not _is_int(batch_size) or not 1 <= batch_size <= MAX_BATCH_SIZE:
             raise SpecError(
-                f"batch_size must be an int in [1, {_MAX_WIRE_U32}], not {batch_size!r} "
-                "(the daemon also refuses batches larger than its slot memory allows)"
+                f"batch_size {short_repr(batch_size)} is out of range: use an int in "
+                f"1..{MAX_BATCH_SIZE} (the daemon also refuses batches larger than its slot "
+                "memory allows)"
             )
-        if not _is_int(batches_ahead) or not 1 <= batches_ahead <= _MAX_WIRE_U32:
-            raise SpecError(f"batches_ahead must be a positive int, not {batches_ahead!r}")
+        if not _is_int(batches_ahead) or not 1 <= batches_ahead <= MAX_BATCHES_AHEAD:
+            raise SpecError(
+                f"batches_ahead {short_repr(batches_ahead)} is out of range: use an int in "
+                f"1..{MAX_BATCHES_AHEAD}"
+            )
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
-            raise SpecError(f"seed must be an int in [0, 2**64), not {seed!r}")
+            raise SpecError(f"seed must be an int in [0, 2**64), not {short_repr(seed)}")
         order_name = getattr(order, "name", str(order))
         if order_name not in _ORDER_PB:
             raise SpecError(
@@ -247,6 +330,11 @@ class Loader:
                 "(custom TraversalOrder classes cannot travel to a daemon)"
             )
         text = os.fspath(fname_or_dataset)
+        if len(text) > MAX_PATH_CHARS:
+            raise SpecError(
+                f"dataset {short_repr(text)} is longer than the {MAX_PATH_CHARS} characters a "
+                "request may use"
+            )
         self.fname = text
         is_file = text.endswith(".beton") or os.sep in text
         self.dataset = Path(text).stem if is_file else text
@@ -271,11 +359,7 @@ class Loader:
                 0 if (self.distributed and random_order) else int(np.random.randint(0, 2**31 - 1))
             )
         self.seed = int(seed)
-        self.indices = (
-            None if indices is None else [int(i) for i in np.asarray(indices).reshape(-1)]
-        )
-        if self.indices is not None and any(not 0 <= i < 2**64 for i in self.indices):
-            raise SpecError("indices must be non-negative sample ids")
+        self.indices = None if indices is None else _check_indices(indices)
         self.pipelines: dict[str, Any] = dict(pipelines or {})
         self.custom_fields = dict(custom_fields or {})
         self.drop_last = bool(drop_last)
@@ -284,6 +368,12 @@ class Loader:
         self.transport = transport
         self.copy = bool(copy)
         self.rank, self.world_size = _rank_world(environ) if self.distributed else (0, 1)
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE or not 0 <= self.rank < self.world_size:
+            raise SpecError(
+                f"rank {self.rank} / world_size {self.world_size} (from torch.distributed or "
+                f"RANK/WORLD_SIZE): need 1 <= world_size <= {MAX_WORLD_SIZE} and "
+                "0 <= rank < world_size"
+            )
         if isinstance(reconnect, RetryPolicy):
             self.reconnect = reconnect
         else:
@@ -303,6 +393,9 @@ class Loader:
         self.compression = compression or ""
         self.token = token if token is not None else (environ.get(ENV_TOKEN) or None)
         self._tls = (tls_ca, tls_cert, tls_key)
+        if socket_owner is not None and (not _is_int(socket_owner) or socket_owner < 0):
+            raise SpecError(f"socket_owner must be a uid (an int >= 0), not {socket_owner!r}")
+        self.socket_owner = None if socket_owner is None else int(socket_owner)
         self.server = server
         sock = socket_path_of(server)
         #: ``(socket, file)`` when this Loader may (re)spawn its daemon (also on reconnect).
@@ -334,7 +427,7 @@ class Loader:
             from beton_client._spawn import ensure_daemon
 
             sock, path = self._spawn_args
-            ensure_daemon(sock, path, idle_timeout=SPAWN_IDLE_TIMEOUT_S)
+            ensure_daemon(sock, path, idle_timeout=SPAWN_IDLE_TIMEOUT_S, owner=self.socket_owner)
 
     def _reconnect(self, err: BaseException) -> _Stream:
         """Re-open the stream on a new channel under :attr:`reconnect` (see ``_resume``).
@@ -412,7 +505,7 @@ class Loader:
                     pb.CudaDevice(index=d["index"], uuid=d["uuid"]) for d in facts["cuda_devices"]
                 ],
             ),
-            client_name=os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python",
+            client_name=_client_name(),
             custom_fields=list(self.custom_fields),
         )
         f = self._file
@@ -427,6 +520,7 @@ class Loader:
                     fingerprint=f.fingerprint,
                 )
             )
+        _check_request(req, facts)
         return req, plans
 
     @staticmethod
@@ -455,6 +549,7 @@ class Loader:
                 make_channel=self._make_channel,
                 plans=plans,
                 key=self._key(plans),
+                owner=self,
             )
         try:
             receiver = self._receiver(reply)
@@ -465,9 +560,11 @@ class Loader:
         )
 
     def _make_channel(self, target: str) -> grpc.Channel:
-        """A channel to ``target`` with this Loader's TLS files and token (``_security``)."""
-        from beton_client._security import secure_or_plain_channel
+        """A channel to ``target`` with this Loader's TLS files and token (``_security``), once a
+        Unix socket's owner is checked (``check_unix_target``: raises UntrustedSocketError)."""
+        from beton_client._security import check_unix_target, secure_or_plain_channel
 
+        check_unix_target(target, self.socket_owner)
         ca, cert, key = self._tls
         return secure_or_plain_channel(
             target,

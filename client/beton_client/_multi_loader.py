@@ -21,11 +21,21 @@ next batch is requested (as over shm).
 
 Threading: used from the Loader's thread only; grpcio runs each call's request stream on its own
 thread.
+
+Ending: :meth:`RemoteStream.close` (the Loader closing, or abandoning an epoch left early) closes
+the reader first, so that an epoch iterator stopped or garbage-collected afterwards drains nothing,
+then the calls and the channels the stream opened. A ``weakref.finalize`` does the same for a
+stream that is never closed, at the latest when the interpreter exits, before its final garbage
+collection (issue 11: an iterator left by ``break`` drained there and hung the exit). It is
+registered on the stream's owner (the Loader) too, and so runs before the owner's own finalizer
+closes the channel the first call uses: a call cancelled by that close before the daemon took it
+up would leave the daemon's stream open until its unattached timeout.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
@@ -109,6 +119,7 @@ class RemoteStream:
         plans: Sequence[PipelinePlan],
         key: bytes,
         credits_per_daemon: int = CREDITS_PER_DAEMON,
+        owner: object | None = None,
     ) -> None:
         self.daemons = list(daemons)
         self.key = key
@@ -121,19 +132,18 @@ class RemoteStream:
             for o in self.reply.outputs
         ]
         self.closed = False
+        targets = [d.target for d in self.daemons]
         self.reader: MultiDaemonReader[Any] = MultiDaemonReader(
             [StreamLink(d.stream, timeout=RECEIVE_TIMEOUT_S) for d in self.daemons],
             credits_per_daemon=credits_per_daemon,
-            on_daemon_lost=self._lost,
+            # Not a bound method: the reader must not keep this stream alive (see the finalizer).
+            on_daemon_lost=lambda index, exc: _log_lost(targets, reader_ref, index, exc),
         )
-
-    def _lost(self, index: int, exc: BaseException) -> None:
-        left = [self.daemons[i].target for i in self.reader.alive]
-        log.warning(
-            "daemon %s is lost (%s); its batches move to %s",
-            self.daemons[index].target,
-            exc,
-            ",".join(left) or "no daemon",
+        reader_ref = weakref.ref(self.reader)
+        self._finalizer = weakref.finalize(self, _close_remote, self.reader, list(self.daemons))
+        # Finalizers of one object run newest first: this one before the owner's (module doc).
+        self._owner_finalizer = (
+            weakref.finalize(owner, self._finalizer) if owner is not None else None
         )
 
     def epoch(self, loader: Any, epoch: int, start: int = 0) -> RemoteEpochIterator:
@@ -141,11 +151,36 @@ class RemoteStream:
         return RemoteEpochIterator(loader, self, epoch, start)
 
     def close(self) -> None:
-        """End every batch call and close the channels this stream opened (idempotent)."""
+        """End every batch call and close the channels this stream opened (idempotent); an epoch
+        iterator of this stream stopped afterwards drains nothing (see the module docstring)."""
         if not self.closed:
             self.closed = True
-            for d in self.daemons:
-                d.close()
+            self._finalizer()
+            if self._owner_finalizer is not None:
+                self._owner_finalizer.detach()
+
+
+def _log_lost(
+    targets: Sequence[str],
+    reader_ref: weakref.ref[MultiDaemonReader[Any]],
+    index: int,
+    exc: BaseException,
+) -> None:
+    reader = reader_ref()
+    left = [targets[i] for i in (reader.alive if reader is not None else ())]
+    log.warning(
+        "daemon %s is lost (%s); its batches move to %s",
+        targets[index],
+        exc,
+        ",".join(left) or "no daemon",
+    )
+
+
+def _close_remote(reader: MultiDaemonReader[Any], daemons: Sequence[_Daemon]) -> None:
+    """Close ``reader`` (no drain after this), then every daemon's call and owned channel."""
+    reader.close()
+    for d in daemons:
+        d.close()
 
 
 class RemoteEpochIterator(Iterator[tuple[Any, ...]]):
@@ -231,6 +266,7 @@ def open_remote(
     make_channel: Callable[[str], grpc.Channel],
     plans: Sequence[PipelinePlan],
     key: bytes,
+    owner: object | None = None,
 ) -> RemoteStream:
     """Open the stream on every daemon (the first one already answered) and start their calls.
 
@@ -240,6 +276,8 @@ def open_remote(
         first_channel: the Loader's channel to ``targets[0]`` (not owned by the stream).
         targets: every daemon's address, in daemon-index order.
         make_channel: builds a channel (with the Loader's credentials) for another daemon.
+        owner: the object whose channel ``first_channel`` is (the Loader): the stream is closed
+            when it is collected, before its own finalizers run (see the module docstring).
 
     Raises:
         SpecError: a daemon's stream differs (length or outputs) from the first one's.
@@ -276,7 +314,7 @@ def open_remote(
                     "every daemon must serve the same dataset file"
                 )
             daemons.append(_Daemon(t, ch, True, reply, pool))
-        return RemoteStream(daemons, plans, key)
+        return RemoteStream(daemons, plans, key, owner=owner)
     except BaseException:
         for d in daemons:
             d.close()

@@ -57,7 +57,7 @@ def _wire_params(op: Any, pipeline: str) -> str:
         raise SpecError(f"pipeline {pipeline!r}: {exc}") from None
     try:
         return json.dumps(params, sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise SpecError(
             f"pipeline {pipeline!r}: {_op_name(op)}.spec_params() is not JSON-safe ({exc})"
         ) from None

@@ -19,23 +19,66 @@ API::
                             options=(), server_name=None) -> grpc.Channel
 
 ``ca_file=None`` with TLS requested (a client certificate given) uses the system roots.
+
+Unix sockets. Before a channel to ``unix:PATH`` is made, :func:`check_unix_target` checks that
+the socket and its directory belong to the expected user (this process's uid unless the Loader
+names another with ``socket_owner=``) and that nobody else may write the directory
+(``beton_wire.private_dir``): a socket another user planted is refused, never connected to.
+
+    check_unix_target(target, owner=None) -> None      # raises UntrustedSocketError
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from beton_wire.address import socket_path_of
+from beton_wire.private_dir import UnsafePathError, check_private_dir, check_socket
 
-from beton_client.errors import SpecError
+from beton_client.errors import SpecError, UntrustedSocketError
 
 __all__ = [
     "channel_credentials",
+    "check_unix_target",
     "secure_or_plain_channel",
     "token_call_credentials",
     "token_metadata",
 ]
+
+
+def check_unix_target(target: str, owner: int | None = None) -> None:
+    """Refuse a ``unix:`` target whose socket or directory is not ``owner``'s.
+
+    Does nothing for TCP targets, or when the directory or the socket does not exist (then no
+    daemon answers there, and connecting fails as usual).
+
+    Args:
+        target: the gRPC target.
+        owner: the uid that must own the socket and its directory (default: this process's).
+
+    Raises:
+        UntrustedSocketError: the directory is a symbolic link, another user's, or writable by
+            others, or the socket is not a socket of ``owner``; the message says what to do.
+    """
+    path = socket_path_of(target)
+    if path is None:
+        return
+    uid = os.getuid() if owner is None else owner
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        if os.path.lexists(directory):
+            check_private_dir(directory, uid)
+            check_socket(path, uid)
+    except UnsafePathError as exc:
+        raise UntrustedSocketError(
+            f"refusing to connect to {target}: {exc}. Another user may have created it to serve "
+            "you their data. Remove it (and start your daemon again), use a socket in a "
+            "directory of your own, or, to trust a daemon that another user runs, pass "
+            "socket_owner=<their uid> to the Loader"
+        ) from None
 
 
 def _read(path: str, what: str) -> bytes:

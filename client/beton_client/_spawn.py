@@ -7,6 +7,11 @@ trainer share it), and waits until it answers; the others, once they hold the lo
 answering. The daemon takes its own lock on ``<socket>.lock``, so even a racing manual start
 cannot make two daemons serve one address. The spawned daemon exits after ``S`` idle seconds.
 Its log goes to ``<socket>.log``.
+
+Trust: the socket's directory is created 0700 when missing and must be the expected user's,
+writable by nobody else; an existing socket must be that user's before it is even probed; the
+``.spawn.lock`` and ``.log`` files are opened without following symbolic links and created with
+``O_EXCL`` (``beton_wire.private_dir``). Anything else raises ``UntrustedSocketError``.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import sys
 import time
 
 import grpc
+from beton_wire.private_dir import UnsafePathError, ensure_private_dir, open_private_file
 
-from beton_client.errors import ServerUnavailable
+from beton_client.errors import ServerUnavailable, UntrustedSocketError
 
 __all__ = ["daemon_answers", "ensure_daemon"]
 
@@ -40,21 +46,60 @@ def daemon_answers(target: str, timeout: float = 1.0) -> bool:
         channel.close()
 
 
+def _private_fd(path: str, flags: int, uid: int) -> int:
+    """``open_private_file`` with the client's errors."""
+    try:
+        return open_private_file(path, flags, uid)
+    except UnsafePathError as exc:
+        raise UntrustedSocketError(
+            f"refusing to use {path}: {exc}; remove it, or use a socket in a directory of your own"
+        ) from None
+    except OSError as exc:
+        raise ServerUnavailable(f"cannot open {path} to start a daemon: {exc}") from None
+
+
 def ensure_daemon(
-    socket_path: str, dataset_file: str, *, idle_timeout: float, wait: float = 60.0
+    socket_path: str,
+    dataset_file: str,
+    *,
+    idle_timeout: float,
+    wait: float = 60.0,
+    owner: int | None = None,
 ) -> None:
     """Make sure a daemon serves ``socket_path``, spawning one for ``dataset_file`` if needed.
 
+    Args:
+        socket_path: the Unix socket.
+        dataset_file: what a spawned daemon serves.
+        idle_timeout: seconds a spawned daemon waits without clients before it exits.
+        wait: seconds to wait for a spawned daemon to answer.
+        owner: the uid that must own the directory and the socket (default: this process's).
+
     Raises:
+        UntrustedSocketError: the directory, the socket or a lock or log file is not the
+            expected user's (see the module docstring).
         ServerUnavailable: the spawned daemon did not answer within ``wait`` seconds or exited
             (its log's tail is in the message).
     """
+    from beton_client._security import check_unix_target
+
     target = "unix://" + os.path.abspath(socket_path)
+    uid = os.getuid() if owner is None else owner
+    directory = os.path.dirname(os.path.abspath(socket_path))
+    try:
+        ensure_private_dir(directory, uid)
+    except UnsafePathError as exc:
+        raise UntrustedSocketError(
+            f"refusing to use the socket directory of {target}: {exc}. Another user may have "
+            "created it to serve you their data: remove it, or use a socket in a directory of "
+            "your own"
+        ) from None
+    except OSError as exc:
+        raise ServerUnavailable(f"cannot create the socket directory {directory}: {exc}") from None
+    check_unix_target(target, uid)
     if daemon_answers(target, 0.5):
         return
-    directory = os.path.dirname(os.path.abspath(socket_path))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd = os.open(socket_path + ".spawn.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = _private_fd(socket_path + ".spawn.lock", os.O_RDWR, os.getuid())
     try:
         deadline = time.monotonic() + wait
         while True:
@@ -70,7 +115,7 @@ def ensure_daemon(
         if daemon_answers(target, 0.5):
             return
         log_path = socket_path + ".log"
-        with open(log_path, "ab") as log:
+        with os.fdopen(_private_fd(log_path, os.O_WRONLY | os.O_APPEND, os.getuid()), "ab") as log:
             proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -93,6 +138,12 @@ def ensure_daemon(
             if daemon_answers(target, 0.25):
                 return
             if proc.poll() is not None:
+                if _lost_the_lock(log_path):
+                    # A daemon started by hand (or by another client) took the socket's lock
+                    # first and is still starting: wait for it to answer instead.
+                    if daemon_answers(target, max(0.1, min(5.0, deadline - time.monotonic()))):
+                        return
+                    continue
                 raise ServerUnavailable(
                     f"the beton-serve daemon started for {dataset_file} exited with status "
                     f"{proc.returncode}: {_tail(log_path)}"
@@ -104,6 +155,11 @@ def ensure_daemon(
         )
     finally:
         os.close(fd)
+
+
+def _lost_the_lock(log_path: str) -> bool:
+    """Whether the spawned daemon exited because another one holds the socket's lock."""
+    return "another beton-serve daemon already serves" in _tail(log_path, 600)
 
 
 def _tail(path: str, n: int = 2000) -> str:

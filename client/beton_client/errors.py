@@ -15,6 +15,9 @@ class                  when                                        daemon status
 ``AuthError``          missing or wrong token                      ``UNAUTHENTICATED`` ...
 ``ServerError``        anything else the daemon reported           other codes
 =====================  ==========================================  =============================
+
+:class:`UntrustedSocketError` comes from no status: the client raises it before connecting, when
+the Unix socket or its directory is not the expected user's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "ServerUnavailable",
     "SpecError",
     "TransportError",
+    "UntrustedSocketError",
     "from_rpc_error",
 ]
 
@@ -70,6 +74,14 @@ class PipelineError(BetonClientError):
 
 class AuthError(BetonClientError, PermissionError):
     """The daemon refused the credentials."""
+
+
+class UntrustedSocketError(BetonClientError, PermissionError):
+    """The daemon's Unix socket, or its directory, is not the expected user's (or others may
+    write the directory): another user may have planted it, so the client refuses to connect.
+
+    The message names the path and what is wrong. Raised before any connection is made.
+    """
 
 
 class ServerError(BetonClientError):

@@ -6,7 +6,8 @@ The default address is a per-user Unix socket:
   runtime directory, already private to the user);
 * otherwise ``/tmp/beton-serve-<uid>/beton.sock``.
 
-The directory is created with mode 0700 by whoever needs it first. ``BETON_SERVE_ADDRESS``
+The directory is created with mode 0700 by whoever needs it first, and both sides refuse
+one that is not the user's own (:mod:`beton_wire.private_dir`). ``BETON_SERVE_ADDRESS``
 (gRPC target syntax: ``unix:///path/to.sock`` or ``host:port``) overrides it; it is read by the
 daemon's CLI and by the client's constructor only, which pass the environment in.
 """

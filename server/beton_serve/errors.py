@@ -7,6 +7,7 @@ maps these to status codes in one place (``beton_serve.rpc``); nothing else does
 from __future__ import annotations
 
 import os
+import traceback
 
 __all__ = [
     "BetonError",
@@ -16,6 +17,8 @@ __all__ = [
     "SpecError",
     "TransportError",
     "WriterError",
+    "drop_frame_locals",
+    "without_traceback",
 ]
 
 
@@ -85,3 +88,44 @@ class TransportError(BetonError):
 
 class ConfigError(BetonError, ValueError):
     """The daemon's configuration (TOML file or flags) is invalid."""
+
+
+def drop_frame_locals(exc: BaseException) -> None:
+    """Clear the locals of the finished frames in the tracebacks of ``exc``, its causes and its
+    contexts; frames still running are left alone.
+
+    The traceback's text (files, lines, functions) stays, so it can still be logged. What goes
+    are the references: a failed batch's frames hold views of a stream's shared-memory ring, and
+    an error kept by a future, often in a reference cycle through the frame that caught it,
+    would keep that ring mapped until the garbage collector runs (issue 11).
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+
+
+def without_traceback(exc: BaseException) -> BaseException:
+    """Remove the tracebacks of ``exc`` and of its causes, and a context it suppressed
+    (``raise ... from None``); returns ``exc``, changed in place.
+
+    For an expected error (a :class:`BetonError`, whose message is all a client or the log gets)
+    raised on a thread that publishes batches: a frame keeps its caller once it has returned,
+    so such a traceback holds the whole call stack of that moment, batch futures and slot views
+    included, for as long as the error is kept (issue 11). :func:`drop_frame_locals` cannot help
+    there, since those callers were still running.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        if e.__suppress_context__:
+            e.__context__ = None
+        e = e.__cause__ if e.__cause__ is not None else e.__context__
+    return exc

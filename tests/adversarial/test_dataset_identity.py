@@ -145,3 +145,19 @@ def test_a_replaced_file_is_not_the_one_the_daemon_has_open(daemon_factory, tmp_
     with pytest.raises(ClientSpecError) as info:
         ServedLoader(str(served), BATCH, pipelines=_pipelines(True), server=d.address, spawn=False)
     assert "another file" in str(info.value)
+
+
+def test_file_identity_across_hosts_compares_size_and_fingerprint(tmp_path: Path) -> None:
+    from beton_wire.file_identity import FileIdentity
+
+    a = _write(tmp_path / "a" / "train.beton", 32, 0)
+    copy = tmp_path / "copy" / "train.beton"
+    copy.parent.mkdir()
+    copy.write_bytes(a.read_bytes())
+    other = _write(tmp_path / "b" / "train.beton", 32, 77)  # same schema and size, other values
+    ia, ic, io = FileIdentity.of(a), FileIdentity.of(copy), FileIdentity.of(other)
+    assert ia.size == io.size
+    assert ia.same_file(FileIdentity.of(a), same_host=True)
+    assert not ia.same_file(ic, same_host=True)  # a copy is another file on one host
+    assert ia.same_file(ic, same_host=False)  # ... and the same data seen from another host
+    assert not ia.same_file(io, same_host=False)

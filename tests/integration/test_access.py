@@ -85,6 +85,7 @@ def test_clients_cannot_name_paths_or_unregistered_ops(daemon_factory, fixtures_
             req = pb.OpenStreamRequest(
                 dataset="mixed_fields",
                 batch_size=4,
+                batches_ahead=3,  # required: 0 is refused (issue 11)
                 pipelines=[pb.PipelineSpec(name="int", ops=[pb.OpSpec(name=op, params_json="{}")])],
             )
             with pytest.raises(grpc.RpcError) as info:

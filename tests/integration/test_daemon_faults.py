@@ -121,6 +121,9 @@ def test_sigterm_drains_exits_0_and_leaves_no_segment(daemon_factory, fixtures_d
 def test_daemon_after_a_sigkilled_one_sweeps_its_segments(
     daemon_factory, fixtures_dir: Path
 ) -> None:
+    """A daemon sweeps at start, before it serves, so once d2 serves the dead daemon's files are
+    gone. Any daemon starting on this host in between may be the one that swept them (its log
+    then says so, not d2's), so the test checks only that they are gone, never who swept."""
     d1 = daemon_factory([fixtures_dir / "mixed_fields.beton"])
     ld = Loader("mixed_fields", batch_size=4, pipelines=INT_ONLY, server=d1.address)
     try:
@@ -129,12 +132,10 @@ def test_daemon_after_a_sigkilled_one_sweeps_its_segments(
         assert any("-notice-" in s for s in stale) and any("-ring-" in s for s in stale)
         d1.proc.send_signal(signal.SIGKILL)
         d1.proc.wait(10)
-        assert all((SHM / s).exists() for s in stale)  # nobody unlinked them
     finally:
         ld.close()
     d2 = daemon_factory([fixtures_dir / "mixed_fields.beton"], socket=d1.socket)
     assert not any((SHM / s).exists() for s in stale)
-    assert "swept" in d2.log()
     with Loader("mixed_fields", batch_size=4, pipelines=INT_ONLY, server=d2.address) as ld2:
         assert sum(1 for _ in ld2) == 12
 

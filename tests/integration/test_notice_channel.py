@@ -104,6 +104,7 @@ def _open_raw(stub, transport: str) -> pb.OpenStreamResponse:
         pb.OpenStreamRequest(
             dataset="mixed_fields",
             batch_size=5,
+            batches_ahead=3,  # required: 0 is refused (issue 11)
             pipelines=[
                 pb.PipelineSpec(name="int", field="int", ops=[pb.OpSpec(name="IntDecoder")]),
                 *(pb.PipelineSpec(name=n, field=n, skip=True) for n in PIPES if n != "int"),

@@ -88,10 +88,13 @@ def test_sigkilled_daemon_restarted_on_the_same_socket_resumes_exactly_once(
             image, label = next(it)
             got.append((image.clone(), label.clone(), ld.last_sample_ids.copy()))
         stale = d1.segments()
+        assert stale
         d1.proc.send_signal(signal.SIGKILL)
         d1.proc.wait(10)
         assert os.path.exists(d1.socket)  # the dead daemon's socket file is left behind
-        assert all((SHM / s).exists() for s in stale)
+        # Its segments are left behind too, but any daemon that starts on this host now (another
+        # test's, another user's session) may sweep them first: only their absence once d2
+        # serves is checked below, not who removed them.
         # Restart without waiting: the client's next() retries with backoff until it answers.
         d2 = daemon_factory([beton], socket=d1.socket, wait=False)
         t0 = time.monotonic()
@@ -111,8 +114,7 @@ def test_sigkilled_daemon_restarted_on_the_same_socket_resumes_exactly_once(
         wait_until_serving(d2.address, d2.proc, 30)
         decoded = {x.name: x.samples_decoded for x in d2.stats().datasets}["images_jpg"]
         assert 0 <= decoded <= 4 * (n - 5)
-        assert "swept" in d2.log()  # the stale segments were removed
-        assert not any((SHM / s).exists() for s in stale)
+        assert not any((SHM / s).exists() for s in stale)  # swept, by d2 or another daemon
         # The next epoch runs on the new daemon as usual.
         assert len(_epoch(ld)) == n
         decoded_after = {x.name: x.samples_decoded for x in d2.stats().datasets}["images_jpg"]

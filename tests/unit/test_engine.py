@@ -151,8 +151,21 @@ def test_bad_sample_budget_skips_by_replacing_with_next_good_sample():
         again = src.submit(0, 1).result(60)
         np.testing.assert_array_equal(again[1][:, 0], np.array([4, 5, 7, 7]) * 1010)
         assert len(src.bad_samples) == 1
-        with pytest.raises(PipelineError, match="budget 1 exhausted"):
-            src.submit(1, 1).result(60)
+        # The ids the batch holds name the replacement (issue 11 §8), and the budget is per
+        # epoch: the next epoch may skip its own bad sample again.
+        fut = src.submit(1, 1)
+        np.testing.assert_array_equal(fut.result(60)[1][:, 0], np.array([4, 5, 7, 7]) * 1010)
+        np.testing.assert_array_equal(fut.sample_ids, [4, 5, 7, 7])
+        assert [(b.epoch, b.sample_id) for b in src.bad_samples] == [(0, 6), (1, 6)]
+
+
+def test_a_zero_budget_fails_the_batch_naming_the_setting():
+    r = FakeReader(n=16)
+    plan = _plan(r, 4, decoder=FakeImageDecoder(fail_on=6))
+    with Engine(1) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=4, bad_sample_budget=0)
+        with pytest.raises(PipelineError, match="raise bad_sample_budget"):
+            src.submit(0, 1).result(60)
 
 
 def test_same_results_for_one_and_two_workers():

@@ -76,11 +76,11 @@ def test_a_batch_whose_worker_crashed_is_redone_with_the_same_content(monkeypatc
         real_run = BatchSource._run
         crashed: list[int] = []
 
-        def crash_once(self, epoch, batch, lo, hi, outs, keys):  # type: ignore[no-untyped-def]
+        def crash_once(self, epoch, batch, *rest):  # type: ignore[no-untyped-def]
             if not crashed:
                 crashed.append(int(batch[0]))
                 raise _Crash("simulated worker crash mid-batch")
-            return real_run(self, epoch, batch, lo, hi, outs, keys)
+            return real_run(self, epoch, batch, *rest)
 
         monkeypatch.setattr(BatchSource, "_run", crash_once)
         again = [[a.copy() for a in src.submit(0, b).result(60)] for b in range(4)]

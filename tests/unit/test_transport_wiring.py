@@ -19,7 +19,9 @@ from beton_client._loader import RECEIVERS
 from beton_client._transport.cuda_ipc_slots import CudaIpcSlotReceiver, make_cuda_ipc_receiver
 from beton_client._transport.grpc_receiver import SAMPLE_IDS as CLIENT_SAMPLE_IDS
 from beton_client._transport.grpc_receiver import GrpcSetupInfo
+from beton_client._transport.identity import gather_facts
 from beton_client._transport.shm import TensorInfo
+from beton_client.errors import SpecError as ClientSpecError
 from beton_client.errors import TransportError as ClientTransportError
 from beton_serve.daemon import StreamOpened
 from beton_serve.daemon._grpc_batches import (
@@ -154,6 +156,14 @@ def test_cuda_wanting_cpu_client_falls_back_to_shm_with_the_reason(
     from beton_serve.fields.decoders import IntDecoder
 
     pipes["int"] = [IntDecoder(), ToTensor(), ToDevice("cuda:0")]
+    if not gather_facts("cuda:0").cuda_devices:
+        # A client without that GPU is refused before it asks the daemon (issue 11): its first
+        # batch could never reach the device.
+        for transport in ("auto", "cuda_ipc"):
+            with pytest.raises(ClientSpecError, match="sees no CUDA device; install a CUDA"):
+                Loader("mixed_fields", 8, server=d.address, pipelines=pipes, transport=transport)
+        assert "cuda facts" not in d.log()
+        return
     with Loader("mixed_fields", 8, server=d.address, pipelines=pipes) as gpu:
         assert gpu.chosen_transport == "shm"
         codes = [(t, c) for t, c, _ in gpu.transport_rejections]

@@ -35,13 +35,16 @@ API::
 
 Threading: a BatchStream is used by one thread. grpcio consumes the request iterator on its own
 thread; :meth:`BatchStream.close` ends it. A receive timeout runs a ``beton-grpc-deadline`` timer
-thread that cancels the call, joined before ``receive`` returns.
+thread that cancels the call, joined before ``receive`` returns. No thread is started once the
+stream is closed or the interpreter is shutting down (``receive`` then raises at once): a thread
+started at shutdown never runs, and waiting for it hung the process (issue 11).
 """
 
 from __future__ import annotations
 
 import collections
 import queue
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -81,6 +84,9 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 keepalive, so a vanished daemon surfaces as UNAVAILABLE instead of a hang."""
 
 _SENTINEL = object()
+#: Seconds :meth:`BatchStream.close` waits for the daemon to end a call that never delivered
+#: anything (see there).
+CLOSE_WAIT_S = 1.0
 
 
 class BufferPool:
@@ -158,6 +164,7 @@ class BatchStream:
         self._requests.put(self.open_request.to_bytes())
         self._pending: collections.deque[tuple[int, int]] = collections.deque()
         self._closed = False
+        self._received = False  # a message arrived: the daemon's handler runs
         stub = channel.stream_stream(method)  # no serializers: bytes in, bytes out
         self._call = stub(self._request_iter(), metadata=tuple(metadata))
 
@@ -195,10 +202,20 @@ class BatchStream:
                 ``ServerUnavailable`` raised (the stream is then unusable).
 
         Raises:
-            ServerUnavailable: the daemon went away, ended the stream early, or the timeout hit.
-            BetonClientError: any other failure the daemon reported (``from_rpc_error``).
+            ServerUnavailable: the daemon went away, ended the stream early, or the timeout hit;
+                or the interpreter is shutting down (nothing can be waited for then).
+            BetonClientError: the stream is closed (``CANCELLED``), or any other failure the
+                daemon reported (``from_rpc_error``).
             TransportError: the daemon sent a malformed or unexpected batch.
         """
+        if self._closed:
+            raise BetonClientError("the batch stream is closed", code="CANCELLED")
+        if sys.is_finalizing():
+            self.close()
+            raise ServerUnavailable(
+                "the interpreter is shutting down; the batch stream was cancelled",
+                code="CANCELLED",
+            )
         if not self._pending:
             raise BetonClientError(
                 "receive() without an outstanding want()", code="FAILED_PRECONDITION"
@@ -224,6 +241,7 @@ class BatchStream:
                             code="DEADLINE_EXCEEDED",
                         ) from None
                     raise from_rpc_error(err) from None
+                self._received = True
                 try:
                     batch = self._decoder.feed(msg)
                 except FramingError as exc:
@@ -248,11 +266,22 @@ class BatchStream:
         return batch
 
     def close(self) -> None:
-        """End the call (idempotent): half-close the requests and cancel what is in flight."""
+        """End the call (idempotent): half-close the requests and cancel what is in flight.
+
+        A call that never delivered a message is first given up to :data:`CLOSE_WAIT_S` seconds
+        to end by itself: the daemon ends it when it reads the half-close, and frees its stream.
+        gRPC drops a call cancelled before the daemon took it up, and the daemon would then keep
+        the stream until its unattached timeout (issue 11). A call that delivered something is
+        being served, so it is cancelled at once.
+        """
         if self._closed:
             return
         self._closed = True
         self._requests.put(_SENTINEL)
+        if not self._received and not sys.is_finalizing():
+            ended = threading.Event()
+            self._call.add_done_callback(lambda _call: ended.set())
+            ended.wait(CLOSE_WAIT_S)
         self._call.cancel()
 
     def __enter__(self) -> BatchStream:

@@ -26,6 +26,13 @@ from ``request`` or ``receive`` marks the daemon dead; ``on_daemon_lost(index, e
 (log it); its link is closed. When no daemon is left, :class:`AllDaemonsLostError` is raised.
 Any other exception propagates unchanged.
 
+Stopping early. An epoch iterator that is closed before its end (``break`` then ``close()``)
+*drains*: it receives the answers still owed, so that the links stay in step for the next epoch.
+Once the reader itself is closed (:meth:`MultiDaemonReader.close`, which the Loader's stream calls
+when it is closed, abandoned or the interpreter exits) nothing is drained: an iterator finalised
+later, even by the garbage collector at interpreter shutdown, never blocks and never receives
+(issue 11: a drain that ran at shutdown started a timer thread and hung the process for good).
+
 API::
 
     DaemonLink (protocol): request(epoch, batch_index); receive() -> batch; close()
@@ -33,7 +40,7 @@ API::
     StreamLink(stream, timeout=None)    # over a _transport.grpc_codec.BatchStream
     MultiDaemonReader(links, *, credits_per_daemon=2, on_daemon_lost=None, discard=None)
         .iter_epoch(epoch, num_batches, start=0) -> Iterator[batch]
-        .alive -> tuple[int, ...];  owner(batch_index) -> int
+        .alive -> tuple[int, ...];  owner(batch_index) -> int;  .close()
 
 Threading: single consumer thread; no threads of its own. Pure logic: the tests drive it with
 fake links, including one that dies mid-epoch.
@@ -42,6 +49,8 @@ fake links, including one that dies mid-epoch.
 from __future__ import annotations
 
 import collections
+import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -154,11 +163,25 @@ class MultiDaemonReader(Generic[T]):
         self._discard: Callable[[T], None] = discard or _release
         self._dead: set[int] = set()
         self._alive: list[int] = list(range(len(self._links)))
+        self._closed = False
 
     @property
     def alive(self) -> tuple[int, ...]:
         """Indices of the daemons not declared dead, ascending."""
         return tuple(self._alive)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Close every link (idempotent, never raises). Epoch iterators stopped or finalised
+        afterwards drain nothing (see the module docstring)."""
+        self._closed = True
+        for link in self._links:
+            with contextlib.suppress(Exception):
+                link.close()
 
     def owner(self, batch_index: int) -> int:
         """The daemon that produces ``batch_index`` given the failures seen so far."""
@@ -285,10 +308,15 @@ class _Epoch(Generic[T]):
         self.r._lose(d, exc)
 
     def drain(self) -> None:
-        """Consume answers still owed (the consumer stopped early) so the links stay in sync."""
+        """Consume answers still owed (the consumer stopped early) so the links stay in sync;
+        nothing is received once the reader is closed or the interpreter is shutting down."""
         for item, _ in self.ready.values():
             self.r._discard(item)
         self.ready.clear()
+        if self.r._closed or sys.is_finalizing():
+            for pending in self.outstanding:
+                pending.clear()
+            return
         for d, pending in enumerate(self.outstanding):
             while pending and d in self.r._alive:
                 try:

@@ -33,6 +33,7 @@ __all__ = ["DEFAULT_SUBCOMMAND", "SUBCOMMANDS", "build_parser", "main"]
 SUBCOMMANDS: list[str] = [
     "beton_serve.cli._serve",
     "beton_serve.cli._inspect",
+    "beton_serve.cli._checksum",
     "beton_serve.cli._convert",
     "beton_serve.cli._health",
     "beton_serve.cli._demo",

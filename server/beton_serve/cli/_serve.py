@@ -131,6 +131,13 @@ def register(subparsers: Any) -> None:
         help="failing samples each stream may skip, counted in stats (default 0: the first one "
         "fails the stream with an error naming it)",
     )
+    p.add_argument(
+        "--verify-checksums",
+        action="store_true",
+        default=None,
+        help="check every sample against its file's CRC32C sidecar (beton-serve checksum FILE) "
+        "before decoding; a mismatch is a bad sample. Every file needs a current sidecar",
+    )
     add_logging_args(p)
     p.set_defaults(func=run)
 
@@ -154,14 +161,32 @@ def resolve_socket(cfg: ServeConfig, environ: Mapping[str, str]) -> str | None:
 
 @contextlib.contextmanager
 def address_lock(socket_path: str) -> Iterator[None]:
-    """Hold ``<socket>.lock`` (flock) while serving, creating the directory 0700 if needed.
+    """Hold ``<socket>.lock`` (flock, holding this daemon's pid) while serving.
+
+    The socket's directory is created 0700 if missing and must be this user's own: a directory
+    another user created first (or may write) could hold their socket or a symbolic link in
+    place of the lock, so it is refused (``beton_wire.private_dir``). The lock file is opened
+    without following symbolic links, and created with ``O_EXCL`` when missing.
 
     Raises:
-        ConfigError: another live daemon holds the lock.
+        ConfigError: another live daemon holds the lock, or the directory or the lock file
+            cannot be trusted (the message says which, and to remove it or use ``--socket``).
     """
+    from beton_wire.private_dir import UnsafePathError, ensure_private_dir, open_private_file
+
     d = os.path.dirname(os.path.abspath(socket_path))
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    fd = os.open(socket_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    uid = os.getuid()
+    try:
+        ensure_private_dir(d, uid)
+        fd = open_private_file(socket_path + ".lock", os.O_RDWR, uid)
+    except UnsafePathError as exc:
+        raise ConfigError(
+            f"refusing to serve {socket_path}: {exc}. Another user may have created it to "
+            "intercept this daemon or its clients: remove it, or use --socket PATH in a "
+            "directory of your own (mode 0700)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot prepare the socket directory {d}: {exc}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -201,6 +226,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "share_max_lag": getattr(args, "share_max_lag", None),
             "share_retain": getattr(args, "share_retain", None),
             "bad_sample_budget": getattr(args, "bad_sample_budget", None),
+            "verify_checksums": getattr(args, "verify_checksums", None),
             "tls_cert": getattr(args, "tls_cert", None),
             "tls_key": getattr(args, "tls_key", None),
             "tls_client_ca": getattr(args, "tls_client_ca", None),
@@ -232,6 +258,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "share_max_lag": cfg.share_max_lag,
             "share_retain": cfg.share_retain,
             "bad_sample_budget": cfg.bad_sample_budget,
+            "verify_checksums": cfg.verify_checksums,
         }
         from beton_serve.daemon._grpc_batches import GrpcFactory, parse_codecs
 
@@ -274,13 +301,19 @@ def _codec_list(text: str | None) -> tuple[str, ...] | None:
 
 
 def _security(cfg: ServeConfig) -> tuple[Any, str | None]:
-    """``(TlsConfig or None, token or None)`` from the config; applies the listen policy.
+    """``(TlsConfig or None, token or None)`` from the config; applies the listen policy, and
+    warns about a loopback TCP address that has neither a token nor mutual TLS.
 
     Raises:
         ConfigError: unreadable TLS/token files, or a non-loopback address without TLS, token
             or ``--insecure`` (the message says which flag to add).
     """
-    from beton_serve.transport.security import TlsConfig, enforce_listen_policy, read_token_file
+    from beton_serve.transport.security import (
+        TlsConfig,
+        enforce_listen_policy,
+        is_loopback_address,
+        read_token_file,
+    )
 
     tls = (
         TlsConfig(
@@ -294,6 +327,15 @@ def _security(cfg: ServeConfig) -> tuple[Any, str | None]:
     token = read_token_file(cfg.token_file) if cfg.token_file else None
     for addr in cfg.listen:
         enforce_listen_policy(addr, tls is not None, token is not None, cfg.insecure, log)
+        # Loopback is not private: every local user can connect to it (unlike the Unix socket).
+        tcp = not addr.startswith(("unix:", "unix-abstract:"))
+        if tcp and token is None and not cfg.tls_client_ca and is_loopback_address(addr):
+            log.warning(
+                "listening on %s without a token: every local user can connect and read the "
+                "served datasets; add --token-file (or mutual TLS) if other users share this "
+                "host, or serve on the Unix socket only, which only this user can reach",
+                addr,
+            )
     return tls, token
 
 

@@ -16,6 +16,7 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     share_max_lag = 8                         # batches behind before a stream is detached
     share_retain = 4                          # batches a group keeps for late joiners
     bad_sample_budget = 0                     # failing samples a stream may skip; 0 = fail
+    verify_checksums = false                  # check samples against FILE.crc32c sidecars
     tls_cert = ""                             # TLS on the TCP addresses (with tls_key)
     tls_key = ""
     tls_client_ca = ""                        # mutual TLS: client certificates signed by this CA
@@ -62,6 +63,9 @@ class ServeConfig:
         share_retain: batches a sharing group keeps for late joiners (reloadable).
         bad_sample_budget: failing samples each stream may skip, counted in stats; 0 fails the
             stream with an error naming the sample (reloadable; new streams).
+        verify_checksums: check every sample against its file's CRC32C sidecar (``beton-serve
+            checksum FILE``) right before decoding; a mismatch is a bad sample. Every file must
+            have a current sidecar, or the daemon refuses to start (restart to change).
         tls_cert: PEM certificate of the TCP listeners ("" = no TLS); needs ``tls_key``.
         tls_key: its PEM private key.
         tls_client_ca: PEM CA that client certificates must chain to (mutual TLS).
@@ -87,6 +91,7 @@ class ServeConfig:
     share_max_lag: int = 8
     share_retain: int = 4
     bad_sample_budget: int = 0
+    verify_checksums: bool = False
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""

@@ -109,9 +109,20 @@ class Backend(Protocol):
         ...
 
     def compile(
-        self, reader: Any, pipelines: Mapping[str, list[Any] | None], batch_size: int
+        self,
+        reader: Any,
+        pipelines: Mapping[str, list[Any] | None],
+        batch_size: int,
+        *,
+        sample_check: Any = None,
     ) -> PlanLike:
-        """Plan and compile; raises ``SpecError`` / ``PipelineError``."""
+        """Plan and compile; raises ``SpecError`` / ``PipelineError``. ``sample_check`` (from
+        :meth:`open_checksums`; only passed when set) runs on each batch's ids before decoding."""
+        ...
+
+    def open_checksums(self, readers: Sequence[Any]) -> Any:
+        """A checker of the readers' CRC32C sidecars (``--verify-checksums``), whose ``check``
+        is a ``sample_check``; raises ``FormatError`` for a missing or stale sidecar."""
         ...
 
     def outputs(self, plan: PlanLike) -> list[OutputInfo]: ...
@@ -163,11 +174,23 @@ class EngineBackend:
         return op_from_spec(name, dict(params))
 
     def compile(
-        self, reader: Any, pipelines: Mapping[str, list[Any] | None], batch_size: int
+        self,
+        reader: Any,
+        pipelines: Mapping[str, list[Any] | None],
+        batch_size: int,
+        *,
+        sample_check: Any = None,
     ) -> PlanLike:
         from beton_serve.pipeline import compile_pipelines  # type: ignore[attr-defined]
 
-        return compile_pipelines(reader, dict(pipelines), batch_size=batch_size)  # type: ignore[no-any-return]
+        return compile_pipelines(  # type: ignore[no-any-return]
+            reader, dict(pipelines), batch_size=batch_size, sample_check=sample_check
+        )
+
+    def open_checksums(self, readers: Sequence[Any]) -> Any:
+        from beton_serve.format import ChecksumVerifier
+
+        return ChecksumVerifier(readers)
 
     def outputs(self, plan: PlanLike) -> list[OutputInfo]:
         out = []

@@ -29,6 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from beton_wire.limits import (
+    MAX_BATCH_SIZE,
+    MAX_BATCHES_AHEAD,
+    MAX_INDICES,
+    MAX_WORLD_SIZE,
+    short_repr,
+)
 from beton_wire.slots import slot_layout
 
 from beton_serve.daemon._backend import Backend, EngineBackend, OutputInfo, PlanLike, SourceParams
@@ -79,12 +86,10 @@ __all__ = [
 
 log = logging.getLogger("beton_serve.daemon")
 
-#: Largest batch a stream may ask for (an "absurd batch size" beyond this is refused).
-MAX_BATCH_SIZE = 1 << 16
+# Request limits (MAX_BATCH_SIZE, MAX_BATCHES_AHEAD, MAX_WORLD_SIZE, MAX_INDICES) are
+# beton_wire.limits', the numbers the client checks too; _validate applies them.
 #: Largest slot, in bytes (one batch of every output).
 MAX_SLOT_BYTES = 4 << 30
-#: Largest ``batches_ahead``.
-MAX_BATCHES_AHEAD = 64
 #: Seconds a stream may stay open without a Batches call before it is reclaimed.
 UNATTACHED_TIMEOUT_S = 30.0
 
@@ -229,11 +234,16 @@ class Daemon:
         share_max_lag: int = 8,
         share_retain: int = 4,
         bad_sample_budget: int = 0,
+        verify_checksums: bool = False,
     ) -> Daemon:
         """Sweep stale segments, open every dataset and start the engine.
 
+        ``verify_checksums``: every dataset file must have a current CRC32C sidecar
+        (``beton-serve checksum FILE``); each sample is checked against it before decoding.
+
         Raises:
-            FormatError: a file is invalid (the reader's error).
+            FormatError: a file is invalid (the reader's error), or ``verify_checksums`` and a
+                sidecar is missing, stale or damaged.
             ConfigError: bad dataset arguments or shards with different schemas.
         """
         if sweep:
@@ -241,6 +251,14 @@ class Daemon:
         backend = backend or EngineBackend()
         table = DatasetTable(datasets, backend)
         try:
+            if verify_checksums:
+                for ds in list(table):  # type: ignore[call-overload]
+                    ds.checksums = backend.open_checksums(ds.readers)
+                    log.info(
+                        "checksums dataset=%s sidecars=%d verified=before-decode",
+                        ds.name,
+                        len(ds.readers),
+                    )
             workers = num_workers or os.cpu_count() or 1
             engine = backend.make_engine(workers)
         except BaseException:
@@ -290,6 +308,11 @@ class Daemon:
                         s.client_pid,
                         s.ring.leased(),
                     )
+                    self._end_stream(s)
+                elif s.task is None and s.closed_before_start():
+                    # Its Batches call may never reach the daemon (a call cancelled early is
+                    # dropped by gRPC), but the notice channel's end-of-file always does.
+                    log.info("stream %s: closed by the client before it started", s.stream_id)
                     self._end_stream(s)
                 elif s.task is None and now - s.created > UNATTACHED_TIMEOUT_S:
                     log.info("stream %s: never started; closing it", s.stream_id)
@@ -358,40 +381,77 @@ class Daemon:
 
     # -- opening streams -------------------------------------------------------------------
     def _validate(self, req: StreamRequest, ds: Dataset) -> None:
+        """Refuse a request that cannot be served, before anything is compiled or allocated.
+
+        The limits are ``beton_wire.limits`` (the client checks the same ones); every echoed
+        client-supplied text goes through ``short_repr``.
+
+        Raises:
+            SpecError: the message names the argument and the accepted range.
+        """
         if not 1 <= req.batch_size <= MAX_BATCH_SIZE:
             raise SpecError(f"batch_size {req.batch_size} is out of range: use 1..{MAX_BATCH_SIZE}")
         if not 1 <= req.batches_ahead <= MAX_BATCHES_AHEAD:
             raise SpecError(
                 f"batches_ahead {req.batches_ahead} is out of range: use 1..{MAX_BATCHES_AHEAD}"
             )
+        if not 0 <= req.seed < 2**64:
+            raise SpecError(f"seed {req.seed} is out of range: use 0..2**64-1")
         if req.order not in ("SEQUENTIAL", "RANDOM", "QUASI_RANDOM"):
-            raise SpecError(f"unknown order {req.order!r}: use SEQUENTIAL, RANDOM or QUASI_RANDOM")
-        if req.distributed and not 0 <= req.rank < req.world_size:
             raise SpecError(
-                f"rank {req.rank} / world_size {req.world_size}: need 0 <= rank < world_size"
+                f"unknown order {short_repr(req.order)}: use SEQUENTIAL, RANDOM or QUASI_RANDOM"
+            )
+        if req.distributed:
+            # The distributed order pads to world_size * ceil(n / world_size) ids: bounded here.
+            if not 1 <= req.world_size <= MAX_WORLD_SIZE:
+                raise SpecError(
+                    f"world_size {req.world_size} is out of range: use 1..{MAX_WORLD_SIZE}"
+                )
+            if not 0 <= req.rank < req.world_size:
+                raise SpecError(
+                    f"rank {req.rank} / world_size {req.world_size}: need 0 <= rank < world_size"
+                )
+        offer = req.offer
+        if offer.wants_cuda and offer.device_index not in {d.index for d in offer.cuda_devices}:
+            seen = [f"cuda:{d.index}" for d in offer.cuda_devices] or "none"
+            raise SpecError(
+                f"device {short_repr(offer.device)} is not a CUDA device of the client (it "
+                f"reports {seen}); pick one of those, or ToDevice('cpu')"
             )
         if req.custom_fields:
             raise SpecError(
-                f"custom_fields {list(req.custom_fields)} cannot travel to a daemon: load the "
-                "field classes into it with --plugin MODULE"
+                f"custom_fields {short_repr(list(req.custom_fields))} cannot travel to a daemon: "
+                "load the field classes into it with --plugin MODULE"
             )
         names = {n for n, _ in ds.fields}
-        seen = set()
+        seen_names = set()
         for p in req.pipelines:
             fld = p.field or p.name
             if fld not in names:
                 raise SpecError(
-                    f"dataset {ds.name!r} has no field {fld!r}; its fields are {sorted(names)}"
+                    f"dataset {ds.name!r} has no field {short_repr(fld)}; its fields are "
+                    f"{sorted(names)}"
                 )
-            if p.name in seen:
-                raise SpecError(f"pipeline {p.name!r} is given twice")
-            seen.add(p.name)
+            if p.name in seen_names:
+                raise SpecError(f"pipeline {short_repr(p.name)} is given twice")
+            seen_names.add(p.name)
         if req.indices is not None:
-            bad = [i for i in req.indices if not 0 <= i < ds.num_samples]
-            if bad:
-                raise SpecError(
-                    f"indices {bad[:5]} are outside the dataset's {ds.num_samples} samples"
-                )
+            n = len(req.indices)
+            if n == 0:
+                raise SpecError("indices=[] selects no samples; pass indices=None for every sample")
+            if n > MAX_INDICES:
+                raise SpecError(f"{n} indices are too many: at most {MAX_INDICES} are accepted")
+            ids = np.asarray(req.indices)
+            if ids.dtype.kind not in "iu":
+                raise SpecError(f"indices must be integers, not {ids.dtype}")
+            outside = (
+                (ids < 0) | (ids >= ds.num_samples)
+                if ids.dtype.kind == "i"
+                else (ids >= ds.num_samples)
+            )
+            if outside.any():
+                bad = ids[outside][:5].tolist()
+                raise SpecError(f"indices {bad} are outside the dataset's {ds.num_samples} samples")
 
     @staticmethod
     def _spec_key(req: StreamRequest, ds: Dataset) -> str:
@@ -416,7 +476,8 @@ class Daemon:
                     "supported yet; name the pipeline after its field"
                 )
             pipelines[p.name] = [self.backend.build_op(o.name, o.params) for o in p.ops]
-        plan = self.backend.compile(ds.reader, pipelines, req.batch_size)
+        check = {} if ds.checksums is None else {"sample_check": ds.checksums.check}
+        plan = self.backend.compile(ds.reader, pipelines, req.batch_size, **check)
         tail = self.backend.client_tail(plan)
         outputs = tuple(
             dataclasses.replace(o, client_ops=tuple(tail.get(o.name, ())))
@@ -624,10 +685,12 @@ class Daemon:
                     await stream.attach_notices(notice_closed)
                     await NoticePump(stream, start, asyncio.get_running_loop()).run()
                     continue
-                async for item in stream.run_epoch(start):
-                    if hung_up.is_set():
-                        return  # the client closed its side mid-epoch: nobody will read more
-                    yield item
+                # Closed here, not by the garbage collector: its frame holds slot views.
+                async with contextlib.aclosing(stream.run_epoch(start)) as items:
+                    async for item in items:
+                        if hung_up.is_set():
+                            return  # the client closed its side mid-epoch: nobody will read more
+                        yield item
         except ClientHungUp:
             return
         finally:

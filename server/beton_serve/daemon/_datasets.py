@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from beton_wire.file_identity import FileIdentity
+from beton_wire.limits import short_repr
 
 from beton_serve.daemon._backend import Backend
 from beton_serve.daemon._health import FileWatch
@@ -45,7 +46,8 @@ class Dataset:
         fields: ``(name, type)`` pairs in file order.
         schema_key: the schema hash (equal for every shard).
         samples_decoded / batches_decoded: counters for stats (change them with :meth:`count`).
-        bad_samples: samples skipped under the bad-sample budget (:meth:`count` too).
+        bad_samples: distinct samples found bad (skipped under the bad-sample budget) over the
+            daemon's life, whatever the streams or epochs that met them (:meth:`note_bad`).
         watch: guards against the files shrinking under the mmap (``_health``).
         files: the identity of each file when it was opened.
     """
@@ -66,6 +68,9 @@ class Dataset:
 
     #: The reader the planner compiles against: the file's own, or the shards combined.
     combined: Any = None
+    #: ``--verify-checksums``: the shards' CRC32C sidecar checker (``format.ChecksumVerifier``),
+    #: whose ``check`` every plan of this dataset runs before decoding; ``None`` when off.
+    checksums: Any = None
 
     @property
     def key(self) -> str:
@@ -89,6 +94,14 @@ class Dataset:
             self.batches_decoded += batches
             self.samples_decoded += samples
             self.bad_samples += bad
+
+    def note_bad(self, sample_ids: Iterable[int]) -> None:
+        """Record samples a stream skipped; :attr:`bad_samples` counts each id once (from any
+        thread)."""
+        with self._count_lock:
+            seen: set[int] = self._extra.setdefault("bad_ids", set())
+            seen.update(sample_ids)
+            self.bad_samples = len(seen)
 
     def check_files(self) -> None:
         """Raise ``FormatError`` if a file shrank while served (see ``_health``)."""
@@ -236,7 +249,7 @@ class DatasetTable:
             return self._by_name[name]
         except KeyError:
             raise SpecError(
-                f"unknown dataset {name!r}; this daemon serves {sorted(self._by_name)}"
+                f"unknown dataset {short_repr(name)}; this daemon serves {sorted(self._by_name)}"
             ) from None
 
     def __iter__(self) -> Iterable[Dataset]:  # type: ignore[override]

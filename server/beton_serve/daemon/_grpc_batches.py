@@ -262,7 +262,11 @@ class StreamProducer:
             self._pump()
             return
         arrays = f.result()
-        ids = np.asarray(self.stream.source.batch_ids(epoch, b), dtype=np.uint64)
+        self.stream._count_bad()  # the samples its source skipped (the shm path counts in _book)
+        held = getattr(f, "sample_ids", None)  # a skipped sample replaced (engine._source)
+        ids = np.asarray(
+            self.stream.source.batch_ids(epoch, b) if held is None else held, dtype=np.uint64
+        )
         length = len(ids) if not arrays else len(arrays[0])
         ring.publish(slot, length)
         s = self.stream

@@ -14,11 +14,13 @@ What is *not* covered (residual risk, DESIGN.md §8):
 * a truncation between the check and the workers' reads of a batch already submitted (the
   window is one batch's decode time, plus :data:`MIN_INTERVAL_S`: checks closer together than
   that are skipped, since at thousands of small batches a second the ``fstat`` calls and their
-  GIL hand-offs cost the workers about a tenth of their time) still raises SIGBUS;
+  GIL hand-offs cost the workers about a tenth of their time) raises SIGBUS, which the reader's
+  guard (:mod:`beton_serve.format._guard`) turns into zeros and a ``FormatError`` for that
+  batch: the same outcome as this check, one batch later;
 * a file replaced by rename (new inode) keeps serving the old, still-mapped inode: safe, but
   the new content is not seen until a restart;
-* pages that become unreadable (an I/O error on the device) also raise SIGBUS on access; only a
-  ``pread``-based reader would turn that into an error, at the cost of a copy.
+* pages that become unreadable (an I/O error on the device) also raise SIGBUS on access, and
+  are caught by the same guard.
 
 Growing files (appended bytes) are ignored: the mapped range stays valid.
 """

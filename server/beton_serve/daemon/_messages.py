@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from beton_wire.file_identity import FileIdentity
+from numpy.typing import NDArray
 
 from beton_serve.daemon._backend import OutputInfo
 from beton_serve.transport.base import TransportSetup
@@ -51,7 +53,8 @@ class StreamRequest:
     order: str = "SEQUENTIAL"
     seed: int = 0
     drop_last: bool = False
-    indices: tuple[int, ...] | None = None
+    #: Sample ids (``rpc`` builds a uint64 array: no Python int per index); ``None`` for all.
+    indices: tuple[int, ...] | NDArray[np.uint64] | None = None
     distributed: bool = False
     rank: int = 0
     world_size: int = 1

@@ -37,6 +37,14 @@ bad-sample budget does not look ahead (the budget is spent in decode order).
 
 The gRPC path (``Stream.run_epoch``) has no look-ahead; both publish through ``Stream.submit``
 and ``Stream.publish``.
+
+Memory: when the pump stops it keeps no batch future, and the error that ends an epoch carries no
+frame of the thread that published: a batch's error is taken with ``Future.exception()`` (not
+re-raised here), and an expected error raised while publishing (a :class:`BetonError`, e.g. the
+client gone) loses its traceback. That traceback's frames, through their callers (a frame keeps
+its caller once it has returned), held batch futures and slot views, and the error and the pump
+refer to each other, so a closed stream's ring stayed mapped until the garbage collector ran
+(issue 11). Other exceptions are bugs and keep their traceback, which ``beton_serve.rpc`` logs.
 """
 
 from __future__ import annotations
@@ -44,11 +52,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 from beton_serve.daemon._stream import StartEpoch, Stream
-from beton_serve.errors import SpecError
+from beton_serve.errors import BetonError, SpecError, without_traceback
 
 __all__ = ["Lookahead", "NoticePump"]
 
@@ -161,7 +169,7 @@ class NoticePump:
             if self.pending and s._published == 0 and not self.pending[0][2].done():
                 s.promote(self.pending[0][2])  # the client has read everything: it waits
         except BaseException as exc:
-            self._fail_locked(exc)
+            self._fail_locked(_detached(exc))
         return new
 
     def _wants_slot(self) -> bool:
@@ -214,20 +222,19 @@ class NoticePump:
         with s.lock:
             while not (self.stopped or self.failed) and self.pending and self.pending[0][2].done():
                 b, slot, cfut = self.pending.popleft()
-                try:
-                    arrays = cfut.result()
-                except BaseException as exc:
+                error = CancelledError() if cfut.cancelled() else cfut.exception()
+                if error is not None:
                     s.ring.abandon(slot)
-                    self._fail_locked(exc)
+                    self._fail_locked(error)
                     return
                 try:
-                    s.publish_notice(self.epoch, b, slot, cfut, arrays)
+                    s.publish_notice(self.epoch, b, slot, cfut, cfut.result())
                     self.delivered += 1
                     if self.delivered == self.n:
                         s.send_end(self.epoch)
                         self._settle(None)
                 except BaseException as exc:
-                    self._fail_locked(exc)
+                    self._fail_locked(_detached(exc))
                     return
             new = self._fill_locked()
         for cfut in new:
@@ -269,3 +276,9 @@ class NoticePump:
             else:
                 s.discard(self.ahead)
             self.ahead = deque()
+            self.adopted = []
+
+
+def _detached(exc: BaseException) -> BaseException:
+    """``exc`` without its tracebacks if it is an expected error (see the module docstring)."""
+    return without_traceback(exc) if isinstance(exc, BetonError) else exc

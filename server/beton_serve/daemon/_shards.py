@@ -117,6 +117,10 @@ class ShardedReader:
         except BaseException:
             self._libc.munmap(base, self._total)
             raise
+        from beton_serve.format import guard_mapping
+
+        # A shard truncated while mapped reads as zeros and is reported by check_mapping.
+        self._guard = guard_mapping(None, base, self._total)
         mem = np.ctypeslib.as_array((ctypes.c_uint8 * self._total).from_address(base))
         mem.flags.writeable = False
         ptrs = np.concatenate(
@@ -157,9 +161,26 @@ class ShardedReader:
     def schema_key(self) -> str:
         return self._schema_key
 
+    def check_mapping(self) -> None:
+        """Raise ``FormatError`` if a shard shrank under the combined mapping (reads past its
+        end returned zeros; see ``beton_serve.format._guard``)."""
+        hits = 0 if self._guard is None else self._guard.hits()
+        if hits:
+            from beton_serve.errors import FormatError
+
+            raise FormatError(
+                self.path,
+                None,
+                f"a shard shrank while it was mapped ({hits} page(s) read past its new end, as "
+                "zeros; the batch is discarded). Restore it and restart; never rewrite a .beton "
+                "in place",
+            )
+
     def close(self) -> None:
         """Unmap the combined range (the shards' own readers are closed by their owner)."""
         if self._base is not None:
             self.storage_state = (np.empty(0, np.uint8), *self.storage_state[1:])
             self._libc.munmap(self._base, self._total)
             self._base = None
+            if self._guard is not None:
+                self._guard.close()

@@ -18,7 +18,13 @@ Per batch that replaces two gRPC messages with two 32-byte socket records.
 
 Ending: the Batches call ending, the client closing its notice channel, the client's process dying (the daemon's liveness monitor
 cancels the serving task) or the daemon shutting down all end the stream; :meth:`Stream.close`
-then reclaims every lease and frees the ring.
+then reclaims every lease and frees the ring. A client that closes its notice channel before its
+first Start closed the stream (:meth:`Stream.closed_before_start`; the liveness monitor ends it).
+
+Memory: the ring is unmapped when it closes unless a view of it is still alive, and then with
+that view (``transport.shm``), so nothing here keeps a batch's views past its publication: the
+serving task closes :meth:`Stream.run_epoch` explicitly, and an error raised out of it leaves no
+views in its frame (issue 11: closed streams' rings stayed mapped until a garbage collection).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,7 +157,9 @@ class Stream:
         ring: its slots.
         layout: the slot layout.
         outputs: the daemon-side outputs, in order.
-        client_pid: the client's PID when it runs on this host (0: unknown or remote).
+        client_pid: the client's PID, from the kernel: ``SO_PEERCRED`` of its notice
+            connection, set when it attaches (0: unknown, remote, or no notice channel). The
+            liveness monitor ends the stream when that process is gone.
         client_name: for logs and stats.
     """
 
@@ -223,8 +231,19 @@ class Stream:
             conn.on_wake = self._notice_wake
             conn.on_start = self._notice_start
             conn.on_close = on_hangup
+            if conn.peer_pid:  # the kernel's word, never the request's (transport.peer)
+                self.client_pid = conn.peer_pid
             self.notice = conn
         return self.notice
+
+    def closed_before_start(self) -> bool:
+        """Whether the client connected the notice channel and closed it before its first
+        ``Start``: it closed the stream, which the daemon then ends at once (the liveness
+        monitor asks) rather than after ``UNATTACHED_TIMEOUT_S``."""
+        fut = self.notice_future
+        if self.notice is not None or fut is None or not fut.done() or fut.cancelled():
+            return False
+        return bool(fut.result().closed)
 
     def _notice_release(self, slot: int, index: int, wait_us: int) -> None:
         self.on_release(ReleaseSlot(slot, index, wait_us))
@@ -312,7 +331,7 @@ class Stream:
         self._wake.set()
 
     # -- producing one epoch -----------------------------------------------------------------
-    async def run_epoch(self, start: StartEpoch) -> AsyncIterator[BatchOut | EpochEnd]:
+    async def run_epoch(self, start: StartEpoch) -> AsyncGenerator[BatchOut | EpochEnd, None]:
         """Produce ``start.epoch`` from ``start.next_batch``, in order.
 
         Raises:
@@ -365,17 +384,29 @@ class Stream:
                 except BaseException:
                     self.ring.abandon(slot)
                     raise
-                yield self.publish(epoch, b, slot, cfut, arrays)
+                try:
+                    item = self.publish(epoch, b, slot, cfut, arrays)
+                finally:
+                    # An error raised out of here keeps this frame: not with the slot's views,
+                    # which would keep the ring mapped after the stream closed (issue 11).
+                    del arrays, fut, cfut
+                yield item
                 delivered += 1
             yield EpochEnd(epoch=epoch, batches=n)
         finally:
-            for b, slot, fut in pending:
-                fut.cancel()
-                self.ring.abandon(slot)
-                ref = getattr(self._submitted.get(b), "shared_ref", None)
-                if ref is not None:  # decoded by reference but never published
-                    ref.release()
-            self._submitted.clear()
+            self._abandon(pending)
+
+    def _abandon(self, pending: deque[tuple[int, int, asyncio.Future[list[np.ndarray]]]]) -> None:
+        """Cancel the batches :meth:`run_epoch` submitted and did not publish, return their
+        slots and references, and forget them (its frame keeps none of them: see there)."""
+        for b, slot, fut in pending:
+            fut.cancel()
+            self.ring.abandon(slot)
+            cfut = self._submitted.get(b)
+            if cfut is not None:  # decoded (or being decoded) by reference, never published
+                cfut.add_done_callback(_release_shared_ref)
+        self._submitted.clear()
+        pending.clear()
 
     def drop_lookahead(self) -> None:
         """Discard batches submitted ahead for the next epoch (they will not be published)."""
@@ -390,9 +421,9 @@ class Stream:
         for _, slot, cfut in pending:
             cfut.cancel()
             self.ring.abandon(slot)
-            ref = getattr(cfut, "shared_ref", None)
-            if ref is not None:  # decoded by reference but never published
-                ref.release()
+            # Decoded (or still being decoded) by reference, never published: the reference is
+            # set just before the future completes, so release it then (now, if done).
+            cfut.add_done_callback(_release_shared_ref)
         pending.clear()
 
     def may_look_ahead(self) -> bool:
@@ -466,7 +497,10 @@ class Stream:
         if ref is not None:
             self._refs[slot] = ref
         self._count_bad()
-        ids = self.source.batch_ids(epoch, b)
+        # The ids the batch holds (a skipped sample is replaced: engine._source.delivered_ids).
+        ids = getattr(cfut, "sample_ids", None)
+        if ids is None:
+            ids = self.source.batch_ids(epoch, b)
         length = len(ids) if arrays is None or not len(arrays) else len(arrays[0])
         write_ids = getattr(self.ring, "write_ids", None)
         if write_ids is not None:  # shm: the notice channel's clients read them there
@@ -488,7 +522,7 @@ class Stream:
         inner = getattr(self.source, "source", self.source)  # a SharedSource wraps its own
         bad = getattr(inner, "bad_samples", None)
         if bad is not None and len(bad) > self._bad_seen:
-            self.dataset.count(bad=len(bad) - self._bad_seen)
+            self.dataset.note_bad(int(x.sample_id) for x in bad[self._bad_seen :])
             self._bad_seen = len(bad)
 
     def _promote(self, b: int) -> None:
@@ -531,3 +565,11 @@ class Stream:
         with contextlib.suppress(Exception):
             self.ring.close()
         self._wake.set()
+
+
+def _release_shared_ref(fut: Any) -> None:
+    """Done-callback: give back the shared reference of a batch that will not be published (a
+    pinned group buffer would otherwise stay pinned; ``SharedRef.release`` is idempotent)."""
+    ref = getattr(fut, "shared_ref", None)
+    if ref is not None:
+        ref.release()

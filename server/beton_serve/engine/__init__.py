@@ -8,7 +8,7 @@ daemon and the in-process Loader.
 from __future__ import annotations
 
 from beton_serve.engine._pool import Engine, Task
-from beton_serve.engine._source import BadSample, BatchSource
+from beton_serve.engine._source import BadSample, BatchSource, delivered_ids
 from beton_serve.engine.orders import (
     OrderConfig,
     OrderOption,
@@ -26,6 +26,7 @@ __all__ = [
     "OrderOption",
     "Task",
     "TraversalOrder",
+    "delivered_ids",
     "distributed_rank_world",
     "epoch_length",
     "make_order",

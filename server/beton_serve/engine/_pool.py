@@ -18,6 +18,12 @@ simulated worker crash) ends its worker thread; the pool logs it, starts a repla
 functions of their arguments, so a re-run writes the same result). A task that kills
 ``max_task_retries + 1`` workers is a poison task: its future fails with ``PipelineError``. :meth:`Engine.close` cancels
 queued tasks, wakes every worker, joins each with a timeout and logs any that did not stop.
+
+Memory: a task's arguments are often views of a stream's shared-memory ring. Once its future is
+resolved the task drops them, a worker keeps no reference to the last task it ran, and a failed
+task's traceback keeps no frame locals, so that a ring is unmapped as soon as its stream and the
+batch's consumer let go, by reference counting rather than at the next garbage collection
+(issue 11).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from beton_serve.errors import BetonError, PipelineError
+from beton_serve.errors import BetonError, PipelineError, drop_frame_locals
 
 __all__ = ["Engine", "Task"]
 
@@ -135,23 +141,37 @@ class Engine:
             priority, _, task = self._queue.get()
             if priority == _STOP_PRIORITY:
                 return
-            if not task.claim():
-                continue
-            t0 = time.perf_counter()
-            try:
-                result = task.fn(*task.args)
-            except Exception as exc:
-                task.future.set_exception(exc)
-            except BaseException as exc:
-                # The worker dies with the task; the pool keeps its size and redoes the task.
-                self._worker_died(task, exc)
+            # The task runs in a helper so that nothing of it (arguments, result, traceback)
+            # stays referenced from this frame while the worker waits for the next one.
+            alive = self._run_task(task)
+            del task
+            if not alive:
                 return
-            else:
-                task.future.set_result(result)
-            finally:
-                with self._lock:
-                    self.tasks_done += 1
-                    self.busy_s += time.perf_counter() - t0
+
+    def _run_task(self, task: Task) -> bool:
+        """Run ``task`` if this worker claims it; ``False`` when the worker must exit."""
+        if not task.claim():
+            return True
+        t0 = time.perf_counter()
+        try:
+            result = task.fn(*task.args)
+        except Exception as exc:
+            drop_frame_locals(exc)  # they would keep the task's buffers alive with the error
+            task.args = ()
+            task.future.set_exception(exc)
+        except BaseException as exc:
+            # The worker dies with the task; the pool keeps its size and redoes the task.
+            self._worker_died(task, exc)
+            return False
+        else:
+            task.args = ()
+            task.future.set_result(result)
+            del result
+        finally:
+            with self._lock:
+                self.tasks_done += 1
+                self.busy_s += time.perf_counter() - t0
+        return True
 
     def _worker_died(self, task: Task, exc: BaseException) -> None:
         """Replace the current worker; re-queue ``task`` unless it is a poison task."""

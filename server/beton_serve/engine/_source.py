@@ -14,8 +14,15 @@ Bad samples. When a batch fails, each of its samples is re-run alone to find the
 id and the op. Otherwise failing samples are *skipped*: each is replaced, in place, by the next
 good sample of the same batch (cyclically, searched over the whole batch even when it runs as
 slices, so the result does not depend on the split), so the batch keeps its size and layout; it is
-then re-run and the skipped ids are recorded in :attr:`BatchSource.bad_samples`. Once more
-samples than the budget have failed, or when every sample of a batch fails, the error is raised.
+then re-run and the skipped ids are recorded in :attr:`BatchSource.bad_samples`.
+
+The ids always match the data: the future ``submit`` returns carries ``sample_ids``, the ids the
+batch *holds* (the replacement's id where a sample was skipped, so that id appears twice in the
+batch), and every consumer publishes those (read them with :func:`delivered_ids`), never the
+order's ids. The budget is per epoch: once more than ``bad_sample_budget`` distinct samples of
+one epoch have failed, or when every sample of a batch fails, the error is raised. A sample that
+fails again in the same epoch (its batch decoded twice, e.g. a look-ahead discarded and redone)
+counts once.
 """
 
 from __future__ import annotations
@@ -40,7 +47,24 @@ from beton_serve.engine.orders import (
 from beton_serve.errors import PipelineError, SpecError
 from beton_serve.pipeline._plan import OpFailure, Plan
 
-__all__ = ["BatchSource", "BadSample"]
+__all__ = ["BatchSource", "BadSample", "delivered_ids"]
+
+
+def delivered_ids(fut: Future[Any], order_ids: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    """The sample ids the completed batch ``fut`` holds (see the module docstring): its
+    ``sample_ids`` when the source set them (a skipped sample replaced), else ``order_ids``."""
+    ids = getattr(fut, "sample_ids", None)
+    return order_ids if ids is None else ids
+
+
+def _forget_tasks(fut: Future[Any]) -> None:
+    """Empty a finished future's ``tasks`` (only :meth:`BatchSource.promote` reads them): a task
+    refers to its future, so the pair would be a reference cycle that keeps the batch's
+    arrays, often views of a stream's shared-memory ring, alive until the garbage collector
+    runs (issue 11). The list is emptied in place: copies of the future (sharing) hold it too."""
+    tasks = getattr(fut, "tasks", None)
+    if isinstance(tasks, list):
+        tasks.clear()
 
 
 class BadSample(NamedTuple):
@@ -127,6 +151,8 @@ class BatchSource:
         #: daemon checks that the dataset's files did not shrink under the mmap, see
         #: ``beton_serve.daemon._health``).
         self.pre_run: Callable[[], None] | None = None
+        #: The reader's ``check_mapping`` (real readers guard their mapping against SIGBUS).
+        self._mapping_check: Callable[[], None] | None = getattr(reader, "check_mapping", None)
         self._lock = threading.Lock()
         self._credit = threading.BoundedSemaphore(self.batches_ahead)
         self._orders: OrderedDict[int, NDArray[np.uint64]] = OrderedDict()
@@ -202,6 +228,8 @@ class BatchSource:
         """
         ids = self.batch_ids(epoch, b)
         n = len(ids)
+        # What the batch will hold: the order's ids, patched by _run where a sample is skipped.
+        held = ids.copy()
         if out is None:
             out = [np.empty((n, *o.shape), o.dtype) for o in self.plan.outputs]
         if not self._credit.acquire(timeout=timeout):
@@ -212,13 +240,18 @@ class BatchSource:
         want = self.slices if slices is None else int(slices)
         parts = want if (want > 1 and self.plan.sliceable and n >= 2 * want) else 1
         if parts == 1:  # the common case: the task's own future is the batch's future
-            task = self.engine.submit(self._run, epoch, ids, 0, n, out, keys, priority=priority)
+            task = self.engine.submit(
+                self._run, epoch, ids, 0, n, out, keys, held, priority=priority
+            )
             task.future.tasks = [task]  # type: ignore[attr-defined]
+            task.future.add_done_callback(_forget_tasks)
+            task.future.sample_ids = held  # type: ignore[attr-defined]
             task.future.add_done_callback(lambda _f: self._credit.release())
             return task.future
         result: Future[list[np.ndarray]] = Future()
         result.set_running_or_notify_cancel()
         result.add_done_callback(lambda _f: self._credit.release())
+        result.sample_ids = held  # type: ignore[attr-defined]
         bounds = np.linspace(0, n, parts + 1).astype(int)
         pending = [parts]
         errors: list[BaseException] = []
@@ -240,11 +273,20 @@ class BatchSource:
         for s in range(parts):
             lo, hi = int(bounds[s]), int(bounds[s + 1])
             task = self.engine.submit(
-                self._run, epoch, ids, lo, hi, [o[lo:hi] for o in out], keys, priority=priority
+                self._run,
+                epoch,
+                ids,
+                lo,
+                hi,
+                [o[lo:hi] for o in out],
+                keys,
+                held,
+                priority=priority,
             )
             tasks.append(task)
             task.future.add_done_callback(done)
         result.tasks = tasks  # type: ignore[attr-defined]
+        result.add_done_callback(_forget_tasks)
         return result
 
     @staticmethod
@@ -261,6 +303,34 @@ class BatchSource:
         hi: int,
         outs: list[np.ndarray],
         keys: NDArray[np.uint64],
+        held: NDArray[np.uint64] | None = None,
+    ) -> list[np.ndarray]:
+        try:
+            out = self._run_plan(epoch, batch, lo, hi, outs, keys, held)
+        except BaseException:
+            # Zeros read from a file truncated under its mapping can make a decode fail: then
+            # the file is at fault, not a sample (no bad-sample skip can make that batch good).
+            self._check_mapping()
+            raise
+        self._check_mapping()
+        return out
+
+    def _check_mapping(self) -> None:
+        """Raise ``FormatError`` if the batch read pages past the end of a file truncated while
+        mapped: they read as zeros instead of killing the process (``format._guard``)."""
+        check = self._mapping_check
+        if check is not None:
+            check()
+
+    def _run_plan(
+        self,
+        epoch: int,
+        batch: NDArray[np.uint64],
+        lo: int,
+        hi: int,
+        outs: list[np.ndarray],
+        keys: NDArray[np.uint64],
+        held: NDArray[np.uint64] | None,
     ) -> list[np.ndarray]:
         plan = self.plan
         ids = batch[lo:hi]
@@ -282,6 +352,8 @@ class BatchSource:
                         op=failure.node.name,
                     ) from failure.cause
                 fixed = self._skip_bad(epoch, ws, batch, lo, hi, keys, failure)
+                if held is not None:  # the ids the consumer publishes (module docstring)
+                    held[lo:hi] = fixed
                 try:
                     return plan.run(ws, fixed, keys, outs)
                 except OpFailure as again:
@@ -334,9 +406,10 @@ class BatchSource:
         with self._lock:
             # A sample already skipped in this epoch (its batch was decoded again, e.g. after a
             # daemon's look-ahead was discarded) does not count twice.
-            seen = {(x.epoch, x.sample_id) for x in self.bad_samples}
-            new = [(i, f) for i, f in bad if (epoch, int(batch[i])) not in seen]
-            over = len(self.bad_samples) + len(new) > self.bad_sample_budget
+            seen = {x.sample_id for x in self.bad_samples if x.epoch == epoch}
+            new = [(i, f) for i, f in bad if int(batch[i]) not in seen]
+            # The budget is per epoch (distinct samples of this epoch).
+            over = len(seen) + len(new) > self.bad_sample_budget
             if not over and not all_bad:
                 self.bad_samples.extend(
                     BadSample(epoch, int(batch[i]), f.node.name) for i, f in new

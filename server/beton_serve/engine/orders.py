@@ -14,9 +14,9 @@ sample ids of any batch without replaying the epoch.
   ``distributed``. It does not reproduce FFCV's QUASI_RANDOM sequence (FFCV's depends on numba's
   internal RNG and is only "quasi" random anyway).
 * ``distributed``: torch's ``DistributedSampler`` (``drop_last=False``): ``num_samples =
-  ceil(n / world)``; the list (``torch.randperm(n, generator=manual_seed(seed + epoch))`` when
-  shuffling, else ``range(n)``) is padded by wrapping to ``num_samples * world`` and rank ``r``
-  takes ``list[r::world]``, mapped through ``indices``. Without torch an exact NumPy port of
+  ceil(n / world)``; the list (``torch.randperm(n, generator=manual_seed((seed + epoch) mod
+  2**64))`` when shuffling, else ``range(n)``) is padded by wrapping to ``num_samples * world``
+  and rank ``r`` takes ``list[r::world]``, mapped through ``indices``. Without torch an exact NumPy port of
   torch's CPU randperm (MT19937, forward Fisher-Yates, ``u32 % (n - i)``) is used. With
   QUASI_RANDOM each rank takes a *contiguous* chunk of the padded global order instead, so that
   ranks read disjoint pages.
@@ -46,6 +46,10 @@ __all__ = [
     "torch_randperm",
     "distributed_rank_world",
 ]
+
+
+#: Seeds are uint64 (the wire's type); ``seed + epoch`` of a distributed RANDOM order wraps here.
+_U64_END = 1 << 64
 
 
 class OrderOption(enum.Enum):
@@ -186,7 +190,10 @@ def make_order(
     if order is OrderOption.RANDOM:
         if not cfg.distributed:
             return np.random.default_rng(cfg.seed + epoch).permutation(idx)
-        return idx[_dist_positions(n, cfg, torch_randperm(n, cfg.seed + epoch))]
+        # seed + epoch wraps at 2**64 (torch's manual_seed range): seed 2**64 - 1 works at every
+        # epoch, where torch's DistributedSampler would raise at epoch 1 (issue 11).
+        perm = torch_randperm(n, (cfg.seed + epoch) % _U64_END)
+        return idx[_dist_positions(n, cfg, perm)]
     if order is OrderOption.QUASI_RANDOM:
         full = _quasi_random(cfg, epoch)
         if not cfg.distributed:

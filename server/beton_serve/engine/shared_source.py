@@ -49,7 +49,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,8 +195,20 @@ class SharedSource:
         result.decoded_here = decoded_here  # type: ignore[attr-defined]
         result.tasks = getattr(produced.future, "tasks", ())  # type: ignore[attr-defined]
         result.shared_ref = None  # type: ignore[attr-defined]
+        # The ids the group batch holds (a skipped sample replaced), as the producer's source
+        # patched them (engine._source.delivered_ids).
+        result.sample_ids = getattr(produced.future, "sample_ids", None)  # type: ignore[attr-defined]
+
+        # One shot: the group future keeps its callbacks, so deliver lets go of what it needs
+        # (the stream's slot views, its future, the group batch) once it ran; otherwise they
+        # would live in a cycle through ``produced`` until the garbage collector runs (issue 11).
+        state: list[Any] = [out, result, produced, consumer, batch]
 
         def deliver(f: Future[list[np.ndarray]]) -> None:
+            if not state:
+                return
+            out, result, produced, consumer, batch = state
+            state.clear()
             views: list[np.ndarray] = []
             error: BaseException | None = None
             if (
@@ -205,22 +217,35 @@ class SharedSource:
                 and not f.cancelled()
                 and f.exception() is None
             ):
-                result.shared_ref = SharedRef(  # type: ignore[attr-defined]
-                    produced.arena.name,
-                    produced.arena.offset(produced.index),
-                    lambda: consumer.release(batch),
-                )
+                arena, index = produced.arena, produced.index
+                # Pinned until the client releases it: the group may free the batch earlier (this
+                # consumer re-attached or closed), and the buffer must not be reused under the
+                # client meanwhile (issue 11 §4).
+                arena.pin(index)
+
+                def release() -> None:
+                    try:
+                        consumer.release(batch)
+                    finally:
+                        arena.unpin(index)
+
+                result.shared_ref = SharedRef(arena.name, arena.offset(index), release)
                 result.set_result(f.result())
                 return
             try:
-                arrays = f.result()
-                dst = out if out is not None else [np.empty_like(a) for a in arrays]
-                for d, a in zip(dst, arrays, strict=True):
-                    view = d[: len(a)]
-                    np.copyto(view, a)
-                    views.append(view)
-            except BaseException as exc:
-                error = exc
+                # Not f.result(): raising here would put this frame, and the slot views in
+                # its locals, into the traceback of the error the stream's future keeps.
+                error = CancelledError() if f.cancelled() else f.exception()
+                if error is None:
+                    arrays = f.result()
+                    dst = out if out is not None else [np.empty_like(a) for a in arrays]
+                    for d, a in zip(dst, arrays, strict=True):
+                        view = d[: len(a)]
+                        np.copyto(view, a)
+                        views.append(view)
+            except BaseException as exc:  # the copy failed: keep the error, not this frame
+                tb = exc.__traceback__
+                error = exc.with_traceback(None if tb is None else tb.tb_next)
             finally:
                 # Never let a bookkeeping error leave the stream's future pending.
                 with contextlib.suppress(BetonError):

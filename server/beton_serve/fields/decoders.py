@@ -213,6 +213,39 @@ class _ImageColumns:
         self.max_w = int(self.widths.max()) if len(self.widths) else 0
 
 
+#: JPEG images whose metadata size differs from the file's common size that
+#: SimpleRGBImageDecoder takes for bad samples rather than refusing the file (see _common_size).
+MAX_ODD_IMAGES = 16
+
+
+def _common_size(cols: _ImageColumns) -> tuple[int, int]:
+    """The ``(height, width)`` every image of a SimpleRGBImageDecoder's file must have.
+
+    That is the size of all images; or, when at most :data:`MAX_ODD_IMAGES` JPEG images (and no
+    raw one) differ from the size of all the others, that size: the odd ones are bad samples at
+    decode time (their metadata lies about their JPEG, or they really differ), so that one sample
+    whose metadata says 65535x65535 costs one sample, not a 12 GiB buffer per image.
+
+    Raises:
+        SpecError: the images have several sizes.
+    """
+    if not len(cols.heights):
+        return 0, 0
+    keys = cols.heights * 65536 + cols.widths
+    values, counts = np.unique(keys, return_counts=True)
+    common = int(values[np.argmax(counts)])
+    odd = keys != common
+    n_odd = int(np.count_nonzero(odd))
+    if n_odd and (n_odd > MAX_ODD_IMAGES or (cols.modes[odd] != 0).any()):
+        raise SpecError(
+            "SimpleRGBImageDecoder needs every image of the file to have the same size, but "
+            f"heights range {cols.heights.min()}..{cols.max_h} and widths "
+            f"{cols.widths.min()}..{cols.max_w}; use RandomResizedCropRGBImageDecoder or "
+            "CenterCropRGBImageDecoder"
+        )
+    return common // 65536, common % 65536
+
+
 def _corrupt(exc: Exception, sid: int, op: str) -> Exception:
     from beton_serve.jpeg import CorruptJPEGError
 
@@ -220,10 +253,21 @@ def _corrupt(exc: Exception, sid: int, op: str) -> Exception:
     return CorruptJPEGError(reason, sample_index=sid, op=op)
 
 
+def _odd_size(height: int, width: int, h: int, w: int) -> str:
+    return (
+        f"the image is {height}x{width} (HxW) but SimpleRGBImageDecoder outputs {h}x{w}, the "
+        "size of the file's other images; use a crop decoder for images of several sizes"
+    )
+
+
 class SimpleRGBImageDecoder(Operation):
     """An ``RGBImageField`` whose images all have one size, as ``(B, H, W, 3)`` uint8.
 
-    Raw images are copied; JPEGs are decoded straight into the output (FFCV's pixels).
+    Raw images are copied; JPEGs are decoded straight into the output (FFCV's pixels). Every
+    JPEG's header is checked against its metadata first: a mismatch is a bad sample
+    (:class:`~beton_serve.jpeg.CorruptJPEGError` naming it). A file whose images have several
+    sizes is refused when the pipeline is built (``SpecError``), except that up to
+    :data:`MAX_ODD_IMAGES` odd JPEG images are bad samples instead (see ``_common_size``).
     """
 
     spec_name = "SimpleRGBImageDecoder"
@@ -237,16 +281,7 @@ class SimpleRGBImageDecoder(Operation):
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         md = _require_metadata(self, _RGB_MEMBERS)
         cols = _ImageColumns(md)
-        if len(cols.heights) and (
-            (cols.heights != cols.heights[0]).any() or (cols.widths != cols.widths[0]).any()
-        ):
-            raise SpecError(
-                "SimpleRGBImageDecoder needs every image of the file to have the same size, but "
-                f"heights range {cols.heights.min()}..{cols.max_h} and widths "
-                f"{cols.widths.min()}..{cols.max_w}; use RandomResizedCropRGBImageDecoder or "
-                "CenterCropRGBImageDecoder"
-            )
-        shape = (cols.max_h, cols.max_w, 3)
+        shape = (*_common_size(cols), 3)
         self._cols = cols
         return _jit_state(previous_state, shape, np.uint8), AllocationQuery(shape, np.uint8)
 
@@ -280,14 +315,18 @@ class SimpleRGBImageDecoder(Operation):
         name = type(self).__name__
 
         def decode(batch_indices, dst, metadata, storage_state):
-            from beton_serve.jpeg import CorruptJPEGError, decode_into
+            from beton_serve.jpeg import CorruptJPEGError, check_size, decode_into
 
             h, w = dst.shape[1], dst.shape[2]
             for b in range(len(batch_indices)):
                 sid = int(batch_indices[b])
+                height, width = int(cols.heights[sid]), int(cols.widths[sid])
                 data = mem_read_py(cols.ptrs[sid], storage_state)  # type: ignore[misc]
                 if cols.modes[sid] == 0:
                     try:
+                        check_size(data, height, width)  # metadata that lies: a bad sample
+                        if (height, width) != (h, w):
+                            raise CorruptJPEGError(_odd_size(height, width, h, w))
                         img = decode_into(data, dst[b])
                     except CorruptJPEGError as exc:
                         raise _corrupt(exc, sid, name) from None
@@ -368,7 +407,7 @@ class _CropDecoder(SimpleRGBImageDecoder):
 
     def _make_loop(self) -> Callable[..., Any]:
         from beton_serve._kernels import resize as rz
-        from beton_serve.jpeg import CorruptJPEGError, decode_into, scaled_size
+        from beton_serve.jpeg import CorruptJPEGError, check_size, decode_into, scaled_size
 
         if self._cols is None:
             self._cols = _ImageColumns(_require_metadata(self, _RGB_MEMBERS))
@@ -381,19 +420,25 @@ class _CropDecoder(SimpleRGBImageDecoder):
         local = threading.local()  # per worker thread scratch, reused across batches
         crops_of = self._crops
 
-        def scratch(ow: int) -> tuple[np.ndarray, np.ndarray]:
-            jbuf = getattr(local, "jbuf", None)
-            if jbuf is None:
-                jbuf = local.jbuf = np.empty(max(1, cols.max_h * cols.max_w * 3), np.uint8)
+        def scratch(ow: int) -> np.ndarray:
             need = rz.scratch_size(max(cols.max_w, 1), ow)
             rbuf = getattr(local, "rbuf", None)
             if rbuf is None or rbuf.shape[0] < need:
                 rbuf = local.rbuf = np.empty(need, np.float32)
-            return jbuf, rbuf
+            return rbuf  # type: ignore[no-any-return]
+
+        def jpeg_buffer(nbytes: int) -> np.ndarray:
+            # Sized by images whose header matched their metadata, never by the metadata's
+            # maximum: one lying sample must not make every worker map 12 GiB.
+            jbuf = getattr(local, "jbuf", None)
+            if jbuf is None or jbuf.shape[0] < nbytes:
+                grown = 0 if jbuf is None else min(2 * jbuf.shape[0], cols.max_h * cols.max_w * 3)
+                jbuf = local.jbuf = np.empty(max(nbytes, grown, 1), np.uint8)
+            return jbuf  # type: ignore[no-any-return]
 
         def run(batch_indices, dst, metadata, storage_state, seed_key=None):
             oh, ow = dst.shape[1], dst.shape[2]
-            jbuf, rbuf = scratch(ow)
+            rbuf = scratch(ow)
             boxes = crops_of(batch_indices, seed_key)
             for b in range(len(batch_indices)):
                 sid = int(batch_indices[b])
@@ -402,11 +447,20 @@ class _CropDecoder(SimpleRGBImageDecoder):
                 data = mem_read(cols.ptrs[sid], storage_state)  # type: ignore[misc]
                 if cols.modes[sid] == 0:
                     try:
+                        # The crop box comes from the metadata: a JPEG of another size is a bad
+                        # sample, never mistaken for a DCT-scaled decode (issue 11).
+                        check_size(data, height, width)
+                        jbuf = jpeg_buffer(height * width * 3)
+                        size = (height, width)
                         if dct and ch >= 2 * oh and cw >= 2 * ow:
                             mh = -((-height * oh) // ch)
                             mw = -((-width * ow) // cw)
                             sh, sw = scaled_size(height, width, mh, mw)
-                            img = decode_into(data, jbuf, sh, sw, fast_up) if sh < height else None
+                            img = (
+                                decode_into(data, jbuf, sh, sw, fast_up, size=size)
+                                if sh < height
+                                else None
+                            )
                         else:
                             img = None
                         if img is None:
@@ -423,13 +477,6 @@ class _CropDecoder(SimpleRGBImageDecoder):
                         cw = max(ow, min(img.shape[1] - l2, round(cw * fx)))
                         top = min(t2, img.shape[0] - ch)
                         left = min(l2, img.shape[1] - cw)
-                    elif img.shape[1] != width:
-                        raise CorruptJPEGError(
-                            f"JPEG is {img.shape[0]}x{img.shape[1]} but metadata says "
-                            f"{height}x{width}",
-                            sample_index=sid,
-                            op=name,
-                        )
                 else:
                     img = data[: height * width * 3].reshape(height, width, 3)
                 rz.resize_crop(img, top, left, ch, cw, dst[b], rbuf, method)

@@ -38,6 +38,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from beton_serve.errors import FormatError
+from beton_serve.format._guard import Region, guard
 from beton_serve.format._layout import (
     ALLOC_ENTRY_DTYPE,
     DESC_OFFSET,
@@ -102,6 +103,7 @@ class BetonReader:
     ) -> None:
         self.path = os.fspath(path)
         self._mm: mmap.mmap | None = None
+        self._guard: Region | None = None
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -114,6 +116,8 @@ class BetonReader:
             raise FormatError(self.path, None, f"cannot open or map the file: {exc}") from None
         self.file_size = size
         self._mem: NDArray[np.uint8] = np.frombuffer(self._mm, dtype=np.uint8)
+        # A truncation while mapped reads as zeros and is reported by check_mapping (_guard).
+        self._guard = guard(self._mm, self._mem.ctypes.data, size)
         try:
             self._validate(dict(custom_fields or {}))
         except BaseException:
@@ -459,6 +463,28 @@ class BetonReader:
             mm.close()
         except BufferError:
             pass  # arrays still reference it; the mapping is released when they are freed
+        else:  # unmapped: stop guarding it (else the guard ends when the mapping is freed)
+            if self._guard is not None:
+                self._guard.close()
+
+    def check_mapping(self) -> None:
+        """Raise if a read of this file's mapping went past the file's end: it was truncated
+        while mapped, and those reads returned zeros instead of crashing the process
+        (:mod:`beton_serve.format._guard`). Call after reading a batch (one integer load).
+
+        Raises:
+            FormatError: naming the file; it stays raised (the reader no longer reads the file).
+        """
+        g = self._guard
+        hits = 0 if g is None else g.hits()
+        if hits:
+            raise FormatError(
+                self.path,
+                None,
+                f"the file shrank while it was mapped ({hits} page(s) read past its new end, "
+                "as zeros; the batch is discarded). Restore the file and reopen it; never "
+                "rewrite a .beton in place",
+            )
 
     def __enter__(self) -> BetonReader:
         return self

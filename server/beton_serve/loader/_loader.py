@@ -26,18 +26,20 @@ import collections
 import logging
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
+from beton_wire.limits import short_repr
 
 from beton_serve.engine import (
     BatchSource,
     Engine,
     OrderOption,
     TraversalOrder,
+    delivered_ids,
     distributed_rank_world,
 )
 from beton_serve.errors import PipelineError, SpecError
@@ -86,6 +88,12 @@ class Loader:
         slices: units of work for a batch the consumer is already waiting for (default:
             ``num_workers`` when the plan allows it); prefetched batches run whole, which costs
             less per image.
+        verify_checksums: check every sample against the file's CRC32C sidecar
+            (``FILE.crc32c``, written by ``beton-serve checksum FILE``) on the worker, right
+            before it is decoded. A sample that does not match is a bad sample: a
+            ``PipelineError`` naming its id (op ``checksum``), or skipped under
+            ``bad_sample_budget``. A missing, stale or damaged sidecar is a ``FormatError``
+            here, at construction.
 
     Raises:
         SpecError: invalid arguments or pipelines (the message says what to change).
@@ -114,6 +122,7 @@ class Loader:
         bad_sample_budget: int = 0,
         slices: int | None = None,
         batch_timeout: float | None = 600.0,
+        verify_checksums: bool = False,
     ) -> None:
         if isinstance(fname, str | os.PathLike):
             from beton_serve.format import BetonReader
@@ -143,6 +152,9 @@ class Loader:
                 seed = 0
             else:
                 seed = int(np.random.randint(0, 2**31 - 1))
+        if not isinstance(seed, int | np.integer) or not 0 <= int(seed) < 2**64:
+            # the served Loader's range (a uint64 on the wire), refused the same way here
+            raise SpecError(f"seed must be an int in [0, 2**64), not {short_repr(seed)}")
         self.seed = int(seed)
         self.rank, self.world_size = distributed_rank_world() if self.distributed else (0, 1)
         n = self.reader.num_samples
@@ -151,18 +163,30 @@ class Loader:
             if indices is None
             else np.asarray(indices).astype(np.uint64)
         )
+        if indices is not None and self.indices.size == 0:
+            # as the daemon does: an empty subset is almost always a filter that matched nothing
+            raise SpecError("indices=[] selects no samples; pass indices=None for every sample")
         if isinstance(order, type) and issubclass(order, TraversalOrder):
             order = order(self, **dict(order_kwargs or {}))
         if not isinstance(order, OrderOption | TraversalOrder):
             raise SpecError(f"order must be an OrderOption or a TraversalOrder, not {order!r}")
         self.order = order
         self.pipelines = dict(pipelines or {})
+        self.verify_checksums = bool(verify_checksums)
+        #: ``--verify-checksums`` in process: the sidecar checker every plan runs before decoding.
+        self._sample_check: Callable[[np.ndarray], None] | None = None
+        if self.verify_checksums:
+            from beton_serve.format import ChecksumVerifier
+
+            readers = getattr(self.reader, "readers", [self.reader])
+            self._sample_check = ChecksumVerifier(readers).check
         self.plan = compile_pipelines(
             self.reader,
             self.pipelines,
             batch_size=self.batch_size,
             custom_fields=custom_fields,
             cache=plan_cache,
+            sample_check=self._sample_check,
         )
         self._engine = engine
         self._source = BatchSource(
@@ -212,10 +236,18 @@ class Loader:
         self._first_epoch_planned = True
         if changed or self._slots is None:
             slots = self.batches_ahead + 2
-            self._slots = [
-                [np.empty((self.batch_size, *o.shape), o.dtype) for o in self.plan.outputs]
-                for _ in range(slots)
-            ]
+            try:
+                self._slots = [
+                    [np.empty((self.batch_size, *o.shape), o.dtype) for o in self.plan.outputs]
+                    for _ in range(slots)
+                ]
+            except MemoryError:
+                sizes = {o.name: (self.batch_size, *o.shape) for o in self.plan.outputs}
+                raise SpecError(
+                    f"{slots} batches of {sizes} cannot be allocated in this process; use a "
+                    "smaller batch_size or a crop decoder (or check the file's image sizes: "
+                    "beton-serve inspect FILE)"
+                ) from None
         it = EpochIterator(self, epoch, start)
         self._current = weakref.ref(it)
         self._position = (epoch, start)
@@ -286,7 +318,9 @@ class Loader:
             )
         only: dict[str, list[Any] | None] = dict.fromkeys(self.reader.field_names)
         only[field_name] = [self.reader.handlers[field_name].get_decoder_class()()]
-        plan = compile_pipelines(self.reader, only, batch_size=self.batch_size)
+        plan = compile_pipelines(
+            self.reader, only, batch_size=self.batch_size, sample_check=self._sample_check
+        )
         keep: list[int] = []
         with Engine(1) as eng:
             src = BatchSource(
@@ -318,6 +352,7 @@ class Loader:
             order_kwargs=self._order_kwargs,
             engine=self._engine,
             bad_sample_budget=self._source.bad_sample_budget,
+            verify_checksums=self.verify_checksums,
         )
 
     def close(self) -> None:
@@ -417,7 +452,7 @@ class EpochIterator:
             raise
         b = self.batch
         self._submit_one()
-        ids = self._source.batch_ids(self.epoch, b)
+        ids = delivered_ids(fut, self._source.batch_ids(self.epoch, b))
         out = self._tail(arrays, ids, self._keys)
         self.batch = b + 1
         self.loader._position = (self.epoch, self.batch)

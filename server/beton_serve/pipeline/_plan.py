@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from beton_serve.errors import PipelineError, SpecError
+from beton_serve.errors import BetonError, PipelineError, SpecError
 from beton_serve.pipeline._graph import Node, OutputPath, build_graph
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.compiler import Compiler
@@ -65,10 +65,22 @@ class OutputSpec:
     dtype: np.dtype[Any]
 
 
+@dataclass(frozen=True)
+class _CheckStep:
+    """Stands in for an op's :class:`Node` in :class:`OpFailure` when a step that is not an op
+    fails: the sample check (:attr:`Plan.sample_check`). Only ``name`` is read."""
+
+    name: str
+
+
+#: The step name a checksum mismatch reports as its ``op``.
+_SAMPLE_CHECK = _CheckStep("checksum")
+
+
 class OpFailure(Exception):
     """Internal: the op of ``node`` raised ``cause`` while running a batch."""
 
-    def __init__(self, node: Node, cause: BaseException) -> None:
+    def __init__(self, node: Node | _CheckStep, cause: BaseException) -> None:
         super().__init__(f"{node.name}: {type(cause).__name__}: {cause}")
         self.node = node
         self.cause = cause
@@ -165,6 +177,9 @@ class Plan:
         generation: bumped whenever ``refresh`` changes a state or an allocation.
         sliceable: ``True`` when every op works per sample, so a batch may be split into slices
             that run on different workers (ops that mix samples, such as mixup, prevent it).
+        sample_check: ``None``, or ``check(batch_indices)``, called by :meth:`run` on the worker
+            before any decoder reads the batch; it raises a ``BetonError`` naming the first bad
+            sample (e.g. ``format.ChecksumVerifier.check``). Set by ``compile_pipelines``.
     """
 
     def __init__(
@@ -197,6 +212,7 @@ class Plan:
         self._shared_fns: dict[int, Callable[..., Any] | None] = {}
         self._jit: dict[int, bool] = {}
         self._signature: Any = None
+        self.sample_check: Callable[[NDArray[np.uint64]], None] | None = None
         self._storage_state = reader.storage_state
         self._metadata = {n: reader.field_metadata(n) for n in {nd.field_name for nd in nodes}}
         self._declare()
@@ -454,6 +470,14 @@ class Plan:
             raise PipelineError(
                 f"a batch of {n} samples exceeds the plan's batch_size {self.batch_size}"
             )
+        # -- sample check (issue 11): the checksum sidecar, before any decoder reads the bytes.
+        # A mismatch fails like an op, so BatchSource's bad-sample budget applies to it.
+        if self.sample_check is not None:
+            try:
+                self.sample_check(batch_indices)
+            except BetonError as exc:
+                raise OpFailure(_SAMPLE_CHECK, exc) from exc
+        # -- end of sample check
         results: dict[int, Any] = {}
         direct = self._direct_outputs(outs)
         timed: list[tuple[str, float]] = []
@@ -608,6 +632,7 @@ def compile_pipelines(
     batch_size: int,
     custom_fields: Mapping[str, Any] | None = None,
     cache: PlanCache | None = None,
+    sample_check: Callable[[NDArray[np.uint64]], None] | None = None,
 ) -> Plan:
     """Plan and compile FFCV-style ``pipelines`` over ``reader``.
 
@@ -617,6 +642,8 @@ def compile_pipelines(
         batch_size: the largest batch the plan's buffers hold.
         custom_fields: the ``custom_fields`` the reader was opened with; their names must exist.
         cache: share compiled functions with other plans of the same file and pipelines.
+        sample_check: becomes :attr:`Plan.sample_check` (e.g. ``ChecksumVerifier.check``): run
+            on every batch's sample ids before decoding; what it raises fails those samples.
 
     Raises:
         SpecError: the pipelines are invalid; the message names the op and what to change.
@@ -630,4 +657,6 @@ def compile_pipelines(
         spec = _spec_key(paths)
         if spec is not None:
             key = (str(getattr(reader, "path", "")), reader.schema_key(), spec)
-    return Plan(reader, paths, nodes, batch_size=batch_size, cache=cache, cache_key=key)
+    plan = Plan(reader, paths, nodes, batch_size=batch_size, cache=cache, cache_key=key)
+    plan.sample_check = sample_check
+    return plan

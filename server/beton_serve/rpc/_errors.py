@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+from beton_wire.limits import cap_message
 
 from beton_serve.daemon import ShuttingDown
 from beton_serve.errors import (
@@ -55,10 +56,13 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """``(status code, message, error class name)`` to send for ``exc``.
 
     Unexpected exceptions (not :class:`BetonError`) are logged with their traceback here, since
-    they are bugs, and reach the client as ``INTERNAL`` with the exception's text.
+    they are bugs, and reach the client as ``INTERNAL`` with the exception's text. The message
+    is cut to ``beton_wire.limits.MAX_ERROR_CHARS`` (gRPC drops a status over 16 KiB and reports
+    ``RESOURCE_EXHAUSTED`` instead).
     """
     for cls, code in _TABLE:
         if isinstance(exc, cls):
-            return code, str(exc), type(exc).__name__
+            return code, cap_message(str(exc)), type(exc).__name__
     log.error("unexpected error while serving a request", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "InternalError"
+    text = cap_message(f"internal error: {type(exc).__name__}: {exc}")
+    return grpc.StatusCode.INTERNAL, text, "InternalError"

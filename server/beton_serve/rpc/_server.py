@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import grpc
 from beton_wire.framing import ALL_CODECS
+from beton_wire.limits import MAX_REQUEST_BYTES
 from beton_wire.v1 import beton_pb2 as pb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -34,9 +35,11 @@ __all__ = ["SERVICE_NAME", "ServerHandle", "create_server"]
 #: The full name of the service (for health checks and reflection).
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BetonServe"].full_name
 
-#: Channel options of the daemon's server (large messages for the grpc transport).
+#: Channel options of the daemon's server. It sends large messages (the grpc transport); it
+#: receives nothing larger than the largest valid request (``beton_wire.limits``), so gRPC
+#: itself refuses a bigger one (RESOURCE_EXHAUSTED) before any of our code runs.
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.max_send_message_length", 1 << 30),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -126,10 +129,16 @@ def create_server(
     if unix_socket:
         if os.path.exists(unix_socket):
             os.unlink(unix_socket)  # a stale socket of a dead daemon (the caller holds the lock)
+        # grpc binds here; the umask makes the socket 0600 from the start, so no other user can
+        # connect before the caller's chmod (the daemon treats every peer of this socket as its
+        # own user: see transport.peer).
+        old_umask = os.umask(0o177)
         try:
             server.add_insecure_port(f"unix:{unix_socket}")
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on unix socket {unix_socket}: {exc}") from None
+        finally:
+            os.umask(old_umask)
     creds = server_credentials(tls) if tls is not None else None
     for addr in listen:
         try:

@@ -22,12 +22,14 @@ from beton_serve.errors import SpecError
 from beton_serve.rpc._convert import (
     batch_message,
     dataset_info,
+    dataset_name,
     event_from_message,
     opened_message,
     stats_message,
     stream_request,
 )
 from beton_serve.rpc._errors import ERROR_METADATA_KEY, status_for
+from beton_serve.transport.peer import peer_credentials
 
 __all__ = ["BetonServeServicer"]
 
@@ -57,7 +59,7 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
 
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: Any) -> Any:
         try:
-            return dataset_info(self.daemon.dataset(request.name))
+            return dataset_info(self.daemon.dataset(dataset_name(request)))
         except Exception as exc:
             await _abort(context, exc)
 
@@ -69,7 +71,8 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
                 if grpc_factory is None:
                     raise SpecError("this daemon does not offer the grpc transport (compression)")
                 compression = grpc_factory.check_compression(request.compression)  # type: ignore[attr-defined]
-            opened = await self.daemon.open_stream(stream_request(request))
+            peer = peer_credentials(context.peer())
+            opened = await self.daemon.open_stream(stream_request(request, peer))
             reply = opened_message(opened)
             if reply.transport.kind == "grpc":
                 reply.transport.grpc.compression = compression

@@ -6,7 +6,10 @@ has), the aio server answers ``UNKNOWN`` ("Unexpected DecodeError") before any o
 Here each deserialiser catches the ``DecodeError`` and passes a :class:`Malformed` marker to a
 thin wrapper, which ends the call with ``INVALID_ARGUMENT`` (``beton-error: SpecError``) naming
 the message type. Nothing is allocated for declared sizes: protobuf checks each length prefix
-against the bytes actually received (bounded by ``grpc.max_receive_message_length``).
+against the bytes actually received (bounded by ``grpc.max_receive_message_length``, which is
+``beton_wire.limits.MAX_REQUEST_BYTES``). An ``OpenStreamRequest`` with more indices than
+``MAX_INDICES`` is refused (:class:`Refused`, ``INVALID_ARGUMENT``) before it is parsed
+(``_convert.check_open_stream_bytes``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import grpc
 from beton_wire.v1 import beton_pb2 as pb
 from google.protobuf.message import DecodeError
 
-__all__ = ["Malformed", "add_strict_servicer"]
+from beton_serve.errors import SpecError
+from beton_serve.rpc._convert import check_open_stream_bytes
+
+__all__ = ["Malformed", "Refused", "add_strict_servicer"]
 
 SERVICE_NAME = "beton_wire.v1.BetonServe"
 
@@ -32,8 +38,20 @@ class Malformed:
     error: str
 
 
-def _lenient(cls: Any) -> Callable[[bytes], Any]:
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request refused before parsing (``precheck``), with the message to send."""
+
+    message: str
+
+
+def _lenient(cls: Any, precheck: Callable[[bytes], None] | None = None) -> Callable[[bytes], Any]:
     def parse(raw: bytes) -> Any:
+        if precheck is not None:
+            try:
+                precheck(raw)
+            except SpecError as exc:
+                return Refused(str(exc))
         try:
             return cls.FromString(raw)
         except (DecodeError, ValueError) as exc:
@@ -42,18 +60,21 @@ def _lenient(cls: Any) -> Callable[[bytes], Any]:
     return parse
 
 
-async def _refuse(context: Any, bad: Malformed) -> None:
+async def _refuse(context: Any, bad: Malformed | Refused) -> None:
     context.set_trailing_metadata((("beton-error", "SpecError"),))
-    await context.abort(
-        grpc.StatusCode.INVALID_ARGUMENT,
-        f"malformed {bad.kind} message ({bad.error}); send a message built from "
-        "beton_wire/v1/beton.proto",
-    )
+    if isinstance(bad, Refused):
+        message = bad.message
+    else:
+        message = (
+            f"malformed {bad.kind} message ({bad.error}); send a message built from "
+            "beton_wire/v1/beton.proto"
+        )
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _unary(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     async def handler(request: Any, context: Any) -> Any:
-        if isinstance(request, Malformed):
+        if isinstance(request, Malformed | Refused):
             await _refuse(context, request)
         return await fn(request, context)
 
@@ -93,10 +114,12 @@ def add_strict_servicer(servicer: Any, server: Any) -> None:
         ("OpenStream", pb.OpenStreamRequest, pb.OpenStreamResponse),
         ("Stats", pb.StatsRequest, pb.StatsResponse),
     )
+    # OpenStream's indices are counted on the raw bytes: parsing 13 M of them costs 100 MB.
+    prechecks = {"OpenStream": check_open_stream_bytes}
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             _unary(getattr(servicer, name)),
-            request_deserializer=_lenient(req),
+            request_deserializer=_lenient(req, prechecks.get(name)),
             response_serializer=resp.SerializeToString,
         )
         for name, req, resp in unary

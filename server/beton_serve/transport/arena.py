@@ -10,7 +10,11 @@ batch cost one decode and no copies.
 
 Ownership: the arena belongs to the stream whose source produced into it. A buffer is taken by
 that producer (:meth:`take`) and given back (:meth:`give`) when the sharing group frees the batch,
-i.e. after every stream that read it was released by its client. Closing the arena (its stream
+i.e. after every stream that read it was released by its client. A buffer published to a client
+by reference is also *pinned* (:meth:`pin`) until that client releases it (:meth:`unpin`): a
+:meth:`give` while it is pinned is deferred to the last unpin, so a buffer is never reused while
+a client may still read it, whatever happens to the sharing group's bookkeeping meanwhile (a
+consumer re-attached or closed, a laggard detached; issue 11 §4). Closing the arena (its stream
 ended) only marks it; the segment is unlinked once every buffer is back, so a segment is never
 unlinked while a client may still have to open it. :meth:`force_close` (the daemon shutting down)
 unlinks at once. A daemon killed before either is swept at the next start (``beton-<pid>-``).
@@ -21,7 +25,7 @@ guards the free list.
 
 from __future__ import annotations
 
-import contextlib
+import mmap
 import threading
 from pathlib import Path
 
@@ -30,7 +34,7 @@ from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import TransportError
 from beton_serve.transport.base import slot_views
-from beton_serve.transport.shm import SHM_DIR, create_segment
+from beton_serve.transport.shm import SHM_DIR, create_segment, release_mapping
 
 __all__ = ["ShmArena"]
 
@@ -50,13 +54,15 @@ class ShmArena:
         self.name = name
         self.path = shm_dir / name
         self.size = layout.slot_bytes * count
-        self._mmap = create_segment(self.path, self.size)
+        self._mmap: mmap.mmap | None = create_segment(self.path, self.size)
         base = np.frombuffer(self._mmap, dtype=np.uint8)
         self._views = [slot_views(base, layout, i) for i in range(count)]
         self._free = list(range(count - 1, -1, -1))
         self._lock = threading.Lock()
         self._closing = False
         self._unlinked = False
+        self._pins: dict[int, int] = {}  # index -> references published and not released
+        self._deferred: set[int] = set()  # given back while pinned: freed at the last unpin
 
     def take(self) -> tuple[int, list[np.ndarray]] | None:
         """A free buffer as ``(index, views)``; ``None`` when all are in use or it is closing."""
@@ -71,10 +77,31 @@ class ShmArena:
         with self._lock:
             if self._unlinked or index in self._free:
                 return
+            if self._pins.get(index):
+                self._deferred.add(index)
+                return
             self._free.append(index)
             done = self._closing and len(self._free) == self.count
         if done:
             self._unlink()
+
+    def pin(self, index: int) -> None:
+        """A client was handed buffer ``index`` by reference: keep it until :meth:`unpin`."""
+        with self._lock:
+            self._pins[index] = self._pins.get(index, 0) + 1
+
+    def unpin(self, index: int) -> None:
+        """That client released it; a :meth:`give` deferred meanwhile happens now."""
+        with self._lock:
+            left = self._pins.get(index, 0) - 1
+            if left > 0:
+                self._pins[index] = left
+                return
+            self._pins.pop(index, None)
+            deferred = index in self._deferred
+            self._deferred.discard(index)
+        if deferred:
+            self.give(index)
 
     def offset(self, index: int) -> int:
         """Byte offset of buffer ``index`` in the segment (what a client is told)."""
@@ -111,5 +138,5 @@ class ShmArena:
             self._unlinked = True
         self.path.unlink(missing_ok=True)
         self._views = []
-        with contextlib.suppress(BufferError):  # views held by workers keep it mapped
-            self._mmap.close()
+        m, self._mmap = self._mmap, None  # views still held go with their last reference
+        release_mapping(m, self.name)

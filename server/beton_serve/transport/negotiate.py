@@ -5,7 +5,8 @@ Protocol (DESIGN.md §6). When a stream opens:
 1. The client gathers its facts (``beton_client._transport.identity``) and sends them as a
    :class:`ClientOffer`: host identity (boot id, hostname, uid, pid, IPC namespace), the device
    it wants tensors on, what it can do (torch, CUDA, CuPy, the UUIDs of its visible GPUs) and the
-   transport it asked for (``"auto"``, ``"shm"``, ``"cuda_ipc"`` or ``"grpc"``).
+   transport it asked for (``"auto"``, ``"shm"``, ``"cuda_ipc"`` or ``"grpc"``). The RPC layer
+   replaces the uid and pid it reports with the kernel's (:mod:`beton_serve.transport.peer`).
 2. The daemon's RPC layer (the thread that serves ``OpenStream``) calls :func:`negotiate` with
    that offer and the daemon's own :class:`DaemonFacts`. This module is pure: it touches no
    CUDA, no shared memory, no socket. The only side effect is the injected ``ipc_probe``, which
@@ -160,29 +161,31 @@ class HostIdentity:
     Attributes:
         boot_id: ``/proc/sys/kernel/random/boot_id`` (unique per boot of a kernel).
         hostname: the host name.
-        uid: the real user id.
-        pid: the process id (in its own PID namespace).
+        uid: the real user id; ``None`` when the daemon could not verify a client's (a client's
+            uid and pid come from the kernel, never from its request: ``transport.peer``).
+        pid: the process id (in the daemon's PID namespace for a client; 0: unknown).
         ipc_ns: the inode of ``/proc/self/ns/ipc``, or ``None`` if it could not be read.
     """
 
     boot_id: str
     hostname: str
-    uid: int
+    uid: int | None
     pid: int
     ipc_ns: int | None = None
 
     def __post_init__(self) -> None:
-        if self.pid < 0 or self.uid < 0:
+        if self.pid < 0 or (self.uid is not None and self.uid < 0):
             raise SpecError(f"pid and uid must be >= 0, got pid={self.pid} uid={self.uid}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HostIdentity:
         """Build from the JSON-safe dict that ``beton_client`` sends (unknown keys ignored)."""
         ipc = data.get("ipc_ns")
+        uid = data.get("uid", 0)
         return cls(
             boot_id=str(data.get("boot_id", "")),
             hostname=str(data.get("hostname", "")),
-            uid=int(data.get("uid", 0)),
+            uid=None if uid is None else int(uid),
             pid=int(data.get("pid", 0)),
             ipc_ns=None if ipc is None else int(ipc),
         )
@@ -373,11 +376,13 @@ def _check_shm(offer: ClientOffer, facts: DaemonFacts) -> Rejection | None:
     if a is not None and b is not None and a != b:
         return _reject("shm", Reason.DIFFERENT_IPC_NAMESPACE, f"client {a}, daemon {b}")
     if offer.identity.uid != facts.identity.uid:
-        return _reject(
-            "shm",
-            Reason.DIFFERENT_USER,
-            f"client uid {offer.identity.uid}, daemon uid {facts.identity.uid}",
+        uid = offer.identity.uid
+        client = (
+            f"client uid {uid}"
+            if uid is not None
+            else "the client's uid could not be verified (TCP from another network namespace)"
         )
+        return _reject("shm", Reason.DIFFERENT_USER, f"{client}, daemon uid {facts.identity.uid}")
     if not facts.shm_enabled:
         return _reject("shm", Reason.SHM_DISABLED)
     return None

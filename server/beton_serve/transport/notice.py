@@ -2,8 +2,11 @@
 
 Data structure: one :class:`NoticeHub` per daemon listens on a ``SOCK_SEQPACKET`` unix socket
 ``/dev/shm/beton-<pid>-notice-<n>`` (mode 0600; only the daemon's user may connect, which
-``SO_PEERCRED`` re-checks). Each shm stream registers a random token with the hub; a client
-connection that presents the token in its ``HELLO`` becomes that stream's :class:`NoticeConn`.
+``SO_PEERCRED`` re-checks; root too, since root may read the rings anyway). Each shm stream
+registers a random token with the hub; a client connection that presents the token in its
+``HELLO`` becomes that stream's :class:`NoticeConn`. The kernel's ``SO_PEERCRED`` pid of that
+connection (:attr:`NoticeConn.peer_pid`) is how the daemon learns who its client is: the pid a
+client writes in its request is never used (``transport.peer``).
 
 Ownership: the hub owns the listening socket, its file and every connection; the daemon closes
 the hub, which unlinks the file (the next daemon's sweep removes it after a crash, like a ring).
@@ -49,6 +52,8 @@ class NoticeConn:
     """One client's connection, bound to one stream after its ``HELLO``.
 
     Attributes:
+        peer_pid: the connecting process, from ``SO_PEERCRED`` (in the daemon's PID namespace;
+            0 if the client's is not visible from it).
         on_release: called with ``(slot, batch_index, wait_us)`` for each ``RELEASE``.
         on_wake: called for each ``WAKE`` (the client stored release words while the daemon
             was starved).
@@ -56,9 +61,10 @@ class NoticeConn:
         on_close: called once when the client closes the connection or breaks the protocol.
     """
 
-    def __init__(self, hub: NoticeHub, sock: socket.socket) -> None:
+    def __init__(self, hub: NoticeHub, sock: socket.socket, peer_pid: int = 0) -> None:
         self._hub = hub
         self._sock = sock
+        self.peer_pid = peer_pid
         self._lock = threading.Lock()
         self.bound = False
         self.closed = False
@@ -227,17 +233,17 @@ class NoticeHub:
                 log.warning("notice channel: accept failed: %s", exc)
                 return
             try:
-                _pid, uid, _gid = _UCRED.unpack(
+                pid, uid, _gid = _UCRED.unpack(
                     sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
                 )
             except OSError:
-                uid = -1
+                pid, uid = 0, -1
             unbound = sum(1 for c in self._conns if not c.bound)
-            if uid != os.getuid() or unbound >= MAX_UNBOUND:
+            if uid not in (os.getuid(), 0) or unbound >= MAX_UNBOUND:
                 sock.close()
                 continue
             sock.setblocking(False)
-            conn = NoticeConn(self, sock)
+            conn = NoticeConn(self, sock, peer_pid=max(0, pid))
             self._conns.add(conn)
             self.loop.add_reader(sock.fileno(), conn._on_readable)
             self.loop.call_later(HELLO_TIMEOUT_S, conn._expire)

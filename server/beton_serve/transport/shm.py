@@ -11,8 +11,13 @@ a name is never reused), maps it once, and hands the engine numpy views of a slo
 the client maps the same segment once and wraps slot views as tensors without copying.
 
 Ownership: the daemon (the creator) unlinks the segment in :meth:`ShmRing.close`, which the stream
-calls in a ``finally``. If the daemon is killed before it can, the PID in the name lets the next
-daemon remove the segment (:func:`sweep_stale_segments`). Clients never unlink.
+calls in a ``finally``, and unmaps it there too (:func:`release_mapping`): the mapping and its
+descriptor go at once, or, while a view handed to an engine worker is still alive (a cancelled
+batch still being written), with that last view, by reference counting. Nothing in the daemon may
+keep a batch view in a reference cycle, or the mapping would wait for the garbage collector
+(issue 11: closed streams held 0.4-1.6 GiB of unlinked rings). If the daemon is killed before it
+can unlink, the PID in the name lets the next daemon remove the segment
+(:func:`sweep_stale_segments`). Clients never unlink.
 
 Leases: each slot is FREE, FILLING (the engine writes into it) or LEASED (the client reads it).
 Only the event-loop thread of the daemon changes slot states.
@@ -20,12 +25,12 @@ Only the event-loop thread of the daemon changes slot states.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import mmap
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +47,7 @@ __all__ = [
     "ShmRing",
     "create_segment",
     "pid_alive",
+    "release_mapping",
     "sweep_stale_segments",
 ]
 
@@ -88,7 +94,10 @@ def pid_alive(pid: int) -> bool:
 def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink this user's ``beton-<pid>-*`` segments whose creating process is gone.
 
-    Called by the daemon at start. Segments of live processes and of other users are left alone.
+    Called by the daemon at start. Only what a daemon creates is removed: regular files (rings,
+    arenas) and sockets (the notice channel) that this user owns, looked at with ``lstat``.
+    Symbolic links, other kinds of files, other users' files and the segments of live
+    processes are left alone: ``/dev/shm`` is shared, and anyone may create a ``beton-*`` name.
 
     Returns:
         The names removed.
@@ -102,9 +111,10 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
         if m is None:
             continue
         try:
-            if entry.stat().st_uid != uid:
-                continue
+            st = entry.lstat()
         except OSError:
+            continue
+        if st.st_uid != uid or not (stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode)):
             continue
         pid = int(m.group(1))
         if pid == os.getpid() or pid_alive(pid):
@@ -145,6 +155,24 @@ def create_segment(path: Path, size: int) -> mmap.mmap:
         os.close(fd)
 
 
+def release_mapping(m: mmap.mmap | None, name: str = "") -> bool:
+    """Unmap ``m`` and close its descriptor now; whether that happened.
+
+    When numpy views of it are still alive (``BufferError``), nothing is unmapped here: the
+    caller drops its own reference, and the mapping and descriptor are released with the last
+    view (reference counting; a view kept in a reference cycle would delay it until the garbage
+    collector runs, which is why the daemon breaks such cycles).
+    """
+    if m is None or m.closed:
+        return True
+    try:
+        m.close()
+    except BufferError:
+        log.debug("segment %s is still viewed; it is unmapped with its last view", name)
+        return False
+    return True
+
+
 class ShmRing(HostSlotRing):
     """A ring of batch slots in a POSIX shared-memory segment created by this process.
 
@@ -172,7 +200,7 @@ class ShmRing(HostSlotRing):
         self.ids_offset = layout.slot_bytes * slot_count
         self.release_offset = self.ids_offset + 8 * layout.batch_size * slot_count
         self.size = self.release_offset + 8 * (notice.RELEASE_WORDS + slot_count)
-        self._mmap = create_segment(self.path, self.size)
+        self._mmap: mmap.mmap | None = create_segment(self.path, self.size)
         self._base = np.frombuffer(self._mmap, dtype=np.uint8)
         self._ids = (
             self._base[self.ids_offset : self.release_offset]
@@ -241,10 +269,11 @@ class ShmRing(HostSlotRing):
         return self.size
 
     def close(self) -> None:
-        """Reclaim every slot and unlink the segment (idempotent).
+        """Reclaim every slot, unlink the segment and unmap it (idempotent).
 
-        The mapping itself is closed when nothing references it any more: numpy views handed to
-        engine workers keep it alive until they are dropped, which is harmless once unlinked.
+        The mapping and its descriptor are released now, or, while a view handed to an engine
+        worker is still alive, with that last view (:func:`release_mapping`); the ring keeps no
+        reference to it either way.
         """
         if self._closed:
             return
@@ -254,8 +283,8 @@ class ShmRing(HostSlotRing):
             self._reset_slots()
             self._ids = np.empty((0, 0), "<u8")
             self._ctl = self._words = np.empty(0, "<u8")
-            with contextlib.suppress(BufferError):
-                self._mmap.close()
+            m, self._mmap = self._mmap, None
+            release_mapping(m, self.name)
 
     def __enter__(self) -> ShmRing:
         return self

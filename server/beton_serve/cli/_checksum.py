@@ -1,0 +1,87 @@
+"""``beton-serve checksum FILE [...] [--verify]``: write or check per-sample CRC32C sidecars.
+
+Without ``--verify``, each FILE is opened (and validated) and ``FILE.crc32c`` is written
+atomically (a temporary file renamed into place), replacing any older sidecar. With
+``--verify``, every sample of each FILE is checked against its existing sidecar: the ids of the
+samples that do not match are printed (``FILE: bad sample ids: 3 17``) and the exit status is 1
+if any sample, in any file, is bad. A missing, stale or damaged sidecar is an error (exit 1).
+The sidecar's layout and what is summed are in ``beton_serve.format._checksum``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``checksum`` subcommand."""
+    p = subparsers.add_parser(
+        "checksum",
+        help="write (or --verify) FILE.crc32c: a CRC32C of every sample, to detect corruption",
+        description="Write FILE.crc32c, a sidecar with a CRC32C of every sample of FILE (the "
+        ".beton is not changed), or check every sample against it with --verify. Loaders "
+        "check samples against it with verify_checksums=True, the daemon with "
+        "--verify-checksums.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE.beton")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every sample against the existing sidecar; print bad sample ids, exit 1 "
+        "if there are any",
+    )
+    p.set_defaults(func=run)
+
+
+def _progress(total: int, label: str) -> Any:
+    """A tqdm bar on a terminal, else nothing (``None``)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="sample", unit_scale=True, leave=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write or verify the sidecar of each file; returns 0, or 1 if a sample is bad."""
+    from beton_serve.format import BetonReader, ChecksumVerifier, write_sidecar
+
+    status = 0
+    for path in args.files:
+        with BetonReader(path) as reader:
+            t0 = time.perf_counter()
+            if args.verify:
+                bad = ChecksumVerifier([reader]).mismatches()
+                took = time.perf_counter() - t0
+                if bad.size:
+                    status = 1
+                    ids = " ".join(str(int(i)) for i in bad)
+                    print(f"{path}: bad sample ids: {ids}")
+                    print(
+                        f"{path}: {bad.size} of {reader.num_samples} samples do not match "
+                        f"their checksum",
+                        file=sys.stderr,
+                    )
+                else:
+                    print(
+                        f"{path}: all {reader.num_samples} samples match "
+                        f"({reader.file_size / 1e6:.1f} MB file, {took:.2f} s)"
+                    )
+                continue
+            bar = _progress(reader.num_samples, path)
+            try:
+                dest = write_sidecar(reader, progress=None if bar is None else bar.update)
+            finally:
+                if bar is not None:
+                    bar.close()
+            took = time.perf_counter() - t0
+            print(
+                f"wrote {dest}: {reader.num_samples} samples, "
+                f"{reader.file_size / 1e6:.1f} MB in {took:.2f} s"
+            )
+    return status

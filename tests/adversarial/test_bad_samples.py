@@ -1,0 +1,112 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""Issue 11 §8: the bad-sample budget's rule, with ids that always match the data.
+
+The rule (docs/operations.md, "Corrupt samples"): with ``bad_sample_budget = N``, each epoch may
+skip up to N distinct failing samples; a skipped sample is replaced by the next good sample of
+its batch, and the batch's ids (``last_sample_ids``) name what it holds, so the replacement's id
+appears twice. The dataset's ``bad_samples`` counter counts distinct bad samples, whatever the
+streams and epochs that met them.
+
+Each sample's label is its id, so ``labels == last_sample_ids`` row by row proves the ids match
+the data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from beton_client import Loader as ServedLoader
+from beton_serve.fields import IntField, RGBImageField
+from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
+from beton_serve.format import BetonReader
+from beton_serve.loader import Loader as InProcessLoader
+from beton_serve.transforms import ToTensor
+from beton_serve.writer import DatasetWriter
+from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+N = 32
+BAD = 5  # in batch 0 (ids 0..7) with SEQUENTIAL order and batch size 8
+BATCH = 8
+
+
+class _Images:
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        rng = np.random.default_rng(i)
+        return rng.integers(0, 255, (24, 32, 3), dtype=np.uint8), i
+
+
+def _corrupt_dataset(path: Path) -> Path:
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(_Images())
+    r = BetonReader(str(path))
+    try:
+        ptr = int(r.metadata["f0"]["data_ptr"][BAD])  # fields are f0, f1, ... in file order
+    finally:
+        r.close()
+    with open(path, "r+b") as f:  # zero the JPEG's header: the file stays valid, the sample fails
+        f.seek(ptr)
+        f.write(b"\0" * 64)
+    return path
+
+
+def _pipelines(tensor: bool) -> dict[str, list[object]]:
+    tail = [ToTensor()] if tensor else []
+    return {
+        "image": [CenterCropRGBImageDecoder((16, 16), 1.0), *tail],
+        "label": [IntDecoder(), *tail],
+    }
+
+
+def test_in_process_budget_is_per_epoch_and_replaces_within_the_batch(tmp_path: Path) -> None:
+    path = _corrupt_dataset(tmp_path / "bad.beton")
+    loader = InProcessLoader(str(path), BATCH, pipelines=_pipelines(False), bad_sample_budget=1)
+    for _epoch in range(3):  # a budget over the stream's life would fail the second epoch
+        labels = np.concatenate([np.asarray(y).reshape(-1) for _, y in loader])
+        expected = [i for i in range(N) if i != BAD]
+        assert sorted(set(labels.tolist())) == expected
+        # The replacement is the next good sample of the same batch: it appears twice.
+        assert labels.tolist()[:BATCH] == [0, 1, 2, 3, 4, 6, 6, 7]
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_served_ids_name_the_samples_the_batch_holds(
+    daemon_factory, tmp_path: Path, transport: str
+) -> None:
+    path = _corrupt_dataset(tmp_path / "bad.beton")
+    d = daemon_factory([path], args=["--bad-sample-budget", "1"])
+    loaders = [
+        ServedLoader(
+            str(path),
+            BATCH,
+            pipelines=_pipelines(True),
+            server=d.address,
+            spawn=False,
+            transport=transport,
+            seed=seed,
+        )
+        for seed in (0, 1)  # two streams (different seeds: no sharing) meet the same bad sample
+    ]
+    try:
+        for _epoch in range(3):  # per-epoch budget: every epoch carries on
+            for loader in loaders:
+                seen: list[int] = []
+                for _image, label in loader:
+                    ids = loader.last_sample_ids.astype(np.int64)
+                    np.testing.assert_array_equal(np.asarray(label).reshape(-1), ids)
+                    seen.extend(ids.tolist())
+                assert BAD not in seen
+                assert set(seen) == set(range(N)) - {BAD}
+        # One bad sample, met by 2 streams in 3 epochs each: counted once.
+        stats = {x.name: x.bad_samples for x in d.stats().datasets}
+        assert stats["bad"] == 1
+    finally:
+        for loader in loaders:
+            loader.close()

@@ -1,0 +1,140 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""Issue 11 §5: a file truncated under its mapping fails its own streams, never the process.
+
+Reading a mapped page past a truncated file's new end raises SIGBUS, which used to kill the
+daemon (every dataset's streams, segments left behind) in 4 of 5 tries with 512-px images. The
+guard (``beton_serve.format._guard``) turns those reads into zeros that the batch's check reports
+as ``FormatError`` (``DataError`` in the client).
+
+* In process, deterministically: a file truncated after the Loader opened it (no size check runs
+  in process, so every read past the end faults) raises ``FormatError`` and the process lives.
+* A foreign SIGBUS (a mapping nobody guards) still kills, as before: the guard only chains.
+* Served, under load: the file is truncated while 512-px batches are being decoded, 5 times;
+  each time only that dataset's stream fails, with ``DataError``, and the daemon keeps serving
+  the other dataset and frees every segment.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from beton_client import DataError
+from beton_client import Loader as ServedLoader
+from beton_serve.errors import FormatError
+from beton_serve.fields import IntField, RGBImageField
+from beton_serve.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+from beton_serve.loader import Loader as InProcessLoader
+from beton_serve.transforms import ToTensor
+from beton_serve.writer import DatasetWriter
+from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+
+SIDE = 512
+
+
+class _Big:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        img = np.full((SIDE, SIDE, 3), i % 251, np.uint8)
+        img[:: 7 + i % 5] = 255 - i % 251  # some texture, so that JPEGs differ
+        return img, i
+
+
+def _write(path: Path, n: int, mode: str) -> Path:
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode=mode, jpeg_quality=95), "label": IntField()}
+    ).from_indexed_dataset(_Big(n))
+    return path
+
+
+def _pipes(tensor: bool) -> dict[str, list[object]]:
+    tail = [ToTensor()] if tensor else []
+    return {"image": [SimpleRGBImageDecoder(), *tail], "label": [IntDecoder(), *tail]}
+
+
+def test_in_process_truncation_is_a_format_error_and_the_process_lives(tmp_path: Path) -> None:
+    path = _write(tmp_path / "raw.beton", 24, "raw")
+    loader = InProcessLoader(str(path), 8, pipelines=_pipes(False), num_workers=2)
+    first = next(iter(loader))
+    assert int(np.asarray(first[1]).reshape(-1)[0]) == 0
+    os.truncate(path, 4096 * 3)  # inside the header's page: every sample is past the end
+    with pytest.raises(FormatError, match="shrank while it was mapped"):
+        for _ in loader:
+            pass
+    # It stays failed: the zero pages are not the file.
+    with pytest.raises(FormatError, match="shrank"):
+        for _ in loader:
+            pass
+
+
+def test_a_fault_on_an_unguarded_mapping_still_kills(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import mmap, os, numpy as np
+        from beton_serve.format import BetonReader
+        from beton_serve.fields import IntField
+        from beton_serve.writer import DatasetWriter
+        class D:
+            def __len__(self): return 4
+            def __getitem__(self, i): return (i,)
+        DatasetWriter({str(tmp_path / "x.beton")!r}, {{"label": IntField()}}).from_indexed_dataset(D())
+        r = BetonReader({str(tmp_path / "x.beton")!r})  # installs the guard
+        p = {str(tmp_path / "foreign.bin")!r}
+        with open(p, "wb") as f:
+            f.write(b"x" * (1 << 20))
+        f = open(p, "rb")
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        os.truncate(p, 0)
+        print(m[1 << 19])  # SIGBUS, not ours
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -7, (proc.returncode, proc.stderr.decode()[-2000:])  # SIGBUS
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_truncating_a_served_file_mid_decode_fails_only_its_streams(
+    daemon_factory, short_tmp: Path
+) -> None:
+    master = _write(short_tmp / "master.beton", 160, "jpg")  # 10 batches; 3 fit the ring
+    other = _write(short_tmp / "other.beton", 8, "raw")
+    for attempt in range(5):
+        victim = short_tmp / f"victim{attempt}.beton"
+        victim.write_bytes(master.read_bytes())
+        d = daemon_factory([victim, other])
+        ld = ServedLoader(
+            str(victim), 16, pipelines=_pipes(True), server=d.address, spawn=False, batches_ahead=2
+        )
+        try:
+            it = iter(ld)
+            next(it)
+            # Mid-decode: the daemon is decoding the next batches of 16 512-px JPEGs right now.
+            time.sleep(0.01 * attempt)
+            os.truncate(victim, victim.stat().st_size // 3)
+            with pytest.raises(DataError, match="shrank"):
+                for _ in it:
+                    pass
+        finally:
+            ld.close()
+        assert d.proc.poll() is None, d.log()[-3000:]
+        # The other dataset still serves, with the right contents.
+        ok = ServedLoader(str(other), 4, pipelines=_pipes(True), server=d.address, spawn=False)
+        try:
+            labels = np.concatenate([np.asarray(y).reshape(-1) for _, y in ok])
+            assert labels.tolist() == list(range(8))
+        finally:
+            ok.close()
+        assert d.stop() == 0
+        assert not d.shm_files(), d.shm_files()
