@@ -52,11 +52,18 @@ from beton_wire.limits import (
     parse_params,
     short_repr,
 )
+from beton_wire.loader_state import (
+    StateError,
+    StateIdentity,
+    check_state,
+    indices_digest,
+    make_state,
+)
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
 from beton_client._ops import PipelinePlan, device_of, split_pipelines
-from beton_client._resume import RetryPolicy, check_state, make_state, retriable, retry
+from beton_client._resume import RetryPolicy, retriable, retry
 from beton_client._stream import _EpochIterator, _Stream
 from beton_client._transport import Receiver, ShmReceiver
 from beton_client._transport.cuda_ipc import TransportUnavailable
@@ -381,6 +388,8 @@ class Loader:
         self.next_epoch = 0
         self._resume_batch = 0
         self._position: tuple[int, int] | None = None
+        self._num_samples = 0
+        self._indices_digest = indices_digest(self.indices)  # once: it hashes every id
         self.last_sample_ids: np.ndarray = np.empty(0, np.uint64)
         self._current: _EpochIterator | None = None
         self._stream: _Stream | None = None
@@ -536,6 +545,8 @@ class Loader:
             reply = self._stub.OpenStream(req, timeout=300.0)
         except grpc.RpcError as err:
             raise from_rpc_error(err, target=self.server) from None
+        #: samples this rank visits per epoch, as the daemon counted them (for ``state_dict``)
+        self._num_samples = int(reply.num_samples)
         self.transport_rejections = [(r.transport, r.code, r.reason) for r in reply.rejected]
         self.chosen_transport = reply.transport.kind
         if reply.transport.kind == "grpc":
@@ -634,34 +645,49 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands: the epoch and the batches of it already yielded.
 
-        The same format as ``beton_serve.loader.Loader.state_dict`` (``{"version", "epoch",
-        "batch", "seed", "len", "rank", "world_size"}``, plus ``num_indices`` when ``indices``
-        was given). Restore it with :meth:`load_state_dict` on a Loader built with the same
-        arguments: the next ``iter`` yields exactly the batches that were not yet yielded.
+        The format is ``beton_wire.loader_state``, shared with ``beton_serve.loader.Loader``:
+        ``{"version", "epoch", "batch"}`` plus what must match for an exact resume (seed, order,
+        batch_size, drop_last, distributed settings, samples, an indices digest, ``len``).
+        Restore it with :meth:`load_state_dict` on a Loader of either kind, over any transport,
+        built with the same arguments: the next ``iter`` yields exactly the batches that were
+        not yet yielded.
         """
         if self._position is not None:
             epoch, batch = self._position
         else:
             epoch, batch = self.next_epoch, self._resume_batch
-        return make_state(
-            epoch=epoch,
-            batch=batch,
-            seed=self.seed,
-            length=len(self),
-            rank=self.rank,
-            world_size=self.world_size,
-            num_indices=None if self.indices is None else len(self.indices),
-        )
+        return make_state(epoch=epoch, batch=batch, identity=self._state_identity())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter(loader)`` continue from ``state`` (see :meth:`state_dict`).
 
+        Accepts the states of both Loaders: version 2, version 1 and version-less dicts.
+
         Raises:
-            SpecError: the state comes from a Loader with another seed, length, rank or version.
+            SpecError: an unknown version, or the state comes from a Loader with other
+                arguments (the message names the one that differs).
         """
-        mine = self.state_dict()
-        self.next_epoch, self._resume_batch = check_state(state, mine)
+        try:
+            epoch, batch = check_state(state, self._state_identity())
+        except StateError as exc:
+            raise SpecError(str(exc)) from None
+        self.next_epoch, self._resume_batch = epoch, batch
         self._position = None
+
+    def _state_identity(self) -> StateIdentity:
+        """What a state must match; ``num_samples`` is the daemon's count for this stream."""
+        return StateIdentity(
+            seed=self.seed,
+            order=getattr(self.order, "name", str(self.order)),
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            distributed=self.distributed,
+            rank=self.rank,
+            world_size=self.world_size,
+            num_samples=self._num_samples,
+            indices=self._indices_digest,
+            len=len(self),
+        )
 
     @property
     def reader_outputs(self) -> list[str]:

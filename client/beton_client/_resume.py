@@ -9,7 +9,7 @@ one after a restart) for exactly the batches it has not yet yielded:
   :class:`~beton_client.errors.ServerUnavailable` inside the Loader; it re-opens the stream with
   :func:`retry` under the Loader's :class:`RetryPolicy` and sends ``Start(epoch, next_batch)``;
 * across a trainer restart, ``Loader.state_dict()`` / ``load_state_dict()`` carry the same
-  position (:func:`make_state` / :func:`check_state`).
+  position, in the format both Loaders share (``beton_wire.loader_state``).
 
 A daemon that ends the stream on purpose (SIGTERM drain: ``server_error == "ShuttingDown"``) is
 not retried unless :attr:`RetryPolicy.after_shutdown` is set: an operator stopped it.
@@ -20,17 +20,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from beton_client.errors import ServerUnavailable, SpecError
 
 __all__ = [
-    "STATE_VERSION",
     "RetryPolicy",
-    "check_state",
-    "make_state",
     "retriable",
     "retry",
 ]
@@ -38,9 +35,6 @@ __all__ = [
 log = logging.getLogger("beton_client.resume")
 
 T = TypeVar("T")
-
-#: Version of the ``Loader.state_dict()`` format (the same keys as ``beton_serve.loader``'s).
-STATE_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,59 +135,3 @@ def retry(
         f"(RetryPolicy.budget_s={policy.budget_s}); last error: {last}",
         code="UNAVAILABLE",
     ) from None
-
-
-def make_state(
-    *,
-    epoch: int,
-    batch: int,
-    seed: int,
-    length: int,
-    rank: int,
-    world_size: int,
-    num_indices: int | None,
-) -> dict[str, Any]:
-    """The ``state_dict()`` of a Loader positioned at ``(epoch, batch)`` (batches yielded).
-
-    ``num_indices`` is left out when unknown (a served Loader over all samples).
-    """
-    if batch >= length:  # an exhausted epoch: point at the start of the next one
-        epoch, batch = epoch + 1, 0
-    state: dict[str, Any] = {
-        "version": STATE_VERSION,
-        "epoch": int(epoch),
-        "batch": int(batch),
-        "seed": int(seed),
-        "len": int(length),
-        "rank": int(rank),
-        "world_size": int(world_size),
-    }
-    if num_indices is not None:
-        state["num_indices"] = int(num_indices)
-    return state
-
-
-def check_state(state: Mapping[str, Any], mine: Mapping[str, Any]) -> tuple[int, int]:
-    """Validate ``state`` against this Loader's own ``mine`` (a :func:`make_state` dict).
-
-    Returns:
-        ``(epoch, batch)`` to resume at (``batch == len`` is normalised to the next epoch).
-
-    Raises:
-        SpecError: another version, seed, length, index count, rank or world size.
-    """
-    if state.get("version") != STATE_VERSION:
-        raise SpecError(f"unknown Loader state version {state.get('version')!r}")
-    for key in ("seed", "len", "num_indices", "rank", "world_size"):
-        if key in state and key in mine and int(state[key]) != int(mine[key]):
-            raise SpecError(
-                f"Loader state has {key}={state[key]!r} but this Loader has {mine[key]!r}; "
-                "build the Loader with the same arguments"
-            )
-    epoch, batch = int(state["epoch"]), int(state["batch"])
-    length = int(mine["len"])
-    if epoch < 0 or not 0 <= batch <= length:
-        raise SpecError(f"Loader state epoch {epoch} batch {batch} is outside 0..{length}")
-    if batch == length:
-        epoch, batch = epoch + 1, 0
-    return epoch, batch

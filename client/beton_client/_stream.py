@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -29,15 +29,12 @@ from beton_wire.slots import DTYPE_NAMES, slot_layout
 from beton_wire.v1 import beton_pb2 as pb
 
 from beton_client._ops import PipelinePlan, SpecOp, build_tail
-from beton_client._resume import retriable
+from beton_client._resume import RetryPolicy, retriable
 from beton_client._transport import Receiver, ShmReceiver, TensorInfo
 from beton_client._transport.shm import NoticeChannel
 from beton_client.errors import ServerError, ServerUnavailable, from_rpc_error
 
-if TYPE_CHECKING:
-    from beton_client._loader import Loader
-
-__all__ = ["End", "Ready"]
+__all__ = ["End", "EpochOwner", "Ready"]
 
 log = logging.getLogger("beton_client")
 
@@ -248,10 +245,31 @@ def _close_stream(
     receiver.close()
 
 
+class EpochOwner(Protocol):
+    """What an epoch iterator needs from the Loader that made it (``beton_client.Loader`` is one).
+
+    Declared here so that this module never imports ``_loader`` (which imports it). Used from the
+    thread that iterates the Loader only.
+    """
+
+    #: Copy each batch out of its slot and release the slot at once.
+    copy: bool
+    #: How long to try reconnecting when the daemon goes away.
+    reconnect: RetryPolicy
+    #: Written with each batch's sample ids (``uint64``).
+    last_sample_ids: np.ndarray
+    #: Written with ``(epoch, next batch)`` after each batch, for ``state_dict``.
+    _position: tuple[int, int] | None
+
+    def _reconnect(self, err: BaseException) -> _Stream:
+        """Re-open the stream on a new daemon; raises when the retry budget is spent."""
+        ...
+
+
 class _EpochIterator(Iterator[tuple[Any, ...]]):
     """Yields one epoch's batches; releases the previous slot when the next batch is asked for."""
 
-    def __init__(self, loader: Loader, stream: _Stream, epoch: int, start: int = 0) -> None:
+    def __init__(self, loader: EpochOwner, stream: _Stream, epoch: int, start: int = 0) -> None:
         self.loader = loader
         self.stream = stream
         self.epoch = epoch

@@ -110,16 +110,25 @@ def test_same_schema_datasets_each_get_their_own_samples(
     assert labels["train"].max() < 1000 <= labels["val"].min()  # the two really differ
 
 
-def test_a_file_with_the_daemons_stem_elsewhere_is_refused(daemon_factory, tmp_path: Path) -> None:
+def test_a_file_with_the_daemons_stem_elsewhere_is_never_served_in_its_place(
+    daemon_factory, tmp_path: Path
+) -> None:
     served = _write(tmp_path / "served" / "train.beton", 32, 0)
     other = _write(tmp_path / "other" / "train.beton", 32, 5000)  # same stem, same schema
-    d = daemon_factory([served])
+    # A daemon that opens no other file refuses it, naming both paths.
+    strict = daemon_factory([served], args=["--no-open-on-demand"])
     with pytest.raises(ClientSpecError) as info:
-        ServedLoader(str(other), BATCH, pipelines=_pipelines(True), server=d.address, spawn=False)
+        ServedLoader(
+            str(other), BATCH, pipelines=_pipelines(True), server=strict.address, spawn=False
+        )
     msg = str(info.value)
     assert str(other) in msg and str(served) in msg, msg
-    # The daemon's own file still serves, by path and by name.
+    _same(_epoch_served(str(served), strict.address), _epoch_in_process(served))
+    # By default the daemon's own user gets the file it named, opened on demand.
+    d = daemon_factory([served], socket=str(Path(strict.socket).with_name("open.sock")))
+    _same(_epoch_served(str(other), d.address), _epoch_in_process(other))
     _same(_epoch_served(str(served), d.address), _epoch_in_process(served))
+    _same(_epoch_served("train", d.address), _epoch_in_process(served))  # the name: the first
 
 
 def test_links_to_the_served_file_are_the_same_file(daemon_factory, tmp_path: Path) -> None:
@@ -137,14 +146,20 @@ def test_links_to_the_served_file_are_the_same_file(daemon_factory, tmp_path: Pa
 
 def test_a_replaced_file_is_not_the_one_the_daemon_has_open(daemon_factory, tmp_path: Path) -> None:
     served = _write(tmp_path / "served" / "train.beton", 32, 0)
-    d = daemon_factory([served])
-    _same(_epoch_served(str(served), d.address), _epoch_in_process(served))
-    # Rewritten by rename (the safe way): the daemon still maps the old inode.
+    strict = daemon_factory([served], args=["--no-open-on-demand"])
+    d = daemon_factory([served], socket=str(Path(strict.socket).with_name("open.sock")))
+    for daemon in (strict, d):
+        _same(_epoch_served(str(served), daemon.address), _epoch_in_process(served))
+    # Rewritten by rename (the safe way): both daemons still map the old inode.
     fresh = _write(tmp_path / "tmp" / "train.beton", 32, 9000)
     os.replace(fresh, served)
     with pytest.raises(ClientSpecError) as info:
-        ServedLoader(str(served), BATCH, pipelines=_pipelines(True), server=d.address, spawn=False)
+        ServedLoader(
+            str(served), BATCH, pipelines=_pipelines(True), server=strict.address, spawn=False
+        )
     assert "another file" in str(info.value)
+    # The other one opens the new file: the Loader gets what the path holds now, never the old.
+    _same(_epoch_served(str(served), d.address), _epoch_in_process(served))
 
 
 def test_file_identity_across_hosts_compares_size_and_fingerprint(tmp_path: Path) -> None:

@@ -286,3 +286,12 @@ def test_seeds_outside_uint64_are_refused_in_process_as_served(fixtures_dir, see
 def test_empty_indices_are_refused_in_process_as_served(fixtures_dir) -> None:
     with pytest.raises(SpecError, match=r"indices=\[\] selects no samples"):
         InProcessLoader(fixtures_dir / "mixed_fields.beton", 4, indices=[], pipelines=INT_ONLY)
+
+
+@pytest.mark.parametrize("indices", [[0, -1], [0, 50], [0.5, 1.0]])
+def test_negative_out_of_range_or_fractional_indices_are_refused_in_process(
+    fixtures_dir, indices
+) -> None:
+    # -1 used to become 2**64-1 in the uint64 cast before any range check.
+    with pytest.raises(SpecError, match=r"indices must be integer sample ids in \[0, 50\)"):
+        InProcessLoader(fixtures_dir / "mixed_fields.beton", 4, indices=indices, pipelines=INT_ONLY)

@@ -113,7 +113,7 @@ def test_torch_op_before_to_tensor_is_an_error():
     pytest.importorskip("torch")
 
     class Convert(TorchDouble):
-        pass
+        torch_op = True  # the trait the planner reads (issue 12), not the class name
 
     with pytest.raises(SpecError, match=r"Convert#1 .*move it after ToTensor"):
         compile_pipelines(FakeReader(), {"label": [Convert()], "image": None}, batch_size=2)

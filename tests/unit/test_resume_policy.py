@@ -1,10 +1,10 @@
-"""The client's retry policy and Loader state format (``beton_client._resume``), without a daemon."""
+"""The client's retry policy (``beton_client._resume``), without a daemon."""
 
 from __future__ import annotations
 
 import pytest
 from beton_client import RetryPolicy, ServerUnavailable, SpecError
-from beton_client._resume import check_state, make_state, retriable, retry
+from beton_client._resume import retriable, retry
 
 
 class _Clock:
@@ -67,26 +67,3 @@ def test_invalid_policies_are_refused() -> None:
         RetryPolicy(initial_s=0)
     with pytest.raises(SpecError):
         RetryPolicy(multiplier=0.5)
-
-
-def test_state_round_trip_and_mismatch() -> None:
-    kw = dict(seed=5, length=10, rank=0, world_size=1, num_indices=None)
-    s = make_state(epoch=2, batch=3, **kw)  # type: ignore[arg-type]
-    assert s == {
-        "version": 1,
-        "epoch": 2,
-        "batch": 3,
-        "seed": 5,
-        "len": 10,
-        "rank": 0,
-        "world_size": 1,
-    }
-    assert check_state(s, s) == (2, 3)
-    assert make_state(epoch=2, batch=10, **kw)["epoch"] == 3  # type: ignore[arg-type]
-    assert check_state({**s, "batch": 10}, s) == (3, 0)
-    with pytest.raises(SpecError, match="seed"):
-        check_state({**s, "seed": 6}, s)
-    with pytest.raises(SpecError, match="version"):
-        check_state({**s, "version": 9}, s)
-    with pytest.raises(SpecError, match="outside"):
-        check_state({**s, "batch": 11}, s)

@@ -138,6 +138,27 @@ def register(subparsers: Any) -> None:
         help="check every sample against its file's CRC32C sidecar (beton-serve checksum FILE) "
         "before decoding; a mismatch is a bad sample. Every file needs a current sidecar",
     )
+    files = p.add_argument_group("files opened on demand (a client names a file not served yet)")
+    files.add_argument(
+        "--data-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="clients other than the daemon's own user on its Unix socket (TCP clients) may open "
+        ".beton files under DIR (repeatable; realpath inside DIR, no symlink escape)",
+    )
+    files.add_argument(
+        "--no-open-on-demand",
+        action="store_true",
+        help="serve only the files named at start, refusing any other file a client names",
+    )
+    files.add_argument(
+        "--idle-close",
+        type=float,
+        default=None,
+        metavar="S",
+        help="close a file opened on demand after S seconds without streams (default 300)",
+    )
     add_logging_args(p)
     p.set_defaults(func=run)
 
@@ -227,6 +248,9 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "share_retain": getattr(args, "share_retain", None),
             "bad_sample_budget": getattr(args, "bad_sample_budget", None),
             "verify_checksums": getattr(args, "verify_checksums", None),
+            "data_roots": tuple(args.data_root) if getattr(args, "data_root", None) else None,
+            "open_on_demand": False if getattr(args, "no_open_on_demand", False) else None,
+            "idle_close": getattr(args, "idle_close", None),
             "tls_cert": getattr(args, "tls_cert", None),
             "tls_key": getattr(args, "tls_key", None),
             "tls_client_ca": getattr(args, "tls_client_ca", None),
@@ -259,6 +283,9 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "share_retain": cfg.share_retain,
             "bad_sample_budget": cfg.bad_sample_budget,
             "verify_checksums": cfg.verify_checksums,
+            "open_on_demand": cfg.open_on_demand,
+            "data_roots": cfg.data_roots,
+            "idle_close_s": cfg.idle_close,
         }
         from beton_serve.daemon._grpc_batches import GrpcFactory, parse_codecs
 

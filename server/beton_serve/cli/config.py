@@ -17,6 +17,9 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     share_retain = 4                          # batches a group keeps for late joiners
     bad_sample_budget = 0                     # failing samples a stream may skip; 0 = fail
     verify_checksums = false                  # check samples against FILE.crc32c sidecars
+    open_on_demand = true                     # open a .beton a client names (see data_roots)
+    data_roots = []                           # where clients other than the owner may open files
+    idle_close = 300.0                        # seconds before an idle on-demand file is closed
     tls_cert = ""                             # TLS on the TCP addresses (with tls_key)
     tls_key = ""
     tls_client_ca = ""                        # mutual TLS: client certificates signed by this CA
@@ -66,6 +69,12 @@ class ServeConfig:
         verify_checksums: check every sample against its file's CRC32C sidecar (``beton-serve
             checksum FILE``) right before decoding; a mismatch is a bad sample. Every file must
             have a current sidecar, or the daemon refuses to start (restart to change).
+        open_on_demand: open a ``.beton`` file a client names that is not served yet: any file
+            the daemon's user can read for a client of that user on the Unix socket, files under
+            ``data_roots`` for any other client. ``False``: only the files named at start.
+        data_roots: directories under which clients other than the daemon's own user on its
+            Unix socket (TCP clients) may open files (realpath inside, no symlink escape).
+        idle_close: seconds without streams after which a file opened on demand is closed.
         tls_cert: PEM certificate of the TCP listeners ("" = no TLS); needs ``tls_key``.
         tls_key: its PEM private key.
         tls_client_ca: PEM CA that client certificates must chain to (mutual TLS).
@@ -92,6 +101,9 @@ class ServeConfig:
     share_retain: int = 4
     bad_sample_budget: int = 0
     verify_checksums: bool = False
+    open_on_demand: bool = True
+    data_roots: tuple[str, ...] = ()
+    idle_close: float = 300.0
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -104,6 +116,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.workers < 0:
             raise ConfigError(f"workers must be >= 0 (0 = one per core), got {self.workers}")
+        if self.idle_close <= 0:
+            raise ConfigError(f"idle_close must be > 0 seconds, got {self.idle_close}")
         if self.idle_timeout < 0:
             raise ConfigError(f"idle_timeout must be >= 0 seconds, got {self.idle_timeout}")
         for key in ("share_max_lag", "share_retain", "bad_sample_budget"):
@@ -129,7 +143,7 @@ KEYS: dict[str, Any] = {
     for f in dataclasses.fields(ServeConfig)
 }
 
-_SEQUENCES = {"files", "listen", "plugins", "grpc_compression"}
+_SEQUENCES = {"files", "listen", "plugins", "grpc_compression", "data_roots"}
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:

@@ -48,6 +48,7 @@ from beton_serve.daemon._messages import (
     StreamRequest,
     StreamStats,
 )
+from beton_serve.daemon._on_demand import FilePolicy
 from beton_serve.daemon._pump import NoticePump
 from beton_serve.daemon._stream import (
     BatchOut,
@@ -202,6 +203,8 @@ class Daemon:
     streams_opened: int = 0
     draining: bool = False
     _plans: dict[str, asyncio.Future[_PlanEntry]] = field(default_factory=dict)
+    #: plan key -> the key of the dataset it was compiled over (to drop it with the dataset).
+    _plan_owner: dict[str, str] = field(default_factory=dict)
     _compile_pool: ThreadPoolExecutor | None = None
     _monitor: asyncio.Task[None] | None = None
     #: Identical streams share decoding (``beton_serve.engine.sharing``); ``None`` turns it off.
@@ -219,6 +222,12 @@ class Daemon:
     notices: Any = None
     #: Zero-copy sharing arenas (``transport.arena``) not yet unlinked.
     _arenas: list[Any] = field(default_factory=list)
+    #: Which files clients may make the daemon open (``_on_demand``).
+    files: FilePolicy = field(default_factory=FilePolicy)
+    #: ``--verify-checksums``: files opened on demand need a current sidecar too.
+    verify_checksums: bool = False
+    #: Opens in progress, by real path (concurrent opens of one file share one).
+    _opening: dict[str, asyncio.Future[Dataset]] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -235,11 +244,16 @@ class Daemon:
         share_retain: int = 4,
         bad_sample_budget: int = 0,
         verify_checksums: bool = False,
+        open_on_demand: bool = True,
+        data_roots: Sequence[str] = (),
+        idle_close_s: float = 300.0,
     ) -> Daemon:
         """Sweep stale segments, open every dataset and start the engine.
 
         ``verify_checksums``: every dataset file must have a current CRC32C sidecar
         (``beton-serve checksum FILE``); each sample is checked against it before decoding.
+        ``open_on_demand``, ``data_roots``, ``idle_close_s``: which files a client may name that
+        were not given here, and when they are closed again (``_on_demand``).
 
         Raises:
             FormatError: a file is invalid (the reader's error), or ``verify_checksums`` and a
@@ -279,6 +293,10 @@ class Daemon:
             sharing=_sharing_registry(share_max_lag, share_retain) if share else None,
             bad_sample_budget=max(0, int(bad_sample_budget)),
             cuda_pending=cuda_pending,
+            files=FilePolicy.build(
+                enabled=open_on_demand, data_roots=data_roots, idle_close_s=idle_close_s
+            ),
+            verify_checksums=verify_checksums,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -317,6 +335,7 @@ class Daemon:
                 elif s.task is None and now - s.created > UNATTACHED_TIMEOUT_S:
                     log.info("stream %s: never started; closing it", s.stream_id)
                     self._end_stream(s)
+            self.close_idle(now)
 
     def _end_stream(self, s: Stream) -> None:
         if s.task is not None and not s.task.done():
@@ -494,12 +513,89 @@ class Daemon:
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._compile_pool, self._compile_sync, req, ds)
         self._plans[key] = fut
+        self._plan_owner[key] = ds.key
         try:
             return await asyncio.shield(fut), False
         except BaseException:
             if self._plans.get(key) is fut:
                 del self._plans[key]
             raise
+
+    async def _dataset_for(self, req: StreamRequest, same_host: bool) -> Dataset:
+        """The dataset ``req`` names: served, or the file it names opened on demand when the
+        peer may (``_on_demand``); never another file than the one named."""
+        f = req.file
+        if f is None:
+            return self.datasets.resolve(req.dataset, None, same_host=same_host)
+        found = self.datasets.find_file(f, same_host=same_host)
+        if found is not None:
+            return found
+        why = self.files.refusal(f, owner_peer=req.owner_peer)
+        if why is not None:
+            return self.datasets.resolve(req.dataset, f, same_host=same_host, why_not_open=why)
+        real = os.path.realpath(f.path)
+        fut = self._opening.get(real)
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(self._compile_pool, self._open_file_sync, real)
+            self._opening[real] = fut
+            try:
+                opened = await asyncio.shield(fut)
+            finally:
+                if self._opening.get(real) is fut:
+                    del self._opening[real]
+            ds = self.datasets.find_file(opened.files[0], same_host=True)
+            if ds is None:
+                ds = self.datasets.adopt(opened)
+                log.info(
+                    "dataset %s opened on demand: %s (%d samples)",
+                    ds.name,
+                    real,
+                    ds.num_samples,
+                )
+            elif ds is not opened:  # two opens of one file raced: keep the first
+                self.datasets.remove(opened)
+        else:
+            opened = await asyncio.shield(fut)
+            ds = self.datasets.find_file(opened.files[0], same_host=True) or opened
+        if not any(i.same_file(f, same_host=same_host) for i in ds.files):
+            raise SpecError(
+                f"this Loader names {f.describe()}, but the file at that path is now "
+                f"{ds.files[0].describe()} (it was replaced); open it again"
+            )
+        return ds
+
+    def _open_file_sync(self, path: str) -> Dataset:
+        ds = self.datasets.open_file(path)
+        try:
+            if self.verify_checksums:
+                ds.checksums = self.backend.open_checksums(ds.readers)
+        except BaseException:
+            self.datasets.remove(ds)
+            raise
+        return ds
+
+    def close_idle(self, now: float) -> None:
+        """Close datasets opened on demand that had no stream for ``files.idle_close_s``."""
+        busy = {id(s.dataset) for s in self.streams.values()}
+        for ds in self.all_datasets():
+            if not ds.on_demand:
+                continue
+            if id(ds) in busy:
+                ds.idle_since = None
+                continue
+            if ds.idle_since is None:
+                ds.idle_since = now
+            elif now - ds.idle_since >= self.files.idle_close_s:
+                self._drop_plans(ds)
+                self.datasets.remove(ds)
+                log.info("dataset %s closed after %.0f s unused", ds.name, now - ds.idle_since)
+
+    def _drop_plans(self, ds: Dataset) -> None:
+        """Forget the compiled plans over ``ds``'s reader (they would keep it mapped)."""
+        for key in [k for k, owner in self._plan_owner.items() if owner == ds.key]:
+            self._plans.pop(key, None)
+            del self._plan_owner[key]
 
     def _arena_maker(self, layout: Any, count: int) -> Any:
         """``make() -> ShmArena`` of ``count`` buffers of ``layout`` for zero-copy sharing; the
@@ -544,7 +640,7 @@ class Daemon:
             raise ShuttingDown("the daemon is shutting down; retry against a new daemon")
         ident = req.offer.identity
         same_host = bool(ident.boot_id) and ident.boot_id == self.facts.identity.boot_id
-        ds = self.datasets.resolve(req.dataset, req.file, same_host=same_host)
+        ds = await self._dataset_for(req, same_host)
         self._validate(req, ds)
         neg, factory = self._negotiate(req.offer)
         entry, cached = await self._plan(req, ds)

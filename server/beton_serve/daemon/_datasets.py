@@ -63,6 +63,10 @@ class Dataset:
     bad_samples: int = 0
     watch: FileWatch | None = None
     files: tuple[FileIdentity, ...] = ()
+    #: Opened because a client named its file (closed again after an idle time).
+    on_demand: bool = False
+    #: When its last stream ended (monotonic seconds; ``None`` while it has streams).
+    idle_since: float | None = None
     _extra: dict[str, Any] = field(default_factory=dict)
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -206,17 +210,12 @@ class DatasetTable:
             files=tuple(_identity(p) for p in paths),
         )
 
-    def resolve(self, name: str, file: FileIdentity | None, *, same_host: bool) -> Dataset:
-        """The dataset a client asked for: by ``name``, or, when it named a file, the dataset
-        whose file *is* that file (see the module docstring); never one with the same stem.
+    def find_file(self, file: FileIdentity, *, same_host: bool) -> Dataset | None:
+        """The served dataset whose one file *is* ``file`` (by identity), or ``None``.
 
         Raises:
-            SpecError: no served dataset has that name or file; the file is one shard of a
-                dataset (open it by name); the daemon's file of that name is another file (the
-                message names both paths).
+            SpecError: ``file`` is one shard of a sharded dataset (open it by name).
         """
-        if file is None:
-            return self.get(name)
         for ds in self._by_name.values():
             for i, ident in enumerate(ds.files):
                 if not ident.same_file(file, same_host=same_host):
@@ -227,21 +226,71 @@ class DatasetTable:
                         f"{ds.name!r}; open the whole dataset by its name, Loader({ds.name!r}, ...)"
                     )
                 return ds
+        return None
+
+    def resolve(
+        self, name: str, file: FileIdentity | None, *, same_host: bool, why_not_open: str = ""
+    ) -> Dataset:
+        """The dataset a client asked for: by ``name``, or, when it named a file, the dataset
+        whose file *is* that file (see the module docstring); never one with the same stem.
+
+        Args:
+            why_not_open: when the file is not served, why the daemon did not open it on demand
+                (added to the message).
+
+        Raises:
+            SpecError: no served dataset has that name or file; the file is one shard of a
+                dataset (open it by name); the daemon's file of that name is another file (the
+                message names both paths).
+        """
+        if file is None:
+            return self.get(name)
+        found = self.find_file(file, same_host=same_host)
+        if found is not None:
+            return found
         how = "device, inode, size and mtime" if same_host else "size and content fingerprint"
+        note = f" ({why_not_open})" if why_not_open else ""
         other = self._by_name.get(name)
         if other is not None:
             theirs = ", ".join(f.describe() for f in other.files)
             raise SpecError(
                 f"this Loader names {file.describe()}, but the daemon's dataset {name!r} is another "
-                f"file: {theirs} ({how} differ). Serve the file you mean (beton-serve "
+                f"file: {theirs} ({how} differ){note}. Serve the file you mean (beton-serve "
                 f"{_short(file.path)}), or open the daemon's dataset by its name"
             )
         served = "; ".join(f"{d.name!r}: {', '.join(d.paths)}" for d in self._by_name.values())
         raise SpecError(
-            f"this daemon does not serve {file.describe()} (compared by {how}); it serves "
+            f"this daemon does not serve {file.describe()} (compared by {how}){note}; it serves "
             f"{served}. Serve the file (beton-serve {_short(file.path)}) or open a served "
             "dataset by name"
         )
+
+    def open_file(self, path: str) -> Dataset:
+        """Open ``path`` as a single-file dataset *not yet served* (:meth:`adopt` serves it); may
+        run on another thread than the table's users (it only reads the file).
+
+        Raises:
+            FormatError: the file is invalid (the reader's error).
+        """
+        ds = self._open(Path(path).stem, [path])
+        ds.on_demand = True
+        return ds
+
+    def adopt(self, ds: Dataset) -> Dataset:
+        """Serve ``ds`` (from :meth:`open_file`) under its stem, or ``stem@2``, ``stem@3``...
+        when that name is taken."""
+        stem, n = ds.name, 1
+        while ds.name in self._by_name:
+            n += 1
+            ds.name = f"{stem}@{n}"
+        self._by_name[ds.name] = ds
+        return ds
+
+    def remove(self, ds: Dataset) -> None:
+        """Stop serving ``ds`` and close its readers (its streams must be gone)."""
+        if self._by_name.get(ds.name) is ds:
+            del self._by_name[ds.name]
+        _close_dataset(ds)
 
     def get(self, name: str) -> Dataset:
         """The dataset called ``name``; raises ``SpecError`` listing the served names."""
@@ -261,13 +310,17 @@ class DatasetTable:
     def close(self) -> None:
         """Close every reader (idempotent)."""
         for ds in self._by_name.values():
-            if ds.watch is not None:
-                ds.watch.close()
-            if ds.combined is not None:
-                ds.combined.close()
-            for r in ds.readers:
-                r.close()
+            _close_dataset(ds)
         self._by_name = {}
+
+
+def _close_dataset(ds: Dataset) -> None:
+    if ds.watch is not None:
+        ds.watch.close()
+    if ds.combined is not None:
+        ds.combined.close()
+    for r in ds.readers:
+        r.close()
 
 
 def _identity(path: str) -> FileIdentity:

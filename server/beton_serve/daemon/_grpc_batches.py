@@ -29,23 +29,23 @@ import collections
 import concurrent.futures
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from beton_wire.framing import ALL_CODECS, DEFAULT_CHUNK_BYTES, Codec, Compression, OpenRequest
 from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import ConfigError, SpecError, TransportError
-from beton_serve.transport.base import HostSlotRing, Published, TransportSetup
+from beton_serve.transport.base import HostSlotRing, Published, TransportFactory, TransportSetup
 from beton_serve.transport.grpc_codec import OutgoingBatch
 
 if TYPE_CHECKING:
-    from beton_serve.daemon._daemon import Daemon
     from beton_serve.daemon._stream import Stream
 
 __all__ = [
     "BATCH_METHOD",
     "SAMPLE_IDS",
+    "StreamTable",
     "GrpcFactory",
     "HostRing",
     "StreamProducer",
@@ -60,6 +60,19 @@ BATCH_SERVICE = "beton_wire.v1.BatchStream"
 BATCH_METHOD = f"/{BATCH_SERVICE}/Stream"
 #: Name of the extra array that carries a batch's sample ids (uint64), last in every batch.
 SAMPLE_IDS = "__sample_ids__"
+
+
+class StreamTable(Protocol):
+    """What the batch method needs from the daemon (``beton_serve.daemon.Daemon`` is one).
+
+    Declared here, below the daemon, so that this module never imports ``_daemon`` (which imports
+    it through ``_transports``). Read and written on the event-loop thread only.
+    """
+
+    #: Open streams by id; :meth:`StreamProducer.close` removes its own.
+    streams: dict[str, Stream]
+    #: Transport factories by kind; ``grpc`` names the codecs it allows (``allowed_codecs``).
+    factories: dict[str, TransportFactory]
 
 
 def parse_codecs(names: Iterable[str]) -> frozenset[Codec]:
@@ -179,7 +192,9 @@ class GrpcFactory:
 class StreamProducer:
     """Produces one grpc stream's batches for the batch method (see the module docstring)."""
 
-    def __init__(self, daemon: Daemon, stream: Stream, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, daemon: StreamTable, stream: Stream, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.daemon = daemon
         self.stream = stream
         self.loop = loop
@@ -284,7 +299,7 @@ class StreamProducer:
             self._pump()
 
 
-def producer_factory(daemon: Daemon) -> Any:
+def producer_factory(daemon: StreamTable) -> Any:
     """The ``producer_factory`` of the batch method for ``daemon`` (runs on the event loop).
 
     The OPEN payload is the stream id from OpenStream; the stream must use the grpc transport

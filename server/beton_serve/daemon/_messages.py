@@ -65,6 +65,9 @@ class StreamRequest:
     #: The file the client named (``Loader(path)``), checked against the served files by
     #: identity; ``None`` when it named a dataset.
     file: FileIdentity | None = None
+    #: The peer is the daemon's own user on its Unix socket (known from the kernel, never from
+    #: the request): it may open any file that user can read (files opened on demand).
+    owner_peer: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,8 +11,8 @@ time a mapping is guarded:
 * A table of guarded address ranges (``lo``, ``hi``, ``hits``), one row per mapped file, lives
   in a NumPy array at a fixed address. :func:`guard` fills a row and returns a :class:`Region`;
   :meth:`Region.close` (or the mapping being freed) clears it.
-* The handler is a Numba ``cfunc``: machine code that needs neither the GIL nor the
-  interpreter, so it runs on whichever thread faulted (a decode worker inside a ``nogil``
+* The handler is a Numba ``cfunc`` (``_guard_handler``, cached on disk by Numba, since nothing
+  of one process is baked into it): machine code that needs neither the GIL nor the interpreter, so it runs on whichever thread faulted (a decode worker inside a ``nogil``
   kernel or libjpeg-turbo). It reads the faulting address (``si_addr``). If the address is
   inside a guarded range, it maps one anonymous zero page over the faulting page with
   ``mmap(MAP_FIXED)``, counts a hit in that row and returns, so that the read completes and
@@ -24,8 +24,9 @@ time a mapping is guarded:
   pages stay mapped, the count never goes back down, and the reader stays failed: the data it
   would return is no longer the file's.
 
-Cost: nothing on the read path (no fault, no handler), one integer read per batch, and the
-handler's compile (about 0.2 s, once per process, the first time a file is guarded).
+Cost: nothing on the read path (no fault, no handler), one integer read per batch, and loading
+the handler once per process, the first time a file is guarded: about 0.15 s from Numba's cache,
+0.4 s the first time on a machine (compiling it).
 
 Limits: Linux on x86-64 and AArch64 (where ``struct sigaction`` and ``siginfo_t`` have the
 layouts used here); elsewhere :func:`guard` returns ``None`` and reads are unguarded, as before.
@@ -54,6 +55,10 @@ log = logging.getLogger("beton_serve.format")
 
 #: Mappings guarded at once (rows of the table).
 MAX_REGIONS = 4096
+#: The external symbols through which the cached handler reaches this process's table and its
+#: saved previous ``struct sigaction`` (versioned with the table's layout; see ``_guard_handler``).
+TABLE_SYMBOL = "beton_serve_sigbus_table_v1"
+PREVIOUS_SYMBOL = "beton_serve_sigbus_previous_v1"
 
 _SA_SIGINFO = 0x4
 _SA_ONSTACK = 0x08000000
@@ -89,7 +94,7 @@ class _Guard:
         self.sigaction = self.libc.sigaction
         self.sigaction.restype = ctypes.c_int
         self.sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-        self.handler = _compile_handler(self.table.ctypes.data, ctypes.addressof(self.previous))
+        self.handler = _load_handler(self.table.ctypes.data, ctypes.addressof(self.previous))
         self.install()
 
     def installed(self) -> bool:
@@ -198,58 +203,13 @@ def guard(mapping: mmap.mmap | None, address: int, length: int) -> Region | None
     return region
 
 
-def _compile_handler(table_addr: int, previous_addr: int) -> Any:
-    """The ``void handler(int, siginfo_t *, void *)`` cfunc over the table at ``table_addr``."""
-    from llvmlite import ir
-    from numba import carray, cfunc, types
-    from numba.extending import intrinsic
+def _load_handler(table_addr: int, previous_addr: int) -> Any:
+    """The handler cfunc (``_guard_handler``), linked to this process's table and saved
+    previous ``struct sigaction`` through its two external symbols."""
+    import llvmlite.binding as llvm
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    c_mmap = libc.mmap
-    c_mmap.restype = ctypes.c_void_p
-    c_mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    c_sigaction = libc.sigaction
-    c_sigaction.restype = ctypes.c_int
-    c_sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    llvm.add_symbol(TABLE_SYMBOL, table_addr)
+    llvm.add_symbol(PREVIOUS_SYMBOL, previous_addr)
+    from beton_serve.format._guard_handler import handler  # compiled, or loaded from the cache
 
-    def _as_ptr(typingctx: Any, addr: Any) -> Any:
-        sig = types.voidptr(types.uint64)
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
-
-        return sig, codegen
-
-    as_ptr: Any = intrinsic(_as_ptr)  # uint64 -> void*, for carray and the libc calls
-
-    rows = MAX_REGIONS
-    page = np.uint64(mmap.PAGESIZE)
-    table_at = np.uint64(table_addr)
-    previous_at = np.uint64(previous_addr)
-    sigbus = int(signal.SIGBUS)
-    flags = _MAP_PRIVATE | _MAP_FIXED | _MAP_ANONYMOUS
-    one = np.uint64(1)
-    zero = np.uint64(0)
-
-    def handler(sig: int, info: Any, ctx: Any) -> None:  # pragma: no cover - runs as C
-        words = carray(info, 4, np.uint64)
-        addr = words[2]  # si_addr: offset 16 of siginfo_t on 64-bit Linux
-        table = carray(as_ptr(table_at), (rows, 4), np.uint64)
-        for i in range(rows):
-            if table[i, 0] <= addr and addr < table[i, 1]:
-                at = addr - (addr % page)
-                c_mmap(as_ptr(at), page, _PROT_READ, flags, -1, 0)
-                table[i, 2] += one
-                return
-        # Not ours: put the previous handler back; the instruction faults again into it.
-        c_sigaction(sigbus, as_ptr(previous_at), as_ptr(zero))
-
-    compile_c: Any = cfunc(types.void(types.int32, types.voidptr, types.voidptr))
-    return compile_c(handler)
+    return handler

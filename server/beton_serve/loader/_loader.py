@@ -14,10 +14,10 @@ unless an ``engine`` is passed (then they are the caller's). An iterator that is
 closed, replaced by a new ``iter(loader)``, or garbage-collected mid-epoch cancels its queued
 batches, waits for running ones and stops its workers: nothing leaks (FFCV #345, #393).
 
-**Resumption.** ``state_dict()`` is ``{"epoch", "batch", ...}``: the epoch being iterated and
-the number of batches already yielded from it. ``load_state_dict`` makes the next ``iter``
-continue there, exactly, because orders and augmentations are pure functions of
-(seed, epoch, sample id, op position).
+**Resumption.** ``state_dict()`` is ``{"epoch", "batch", ...}`` (``beton_wire.loader_state``):
+the epoch being iterated and the number of batches already yielded from it. ``load_state_dict``
+makes the next ``iter`` continue there, exactly, because orders and augmentations are pure
+functions of (seed, epoch, sample id, op position).
 """
 
 from __future__ import annotations
@@ -33,6 +33,14 @@ from typing import Any
 
 import numpy as np
 from beton_wire.limits import short_repr
+from beton_wire.loader_state import (
+    StateError,
+    StateIdentity,
+    check_state,
+    indices_digest,
+    make_state,
+    samples_per_rank,
+)
 
 from beton_serve.engine import (
     BatchSource,
@@ -49,8 +57,6 @@ from beton_serve.pipeline.pipeline_spec import PipelineSpec
 __all__ = ["EpochIterator", "Loader"]
 
 _log = logging.getLogger(__name__)
-
-_STATE_VERSION = 1
 
 
 def _default_workers() -> int:
@@ -158,11 +164,17 @@ class Loader:
         self.seed = int(seed)
         self.rank, self.world_size = distributed_rank_world() if self.distributed else (0, 1)
         n = self.reader.num_samples
-        self.indices = (
-            np.arange(n, dtype=np.uint64)
-            if indices is None
-            else np.asarray(indices).astype(np.uint64)
-        )
+        if indices is not None:
+            raw = np.asarray(indices).reshape(-1)
+            if raw.size and (
+                raw.dtype.kind not in "iu" or int(raw.min()) < 0 or int(raw.max()) >= n
+            ):
+                # Checked before the uint64 cast, which would turn -1 into 2**64-1.
+                raise SpecError(
+                    f"indices must be integer sample ids in [0, {n}); got values from "
+                    f"{short_repr(raw.min())} to {short_repr(raw.max())}"
+                )
+        self.indices = np.arange(n, dtype=np.uint64) if indices is None else raw.astype(np.uint64)
         if indices is not None and self.indices.size == 0:
             # as the daemon does: an empty subset is almost always a filter that matched nothing
             raise SpecError("indices=[] selects no samples; pass indices=None for every sample")
@@ -211,6 +223,9 @@ class Loader:
         self._current: weakref.ref[EpochIterator] | None = None
         #: (epoch, batches yielded) of the latest iterator, even once closed or collected.
         self._position: tuple[int, int] | None = None
+        #: The ``indices`` argument as ids (``None`` for every sample), for the state's digest.
+        self._subset = None if indices is None else self.indices
+        self._identity: StateIdentity | None = None
 
     # -- FFCV surface --------------------------------------------------------------------
     def __len__(self) -> int:
@@ -258,51 +273,58 @@ class Loader:
 
         ``epoch`` and ``batch`` count what the latest iterator has *yielded*, also after it was
         closed or abandoned mid-epoch (its remaining batches were never seen); once an epoch is
-        exhausted they point at the start of the next one.
+        exhausted they point at the start of the next one. The format is
+        ``beton_wire.loader_state`` (shared with ``beton_client.Loader``: a state from either
+        resumes the other).
         """
         pos = self._position
         if pos is not None and pos[1] < len(self):
             epoch, batch = pos
         else:
             epoch, batch = self.next_epoch, self._resume_batch
-        return {
-            "version": _STATE_VERSION,
-            "epoch": epoch,
-            "batch": batch,
-            "seed": self.seed,
-            "len": len(self),
-            "num_indices": len(self.indices),
-            "rank": self.rank,
-            "world_size": self.world_size,
-        }
+        return make_state(epoch=epoch, batch=batch, identity=self._state_identity())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` at the next ``iter(loader)``.
 
+        Accepts the states of both Loaders (``beton_wire.loader_state``: version 2, version 1
+        and version-less dicts).
+
         Raises:
-            SpecError: the state comes from a Loader with another seed, length or rank.
+            SpecError: an unknown version, or the state comes from a Loader with other
+                arguments (the message names the one that differs).
         """
-        if state.get("version") != _STATE_VERSION:
-            raise SpecError(f"unknown Loader state version {state.get('version')!r}")
-        for key, mine in (
-            ("seed", self.seed),
-            ("len", len(self)),
-            ("num_indices", len(self.indices)),
-            ("rank", self.rank),
-            ("world_size", self.world_size),
-        ):
-            if state[key] != mine:
-                raise SpecError(
-                    f"Loader state has {key}={state[key]!r} but this Loader has {mine!r}; "
-                    "build the Loader with the same arguments"
-                )
-        batch = int(state["batch"])
-        if not 0 <= batch <= len(self):
-            raise SpecError(f"Loader state batch {batch} is outside the epoch (0..{len(self)})")
-        self.next_epoch, self._resume_batch = int(state["epoch"]), batch
+        try:
+            epoch, batch = check_state(state, self._state_identity())
+        except StateError as exc:
+            raise SpecError(str(exc)) from None
+        self.next_epoch, self._resume_batch = epoch, batch
         self._position = None
-        if batch == len(self):
-            self.next_epoch, self._resume_batch = self.next_epoch + 1, 0
+
+    def _state_identity(self) -> StateIdentity:
+        """What a state must match (cached: the indices digest hashes every id once)."""
+        if self._identity is None:
+            order = self.order
+            name = (
+                order.name
+                if isinstance(order, OrderOption)
+                else f"{type(order).__module__}.{type(order).__qualname__}"
+            )
+            self._identity = StateIdentity(
+                seed=self.seed,
+                order=name,
+                batch_size=self.batch_size,
+                drop_last=self.drop_last,
+                distributed=self.distributed,
+                rank=self.rank,
+                world_size=self.world_size,
+                num_samples=samples_per_rank(
+                    len(self.indices), distributed=self.distributed, world_size=self.world_size
+                ),
+                indices=indices_digest(self._subset),
+                len=len(self),
+            )
+        return self._identity
 
     def filter(self, field_name: str, condition: Any) -> Loader:
         """A Loader over the samples of this one whose ``field_name`` satisfies ``condition``.

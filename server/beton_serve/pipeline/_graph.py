@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from beton_serve.errors import SpecError
+from beton_serve.pipeline._boundary import ModuleWrapper, ToTensor
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.pipeline_spec import PipelineSpec
 
@@ -81,9 +82,7 @@ def _wrap(op: Any, where: str) -> Operation:
     except ImportError:
         torch = None  # type: ignore[assignment]
     if torch is not None and isinstance(op, torch.nn.Module):
-        from beton_serve.transforms import ModuleWrapper
-
-        return ModuleWrapper(op)  # type: ignore[no-any-return]
+        return ModuleWrapper(op)
     raise SpecError(
         f"{where}: {op!r} is neither an Operation nor a torch.nn.Module; "
         "wrap plain functions in an Operation subclass"
@@ -91,9 +90,7 @@ def _wrap(op: Any, where: str) -> Operation:
 
 
 def _default_to_tensor() -> Operation:
-    from beton_serve.transforms import ToTensor
-
-    return ToTensor()  # type: ignore[no-any-return]
+    return ToTensor()
 
 
 def build_graph(

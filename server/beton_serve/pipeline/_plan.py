@@ -49,12 +49,6 @@ from beton_serve.pipeline.state import State, is_torch_dtype
 
 __all__ = ["OutputSpec", "Plan", "PlanCache", "Workspace", "compile_pipelines", "OpFailure"]
 
-#: Ops that work on torch tensors only (by class name, so ported FFCV code needs no marker; other
-#: ops may set ``torch_op = True``).
-_TORCH_OPS = frozenset(
-    {"Convert", "Squeeze", "ModuleWrapper", "ToDevice", "ToTorchImage", "MixupToOneHot"}
-)
-
 
 @dataclass(frozen=True)
 class OutputSpec:
@@ -238,9 +232,8 @@ class Plan:
                 op.accept_globals(self._metadata[node.field_name], memory_read)
             else:
                 prev = states[node.parent.position]
-            if prev.jit_mode and (
-                type(op).__name__ in _TORCH_OPS or getattr(op, "torch_op", False)
-            ):
+            # A trait of the op class (Operation.torch_op), set by the torch-only transforms.
+            if prev.jit_mode and op.torch_op:
                 raise SpecError(
                     f"{node.name} runs on torch tensors but its input is a numpy array; "
                     "move it after ToTensor()"
@@ -388,11 +381,7 @@ class Plan:
 
     @property
     def sliceable(self) -> bool:
-        return not any(
-            getattr(nd.op, "batch_wide", False)
-            or type(nd.op).__name__ in ("ImageMixup", "LabelMixup")
-            for nd in self.jit_nodes
-        )
+        return not any(nd.op.batch_wide for nd in self.jit_nodes)
 
     def state_of(self, op: Any) -> State:
         """The declared output state of ``op`` (for tests and diagnostics)."""

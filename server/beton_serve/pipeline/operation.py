@@ -50,6 +50,12 @@ class Operation(ABC):
 
     #: Registered wire name of a built-in or plugin op (``None`` for unregistered user ops).
     spec_name: ClassVar[str | None] = None
+    #: Traits the planner reads (declared by the op class, never inferred from its name):
+    #: ``torch_op``: runs on torch tensors only, so it must come after ``ToTensor()``;
+    #: ``batch_wide``: a sample's output depends on other samples of the batch (mixup pairs
+    #: samples), so the batch is never split into slices across workers.
+    torch_op: ClassVar[bool] = False
+    batch_wide: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.metadata: Any = None

@@ -295,6 +295,7 @@ def stream_request(
         client_name=msg.client_name,
         custom_fields=tuple(msg.custom_fields),
         file=_file_identity(msg.file) if msg.HasField("file") else None,
+        owner_peer=peer.source == "unix socket",
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 from beton_serve.errors import SpecError
 from beton_serve.pipeline.operation import Operation
@@ -20,6 +20,8 @@ class Squeeze(Operation):
     declared per-sample shape drops the size-1 dimensions that are squeezed (all of them when
     ``dims`` is empty); FFCV always declared all of them dropped.
     """
+
+    torch_op: ClassVar[bool] = True
 
     spec_name = "Squeeze"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -58,6 +58,8 @@ def _lambdas_fn() -> Callable[..., Any]:
 
 class ImageMixup(Operation):
     """``out[i] = lam_i * img[i] + (1 - lam_i) * img[i - 1]``, cast back (truncated) to the dtype."""
+
+    batch_wide: ClassVar[bool] = True
 
     spec_name = "ImageMixup"
 
@@ -106,6 +108,8 @@ class ImageMixup(Operation):
 
 class LabelMixup(Operation):
     """Labels ``(B, 1)`` to ``(B, 3)`` float32 rows ``(label_i, label_{i-1}, lam_i)``."""
+
+    batch_wide: ClassVar[bool] = True
 
     spec_name = "LabelMixup"
 
@@ -157,6 +161,8 @@ class MixupToOneHot(Operation):
     ``a_i == b_i`` the row is one-hot (1.0), where FFCV overwrote it with ``1 - lam_i``; and the
     input is not modified (FFCV rewrote its column 2 in place).
     """
+
+    torch_op: ClassVar[bool] = True
 
     spec_name = "MixupToOneHot"
 

@@ -9,33 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from beton_serve.errors import SpecError
+from beton_serve.pipeline._boundary import ToTensor, torch_dtype
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State, is_torch_dtype
 from beton_serve.transforms._util import dtype_name
 
 __all__ = ["Convert", "ToDevice", "ToTensor", "ToTorchImage", "View", "torch_dtype"]
-
-
-def torch_dtype(dtype: Any) -> Any:
-    """The torch dtype for a torch dtype, a numpy dtype or a name such as ``"float16"``."""
-    import torch
-
-    if is_torch_dtype(dtype):
-        return dtype
-    if isinstance(dtype, str) and hasattr(torch, dtype.replace("torch.", "")):
-        candidate = getattr(torch, dtype.replace("torch.", ""))
-        if is_torch_dtype(candidate):
-            return candidate
-    try:
-        return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype
-    except TypeError:
-        raise SpecError(f"{dtype!r} is not a dtype torch supports") from None
 
 
 def _require_torch(op: Operation, state: State) -> None:
@@ -45,44 +30,10 @@ def _require_torch(op: Operation, state: State) -> None:
         )
 
 
-class ToTensor(Operation):
-    """numpy batch to a torch tensor without a copy (``torch.from_numpy``).
-
-    A tensor input is passed through unchanged, so ``ToTensor`` may appear twice (e.g. a user
-    pipeline that ends with it, plus the one appended to a default pipeline).
-    """
-
-    spec_name = "ToTensor"
-
-    def declare_state_and_memory(self, previous_state: State) -> tuple[State, None]:
-        if not previous_state.jit_mode:
-            return replace(previous_state), None
-        return (
-            State(
-                jit_mode=False,
-                device=previous_state.device,
-                shape=previous_state.shape,
-                dtype=torch_dtype(previous_state.dtype),
-            ),
-            None,
-        )
-
-    def generate_code(self) -> Callable[..., Any]:
-        def to_tensor(inp, dst):
-            import torch
-
-            if isinstance(inp, torch.Tensor):
-                return inp
-            return torch.from_numpy(inp)
-
-        return to_tensor
-
-    def spec_params(self) -> dict[str, Any]:
-        return {}
-
-
 class ToDevice(Operation):
     """Copy into a preallocated buffer on ``device`` (channels-last inputs stay channels-last)."""
+
+    torch_op: ClassVar[bool] = True
 
     spec_name = "ToDevice"
 
@@ -128,6 +79,8 @@ class ToTorchImage(Operation):
     With ``convert_back_int16``, an int16 batch (``NormalizeImage``'s float16 bit pattern) is
     reinterpreted as float16.
     """
+
+    torch_op: ClassVar[bool] = True
 
     spec_name = "ToTorchImage"
 
@@ -178,6 +131,8 @@ class ToTorchImage(Operation):
 
 class Convert(Operation):
     """``tensor.type(target_dtype)`` (a new tensor every batch, as in FFCV)."""
+
+    torch_op: ClassVar[bool] = True
 
     spec_name = "Convert"
 

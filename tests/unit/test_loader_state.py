@@ -1,0 +1,205 @@
+"""The one ``state_dict`` format (``beton_wire.loader_state``): keys, versions, refusals.
+
+The served Loader's states are checked without a daemon here by building the dicts it wrote
+(version 1: no ``num_indices`` for ``indices=None``); tests/integration/test_state_cross_backend.py
+takes them from a real one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from beton_serve.errors import SpecError
+from beton_serve.loader import Loader, OrderOption
+from beton_serve.pipeline import PlanCache
+from beton_wire.loader_state import (
+    STATE_VERSION,
+    StateError,
+    StateIdentity,
+    check_state,
+    indices_digest,
+    make_state,
+    samples_per_rank,
+)
+from helpers.fake_pipeline import AddIndex, AddOne, FakeReader
+
+CACHE = PlanCache()
+
+
+def _loader(reader=None, **kw):
+    kw.setdefault("plan_cache", CACHE)
+    kw.setdefault("batch_size", 4)
+    kw.setdefault("num_workers", 1)
+    kw.setdefault("seed", 7)
+    kw.setdefault("order", OrderOption.RANDOM)
+    kw.setdefault("pipelines", {"image": [AddOne()], "label": [AddIndex()]})
+    return Loader(reader or FakeReader(n=22), **kw)
+
+
+def _labels(batches) -> list[np.ndarray]:
+    return [np.array(lab[:, 0]) for _img, lab in batches]
+
+
+IDENT = StateIdentity(
+    seed=5,
+    order="RANDOM",
+    batch_size=4,
+    drop_last=True,
+    distributed=False,
+    rank=0,
+    world_size=1,
+    num_samples=22,
+    indices=None,
+    len=5,
+)
+
+
+# -- the format ------------------------------------------------------------------------------
+def test_make_state_writes_every_key_of_version_2_as_plain_values() -> None:
+    s = make_state(epoch=2, batch=3, identity=IDENT)
+    assert s == {
+        "version": 2,
+        "epoch": 2,
+        "batch": 3,
+        "seed": 5,
+        "order": "RANDOM",
+        "batch_size": 4,
+        "drop_last": True,
+        "distributed": False,
+        "rank": 0,
+        "world_size": 1,
+        "num_samples": 22,
+        "indices": None,
+        "len": 5,
+    }
+    assert json.loads(json.dumps(s)) == s  # torch.save / JSON / pickle all carry it
+    assert check_state(s, IDENT) == (2, 3)
+    # an exhausted epoch is saved, and loaded, as the start of the next one
+    end = make_state(epoch=2, batch=5, identity=IDENT)
+    assert (end["epoch"], end["batch"]) == (3, 0)
+    assert check_state({**s, "batch": 5}, IDENT) == (3, 0)
+
+
+def test_indices_digest_and_samples_per_rank() -> None:
+    assert indices_digest(None) is None
+    a = indices_digest([3, 1, 4])
+    assert a == indices_digest(np.array([3, 1, 4], dtype=np.int32))  # dtype does not matter
+    assert a != indices_digest([1, 3, 4])  # the order of the subset does
+    assert a != indices_digest([3, 1, 5])
+    assert samples_per_rank(10, distributed=True, world_size=4) == 3
+    assert samples_per_rank(10, distributed=False, world_size=4) == 10
+
+
+def test_in_process_state_is_version_2_and_names_its_arguments() -> None:
+    with _loader(indices=[3, 1, 4, 1, 5, 9, 2, 6], drop_last=False) as ld:
+        it = iter(ld)
+        next(it)
+        s = ld.state_dict()
+    assert s["version"] == STATE_VERSION == 2
+    assert (s["epoch"], s["batch"], s["len"]) == (0, 1, 2)
+    assert (s["seed"], s["order"], s["batch_size"], s["drop_last"]) == (7, "RANDOM", 4, False)
+    assert (s["distributed"], s["rank"], s["world_size"], s["num_samples"]) == (False, 0, 1, 8)
+    assert s["indices"] == indices_digest([3, 1, 4, 1, 5, 9, 2, 6])
+
+
+# -- versions ----------------------------------------------------------------------------------
+def test_served_loader_v1_state_without_num_indices_resumes_the_in_process_loader() -> None:
+    """The bug: the served Loader's state (no ``num_indices``) raised KeyError here."""
+    with _loader() as ref:
+        want = _labels(ref)[2:]
+    served_v1 = {"version": 1, "epoch": 0, "batch": 2, "seed": 7, "len": 5}
+    served_v1 |= {"rank": 0, "world_size": 1}
+    with _loader() as ld:
+        ld.load_state_dict(served_v1)
+        got = _labels(ld)
+    assert len(got) == 3
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_in_process_v1_state_still_loads() -> None:
+    with _loader() as ref:
+        want = _labels(ref)[4:]
+    old = {"version": 1, "epoch": 0, "batch": 4, "seed": 7, "len": 5, "num_indices": 22}
+    old |= {"rank": 0, "world_size": 1}
+    with _loader() as ld:
+        ld.load_state_dict(old)
+        got = _labels(ld)
+        np.testing.assert_array_equal(got[0], want[0])
+    with _loader(FakeReader(n=23)) as other, pytest.raises(SpecError, match=r"22.*indices"):
+        other.load_state_dict(old)  # v1's num_indices is still checked (len is 5 for both)
+
+
+def test_version_less_dict_loads_and_is_checked_on_its_keys() -> None:
+    with _loader() as ld:
+        ld.load_state_dict({"epoch": 3, "batch": 1})
+        assert (ld.next_epoch, ld._resume_batch) == (3, 1)
+        ld.load_state_dict({"epoch": 3, "batch": 5})  # == len: the start of the next epoch
+        assert (ld.next_epoch, ld._resume_batch) == (4, 0)
+        with pytest.raises(SpecError, match=r"seed=8 .* the seed differs"):
+            ld.load_state_dict({"epoch": 0, "batch": 1, "seed": 8})
+
+
+@pytest.mark.parametrize("version", [0, 3, "2", True, 2.5])
+def test_unknown_versions_are_refused(version) -> None:
+    s = make_state(epoch=0, batch=1, identity=IDENT)
+    with pytest.raises(StateError, match="unknown Loader state version"):
+        check_state({**s, "version": version}, IDENT)
+
+
+def test_malformed_states_are_refused() -> None:
+    s = make_state(epoch=0, batch=1, identity=IDENT)
+    with pytest.raises(StateError, match="is a dict"):
+        check_state([1, 2], IDENT)  # type: ignore[arg-type]
+    with pytest.raises(StateError, match=r"lacks \['order'\]"):
+        check_state({k: v for k, v in s.items() if k != "order"}, IDENT)
+    with pytest.raises(StateError, match="lacks 'epoch'"):
+        check_state({"version": 1, "batch": 0}, IDENT)
+    with pytest.raises(StateError, match="not an integer"):
+        check_state({**s, "seed": "5"}, IDENT)
+    with pytest.raises(StateError, match=r"outside 0\.\.5"):
+        check_state({**s, "batch": 6}, IDENT)
+    with pytest.raises(StateError, match="outside"):
+        check_state({**s, "epoch": -1}, IDENT)
+
+
+# -- mismatches ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("key", "value", "argument"),
+    [
+        ("seed", 8, "the seed differs"),
+        ("order", "SEQUENTIAL", "the order differs"),
+        ("batch_size", 2, "the batch_size differs"),
+        ("drop_last", False, "the drop_last differs"),
+        ("distributed", True, "the distributed differs"),
+        ("rank", 1, "the rank"),
+        ("world_size", 2, "the world_size"),
+        ("num_samples", 21, "indices .or the dataset"),
+        ("indices", indices_digest([1, 2]), "the indices"),
+        ("len", 4, "batches per epoch"),
+    ],
+)
+def test_each_mismatch_is_a_spec_error_naming_the_argument(key, value, argument) -> None:
+    with _loader() as ld:
+        s = ld.state_dict()
+        with pytest.raises(SpecError, match=f"{key}=.*{argument}"):
+            ld.load_state_dict({**s, key: value})
+        ld.load_state_dict(s)  # the unchanged state still loads
+
+
+def test_states_of_loaders_with_other_arguments_are_refused() -> None:
+    with _loader() as a:
+        s = a.state_dict()
+    others = [
+        ({"seed": 8}, "seed"),
+        ({"order": OrderOption.QUASI_RANDOM}, "order"),
+        ({"batch_size": 3}, "batch_size"),
+        ({"drop_last": False}, "drop_last"),
+        ({"indices": list(range(21, -1, -1))}, "indices"),  # every sample, another order
+        ({"indices": list(range(20))}, "num_samples"),
+    ]
+    for kw, key in others:
+        with _loader(**kw) as b, pytest.raises(SpecError, match=f"{key}="):
+            b.load_state_dict(s)
