@@ -19,38 +19,18 @@ import numpy as np
 import pytest
 from beton_client import Loader as ServedLoader
 from beton_client.errors import SpecError as ClientSpecError
-from beton_serve.fields import IntField, NDArrayField
 from beton_serve.fields.decoders import IntDecoder, NDArrayDecoder
 from beton_serve.loader import Loader as InProcessLoader
 from beton_serve.transforms import ToTensor
-from beton_serve.writer import DatasetWriter
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.labelled import write_labelled
 
 pytestmark = pytest.mark.slow
 
 BATCH = 8
 
 
-class _Rows:
-    """An indexed dataset of (vector, label); ``base`` makes every value distinct per file."""
-
-    def __init__(self, n: int, base: int) -> None:
-        self.n, self.base = n, base
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        return np.full(4, self.base + i, dtype=np.float32), self.base + i
-
-
-def _write(path: Path, n: int, base: int) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = DatasetWriter(
-        str(path), {"vec": NDArrayField(np.dtype("float32"), (4,)), "label": IntField()}
-    )
-    writer.from_indexed_dataset(_Rows(n, base))
-    return path
+_write = write_labelled
 
 
 def _pipelines(tensor: bool) -> dict[str, list[object]]:

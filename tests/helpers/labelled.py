@@ -1,0 +1,33 @@
+"""Small ``.beton`` files whose every value names its sample: ``vec`` (4 x float32) and
+``label`` (int) both equal ``base + sample id``, so a test can tell two files, and two samples,
+apart by content alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from beton_serve.fields import IntField, NDArrayField
+from beton_serve.writer import DatasetWriter
+
+
+class LabelledRows:
+    """An indexed dataset of ``(vector, label)``; ``base`` makes every value distinct per file."""
+
+    def __init__(self, n: int, base: int) -> None:
+        self.n, self.base = n, base
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return np.full(4, self.base + i, dtype=np.float32), self.base + i
+
+
+def write_labelled(path: Path, n: int, base: int) -> Path:
+    """Write ``n`` samples of :class:`LabelledRows` to ``path`` (parents created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    DatasetWriter(
+        str(path), {"vec": NDArrayField(np.dtype("float32"), (4,)), "label": IntField()}
+    ).from_indexed_dataset(LabelledRows(n, base))
+    return path
