@@ -23,6 +23,7 @@ import sys
 import time
 
 import grpc
+from beton_wire.address import ADDRESS_IN_USE_STATUS
 from beton_wire.private_dir import UnsafePathError, ensure_private_dir, open_private_file
 
 from beton_client.errors import ServerUnavailable, UntrustedSocketError
@@ -138,7 +139,7 @@ def ensure_daemon(
             if daemon_answers(target, 0.25):
                 return
             if proc.poll() is not None:
-                if _lost_the_lock(log_path):
+                if proc.returncode == ADDRESS_IN_USE_STATUS:
                     # A daemon started by hand (or by another client) took the socket's lock
                     # first and is still starting: wait for it to answer instead.
                     if daemon_answers(target, max(0.1, min(5.0, deadline - time.monotonic()))):
@@ -155,11 +156,6 @@ def ensure_daemon(
         )
     finally:
         os.close(fd)
-
-
-def _lost_the_lock(log_path: str) -> bool:
-    """Whether the spawned daemon exited because another one holds the socket's lock."""
-    return "another beton-serve daemon already serves" in _tail(log_path, 600)
 
 
 def _tail(path: str, n: int = 2000) -> str:

@@ -17,10 +17,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["ENV_ADDRESS", "default_socket_path", "socket_path_of", "unix_target"]
+__all__ = [
+    "ADDRESS_IN_USE_STATUS",
+    "ENV_ADDRESS",
+    "default_socket_path",
+    "socket_path_of",
+    "unix_target",
+]
 
 #: The environment variable that names the daemon's address.
 ENV_ADDRESS = "BETON_SERVE_ADDRESS"
+#: ``beton-serve serve``'s exit status when another daemon already holds the address's lock
+#: (EX_TEMPFAIL): a client that spawned it then waits for that other daemon instead.
+ADDRESS_IN_USE_STATUS = 75
 
 
 def default_socket_path(environ: Mapping[str, str], uid: int | None = None) -> str:

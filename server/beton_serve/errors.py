@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import traceback
 
+from beton_wire.address import ADDRESS_IN_USE_STATUS
+
 __all__ = [
+    "AddressInUse",
     "BetonError",
     "ConfigError",
     "FormatError",
@@ -23,7 +26,13 @@ __all__ = [
 
 
 class BetonError(Exception):
-    """Base class of every error ``beton_serve`` raises deliberately."""
+    """Base class of every error ``beton_serve`` raises deliberately.
+
+    Attributes:
+        exit_status: what the command line exits with when this error ends it.
+    """
+
+    exit_status: int = 1
 
 
 class FormatError(BetonError, ValueError):
@@ -88,6 +97,12 @@ class TransportError(BetonError):
 
 class ConfigError(BetonError, ValueError):
     """The daemon's configuration (TOML file or flags) is invalid."""
+
+
+class AddressInUse(ConfigError):
+    """Another live daemon already serves this address (it holds its lock)."""
+
+    exit_status = ADDRESS_IN_USE_STATUS
 
 
 def drop_frame_locals(exc: BaseException) -> None:

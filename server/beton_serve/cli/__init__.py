@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(func(args))
     except BetonError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_status
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

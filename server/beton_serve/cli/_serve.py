@@ -26,7 +26,7 @@ from typing import Any
 
 from beton_serve.cli._logging import add_logging_args, configure_logging
 from beton_serve.cli.config import ServeConfig, load_config, merge_flags
-from beton_serve.errors import ConfigError
+from beton_serve.errors import AddressInUse, ConfigError
 
 __all__ = ["address_lock", "register", "resolve_socket", "run"]
 
@@ -212,7 +212,7 @@ def address_lock(socket_path: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(
+            raise AddressInUse(
                 f"another beton-serve daemon already serves {socket_path}; stop it or use --socket"
             ) from None
         os.ftruncate(fd, 0)
