@@ -275,9 +275,15 @@ lie = identity.HostIdentity(boot_id=real.boot_id, hostname=real.hostname, uid=cl
 identity.host_identity = lambda proc="/proc": lie
 facts = identity.gather_facts
 identity.gather_facts = lambda d, t="auto": facts(d, t, torch_module=None, cupy_available=False)
-if uid != os.getuid():
-    os.setgroups([]); os.setgid(uid); os.setuid(uid)
 pipes = {"int": [IntDecoder()], "float": None, "array": None, "blob": None, "meta": None}
+if uid != os.getuid():
+    # One epoch as root first, so that every module a Loader imports lazily (grpc's channel,
+    # ...) is loaded before the switch: the checkout may be unreadable by the other uid.
+    with Loader("mixed_fields", batch_size=5, pipelines=pipes, server=target, seed=1,
+                spawn=False, reconnect=False) as warm:
+        for _ in warm:
+            pass
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
 with Loader("mixed_fields", batch_size=5, pipelines=pipes, server=target, seed=1, spawn=False,
             reconnect=False) as ld:
     ints = [int(x) for b in ld for x in np.asarray(b[0]).reshape(-1)]
