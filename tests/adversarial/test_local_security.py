@@ -261,6 +261,7 @@ def test_a_loopback_tcp_listener_without_a_token_is_logged(
 # -- who the peer is comes from the kernel, never from the request ---------------------------------
 _LYING_UID = """
 import json, os, sys
+import grpc
 import numpy as np, numpy.random  # noqa: F401  (everything is imported before setuid)
 import beton_client._multi_loader, beton_client._security, beton_client._spawn  # noqa: F401
 import beton_client._transport.grpc_receiver, beton_client._transport.shm  # noqa: F401
@@ -277,12 +278,11 @@ facts = identity.gather_facts
 identity.gather_facts = lambda d, t="auto": facts(d, t, torch_module=None, cupy_available=False)
 pipes = {"int": [IntDecoder()], "float": None, "array": None, "blob": None, "meta": None}
 if uid != os.getuid():
-    # One epoch as root first, so that every module a Loader imports lazily (grpc's channel,
-    # ...) is loaded before the switch: the checkout may be unreadable by the other uid.
-    with Loader("mixed_fields", batch_size=5, pipelines=pipes, server=target, seed=1,
-                spawn=False, reconnect=False) as warm:
-        for _ in warm:
-            pass
+    # Load what a channel imports lazily before the switch (the checkout may be unreadable by
+    # the other uid), without connecting to the daemon: grpc would reuse a connection made as
+    # root for the next channel, and the kernel would then report root.
+    import grpc._channel  # noqa: F401
+    grpc.insecure_channel("127.0.0.1:9").close()
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
 with Loader("mixed_fields", batch_size=5, pipelines=pipes, server=target, seed=1, spawn=False,
             reconnect=False) as ld:
