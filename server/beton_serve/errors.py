@@ -17,6 +17,7 @@ __all__ = [
     "ConfigError",
     "FormatError",
     "PipelineError",
+    "ShuttingDown",
     "SpecError",
     "TransportError",
     "WriterError",
@@ -93,6 +94,10 @@ class PipelineError(BetonError):
 
 class TransportError(BetonError):
     """A transport (shm, cuda_ipc, grpc) could not be set up or failed."""
+
+
+class ShuttingDown(TransportError):
+    """The daemon is draining (SIGTERM) and accepts no new streams; retry against a new one."""
 
 
 class ConfigError(BetonError, ValueError):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from beton_serve.cli import build_parser
 from beton_serve.cli._serve import resolve_socket
 from beton_serve.cli.config import KEYS, ServeConfig, load_config, merge_flags

@@ -303,6 +303,7 @@ def test_systemd_unit_has_the_required_keys() -> None:
 def test_example_config_lists_every_key_with_its_default() -> None:
     """deploy/beton-serve.toml loads through the daemon's own loader and equals the defaults."""
     import tomllib
+
     from beton_serve.cli.config import KEYS, ServeConfig, load_config
 
     path = DEPLOY / "beton-serve.toml"

@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import IO, Any
 
 from beton_serve.errors import ConfigError
@@ -80,7 +80,7 @@ def log_event(
 
 
 def _iso_utc(created: float) -> str:
-    dt = datetime.fromtimestamp(created, tz=timezone.utc)
+    dt = datetime.fromtimestamp(created, tz=UTC)
     return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
 
 

@@ -35,12 +35,11 @@ Unknown keys and wrong types are errors (:class:`~beton_serve.errors.ConfigError
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from beton_serve.errors import ConfigError
 

@@ -61,7 +61,7 @@ from beton_serve.daemon._stream import (
     Stream,
 )
 from beton_serve.daemon._transports import default_factories, with_cuda_facts
-from beton_serve.errors import SpecError, TransportError
+from beton_serve.errors import ShuttingDown, SpecError, TransportError
 from beton_serve.transport.base import SlotTransport, TransportFactory
 from beton_serve.transport.negotiate import (
     ClientOffer,
@@ -858,7 +858,3 @@ class Daemon:
                 acc[0] += sec
                 acc[1] += n
         return tuple((op, s, int(n)) for op, (s, n) in sorted(total.items()))
-
-
-class ShuttingDown(TransportError):
-    """The daemon is draining (SIGTERM) and accepts no new streams; retry against a new one."""

@@ -1,68 +1,11 @@
-"""Domain errors -> gRPC status codes: the one place the daemon decides what a client sees.
+"""Domain errors -> gRPC status codes, for the rpc layer.
 
-Every error carries its class name in the ``beton-error`` trailing metadata, so that
-``beton_client`` raises the matching class of its own hierarchy; the status code alone lets any
-other gRPC client react sensibly.
-
-======================================  =====================  ==================================
-error                                   status                 meaning for the client
-======================================  =====================  ==================================
-``SpecError``, ``ConfigError``          ``INVALID_ARGUMENT``   change the request (message says how)
-``TransportError``                      ``FAILED_PRECONDITION`` the transport cannot work here
-``ShuttingDown``                        ``UNAVAILABLE``        retry against a new daemon
-``FormatError``                         ``DATA_LOSS``          the dataset file is damaged
-``PipelineError``                       ``INTERNAL``           a batch failed (sample, op named)
-other ``BetonError``                    ``UNKNOWN``
-anything else                           ``INTERNAL``           a bug: logged with its traceback
-======================================  =====================  ==================================
+The table itself lives in :mod:`beton_serve.transport.status` (the batch streams of the transport
+layer use it too); this module re-exports it where the rpc layer's users expect it.
 """
 
 from __future__ import annotations
 
-import logging
+from beton_serve.transport.status import ERROR_METADATA_KEY, STATUS_TABLE, status_for
 
-import grpc
-from beton_wire.limits import cap_message
-
-from beton_serve.daemon import ShuttingDown
-from beton_serve.errors import (
-    BetonError,
-    ConfigError,
-    FormatError,
-    PipelineError,
-    SpecError,
-    TransportError,
-)
-
-__all__ = ["ERROR_METADATA_KEY", "status_for"]
-
-log = logging.getLogger("beton_serve.rpc")
-
-#: Trailing-metadata key carrying the error's class name.
-ERROR_METADATA_KEY = "beton-error"
-
-_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
-    (SpecError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (TransportError, grpc.StatusCode.FAILED_PRECONDITION),
-    (FormatError, grpc.StatusCode.DATA_LOSS),
-    (PipelineError, grpc.StatusCode.INTERNAL),
-    (BetonError, grpc.StatusCode.UNKNOWN),
-)
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
-    """``(status code, message, error class name)`` to send for ``exc``.
-
-    Unexpected exceptions (not :class:`BetonError`) are logged with their traceback here, since
-    they are bugs, and reach the client as ``INTERNAL`` with the exception's text. The message
-    is cut to ``beton_wire.limits.MAX_ERROR_CHARS`` (gRPC drops a status over 16 KiB and reports
-    ``RESOURCE_EXHAUSTED`` instead).
-    """
-    for cls, code in _TABLE:
-        if isinstance(exc, cls):
-            return code, cap_message(str(exc)), type(exc).__name__
-    log.error("unexpected error while serving a request", exc_info=exc)
-    text = cap_message(f"internal error: {type(exc).__name__}: {exc}")
-    return grpc.StatusCode.INTERNAL, text, "InternalError"
+__all__ = ["ERROR_METADATA_KEY", "STATUS_TABLE", "status_for"]

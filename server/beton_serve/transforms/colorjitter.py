@@ -57,7 +57,7 @@ class _ColorJitter(Operation):
                 img = images[i]
                 mean = 0.0
                 if kind == 1:
-                    total = 0
+                    total = np.int64(0)
                     for y in range(h):
                         for x in range(w):
                             total += np.int64(

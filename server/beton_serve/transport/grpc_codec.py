@@ -62,7 +62,8 @@ from beton_wire.framing import (
 )
 from numpy.typing import NDArray
 
-from beton_serve.errors import BetonError, ConfigError, PipelineError, SpecError, TransportError
+from beton_serve.errors import ConfigError
+from beton_serve.transport.status import ERROR_METADATA_KEY, status_for
 
 __all__ = [
     "DEFAULT_METHOD",
@@ -159,31 +160,12 @@ class CallableProducer:
         self._futures.clear()
 
 
-ERROR_METADATA_KEY = "beton-error"
-"""Trailing-metadata key carrying the error's class name (the rpc layer's convention)."""
-
 StatusFor = Callable[[BaseException], tuple[Any, ...]]
 """``status_for(exc) -> (StatusCode, details)`` or ``(StatusCode, details, error_class_name)``;
-the rpc layer's ``beton_serve.rpc._errors.status_for`` fits."""
+:func:`beton_serve.transport.status.status_for` (the default) fits."""
 
-
-def default_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
-    """Map an error raised while opening or serving a stream to (code, details, class name).
-
-    Same table as the rpc layer: bad requests are INVALID_ARGUMENT, a transport that cannot work
-    FAILED_PRECONDITION, a failed batch INTERNAL.
-    """
-    name = type(exc).__name__
-    if isinstance(exc, (FramingError, SpecError, ConfigError)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), name
-    if isinstance(exc, TransportError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc), name
-    if isinstance(exc, PipelineError):
-        return grpc.StatusCode.INTERNAL, str(exc), name
-    if isinstance(exc, BetonError):
-        return grpc.StatusCode.UNKNOWN, str(exc), name
-    log.error("unexpected error in a batch stream", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {name}: {exc}", "InternalError"
+default_status_for = status_for
+"""The one error table (:mod:`beton_serve.transport.status`), under its historical name."""
 
 
 def _status(
