@@ -1,31 +1,22 @@
-"""Metrics: recorders, the Prometheus exporter scraped over loopback HTTP, and the snapshot."""
+"""Metrics: the pull collector over DaemonStats, and its exporter scraped over loopback HTTP."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import threading
 import urllib.request
 
 import pytest
+from beton_serve.daemon import DaemonStats, StreamStats
 from beton_serve.errors import ConfigError
-from beton_serve.metrics import Metrics
-from prometheus_client import REGISTRY
+from beton_serve.metrics import DaemonCollector, MetricsExporter, serve_daemon_metrics
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Fetch /metrics and return {(sample name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        assert resp.status == 200
-        text = resp.read().decode()
+def _parse(text: str) -> Samples:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -33,205 +24,14 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
-@pytest.fixture
-def metrics():
-    m = Metrics(clock=FakeClock())
-    yield m
-    m.stop()
+def scrape(port: int) -> Samples:
+    """Fetch /metrics and return {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.status == 200
+        return _parse(resp.read().decode())
 
 
-def test_scrape_over_http_reports_every_metric(metrics: Metrics) -> None:
-    m = metrics
-    m.register_dataset("cifar")
-    m.open_stream("s1", dataset="cifar", client="c1")
-    for _ in range(3):
-        m.batch_delivered("s1", images=32)
-    m.samples_decoded("cifar", 96)
-    m.bad_samples("cifar", 2)
-    m.observe_op("SimpleRGBImageDecoder", 0.002)
-    m.observe_op("SimpleRGBImageDecoder", 0.004)
-    m.observe_op("RandomHorizontalFlip", 0.0001)
-    m.set_queue_depth(5)
-    m.set_workers(4)
-    m.set_worker_utilisation(0.75)
-    m.set_slots("s1", in_use=3, total=8)
-    m.report_stall("c1", wait_s=0.5, wall_s=2.0)
-    m.report_stall("c1", wait_s=0.1, wall_s=1.0)
-
-    server, port = m.start_http(0)
-    assert port > 0 and server.server_address[1] == port
-    got = scrape(port)
-
-    s1 = (("dataset", "cifar"), ("stream", "s1"))
-    assert got[("beton_stream_batches_total", s1)] == 3
-    assert got[("beton_stream_images_total", s1)] == 96
-    assert got[("beton_samples_decoded_total", (("dataset", "cifar"),))] == 96
-    assert got[("beton_bad_samples_total", (("dataset", "cifar"),))] == 2
-    dec = (("op", "SimpleRGBImageDecoder"),)
-    assert got[("beton_op_seconds_count", dec)] == 2
-    assert got[("beton_op_seconds_sum", dec)] == pytest.approx(0.006)
-    # 2 ms and 4 ms both fall in the 10 ms bucket, neither in the 1 ms one.
-    assert got[("beton_op_seconds_bucket", (("le", "0.01"), ("op", "SimpleRGBImageDecoder")))] == 2
-    assert got[("beton_op_seconds_bucket", (("le", "0.001"), ("op", "SimpleRGBImageDecoder")))] == 0
-    assert got[("beton_op_seconds_count", (("op", "RandomHorizontalFlip"),))] == 1
-    assert got[("beton_queue_depth", ())] == 5
-    assert got[("beton_workers", ())] == 4
-    assert got[("beton_worker_utilisation", ())] == 0.75
-    assert got[("beton_slots_in_use", (("stream", "s1"),))] == 3
-    assert got[("beton_slots_total", (("stream", "s1"),))] == 8
-    c1 = (("client", "c1"),)
-    assert got[("beton_client_stall_ratio", c1)] == pytest.approx(0.1)  # last interval
-    assert got[("beton_client_wait_seconds_total", c1)] == pytest.approx(0.6)
-    assert got[("beton_client_wall_seconds_total", c1)] == pytest.approx(3.0)
-    assert got[("beton_streams_active", ())] == 1
-
-    # Never the process-global registry.
-    assert REGISTRY.get_sample_value("beton_workers") is None
-
-
-def test_two_instances_do_not_collide() -> None:
-    a, b = Metrics(), Metrics()
-    a.set_workers(2)
-    b.set_workers(7)
-    assert a.registry.get_sample_value("beton_workers") == 2
-    assert b.registry.get_sample_value("beton_workers") == 7
-
-
-def test_stop_frees_the_port_and_joins_the_thread(metrics: Metrics) -> None:
-    _, port = metrics.start_http(0)
-    with pytest.raises(ConfigError, match="already running"):
-        metrics.start_http(0)
-    metrics.stop()
-    assert not any(t.name == "beton-metrics-http" for t in threading.enumerate())
-    with pytest.raises(OSError):
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
-    metrics.stop()  # idempotent
-    _, port2 = metrics.start_http(0)  # restartable
-    assert scrape(port2)[("beton_workers", ())] == 0
-
-
-def test_port_in_use_is_a_config_error(metrics: Metrics) -> None:
-    other = Metrics()
-    _, port = other.start_http(0)
-    try:
-        with pytest.raises(ConfigError, match="--metrics-port"):
-            metrics.start_http(port)
-    finally:
-        other.stop()
-
-
-def test_snapshot_rates_over_the_window() -> None:
-    clock = FakeClock()
-    m = Metrics(rate_window_s=5.0, clock=clock)
-    m.open_stream("s", dataset="imagenet", client="c")
-    # 10 batches of 8 images per second for 10 s.
-    for _ in range(100):
-        clock.t += 0.1
-        m.batch_delivered("s", images=8)
-    snap = m.snapshot()
-    st = snap["streams"]["s"]
-    assert st["batches"] == 100 and st["images"] == 800
-    assert st["batches_per_s"] == pytest.approx(10.0, rel=0.05)
-    assert st["images_per_s"] == pytest.approx(80.0, rel=0.05)
-    assert st["dataset"] == "imagenet" and st["client"] == "c"
-    # The stream goes quiet: after a full window without batches the rate is 0.
-    clock.t += 6.0
-    st = m.snapshot()["streams"]["s"]
-    assert st["batches_per_s"] == 0.0 and st["batches"] == 100
-    # The window is bounded however many batches arrive.
-    for _ in range(10_000):
-        clock.t += 0.001
-        m.batch_delivered("s", images=1)
-    assert len(m._streams["s"].points) <= 5.0 / 0.1 + 2
-
-
-def test_snapshot_is_json_and_has_dataset_totals(metrics: Metrics) -> None:
-    m = metrics
-    m.register_dataset("a")
-    m.register_dataset("b")
-    m.samples_decoded("a", 10)
-    m.samples_decoded("a", 5)
-    m.observe_op("Op", 0.5)
-    m.observe_op("Op", 1.5)
-    m.report_stall("c", 1.0, 4.0)
-    m.report_stall("c", 3.0, 4.0)
-    snap = json.loads(json.dumps(m.snapshot()))
-    assert snap["datasets"] == {
-        "a": {"samples_decoded": 15, "bad_samples": 0},
-        "b": {"samples_decoded": 0, "bad_samples": 0},
-    }
-    assert snap["ops"]["Op"] == {"count": 2, "total_s": 2.0, "mean_s": 1.0}
-    c = snap["clients"]["c"]
-    assert c["stall_ratio"] == pytest.approx(0.75)
-    assert c["stall_ratio_total"] == pytest.approx(0.5)
-    assert c["wait_s"] == 4.0 and c["wall_s"] == 8.0
-
-
-def test_close_stream_and_forget_client_remove_label_sets(metrics: Metrics) -> None:
-    m = metrics
-    m.open_stream("s", dataset="d")
-    m.batch_delivered("s", 4)
-    m.set_slots("s", 1, 2)
-    m.report_stall("c", 0.0, 1.0)
-    reg = m.registry
-    assert reg.get_sample_value("beton_stream_batches_total", {"stream": "s", "dataset": "d"}) == 1
-    m.close_stream("s")
-    m.forget_client("c")
-    text = "\n".join(
-        s.name + str(s.labels) for fam in reg.collect() for s in fam.samples if s.labels
-    )
-    assert "'s'" not in text and "'c'" not in text
-    assert m.snapshot()["streams"] == {} and m.snapshot()["clients"] == {}
-    assert reg.get_sample_value("beton_streams_active") == 0
-    m.close_stream("s")  # no-op
-    m.forget_client("c")
-    with pytest.raises(ConfigError, match="open_stream"):
-        m.batch_delivered("s", 1)
-
-
-def test_validation(metrics: Metrics) -> None:
-    m = metrics
-    m.open_stream("s", dataset="d")
-    with pytest.raises(ConfigError, match="already registered"):
-        m.open_stream("s", dataset="d")
-    with pytest.raises(ConfigError):
-        m.report_stall("c", float("nan"), 1.0)
-    with pytest.raises(ConfigError):
-        m.report_stall("c", -1.0, 1.0)
-    with pytest.raises(ConfigError):
-        m.set_worker_utilisation(1.5)
-    with pytest.raises(ConfigError):
-        Metrics(rate_window_s=0)
-    m.report_stall("c", 0.0, 0.0)  # an empty interval is fine: share 0
-    assert m.snapshot()["clients"]["c"]["stall_ratio"] == 0.0
-    m.report_stall("c", 2.0, 1.0)  # jitter: wait is capped at wall, never above 100 %
-    c = m.snapshot()["clients"]["c"]
-    assert c["stall_ratio"] == 1.0 and c["wait_s"] == 1.0 and c["wall_s"] == 1.0
-
-
-def test_recorders_are_thread_safe(metrics: Metrics) -> None:
-    m = metrics
-    m.open_stream("s", dataset="d")
-
-    def work() -> None:
-        for _ in range(2000):
-            m.batch_delivered("s", 2)
-            m.samples_decoded("d", 2)
-
-    threads = [threading.Thread(target=work, name=f"beton-test-{i}") for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    snap = m.snapshot()
-    assert snap["streams"]["s"]["batches"] == 8000
-    assert snap["datasets"]["d"]["samples_decoded"] == 16000
-    assert m.registry.get_sample_value("beton_samples_decoded_total", {"dataset": "d"}) == 16000
-
-
-def _stats(streams, datasets, workers=2):
-    from beton_serve.daemon import DaemonStats, StreamStats
-
+def _stats(streams, datasets, workers=2, **extra) -> DaemonStats:
     return DaemonStats(
         pid=1,
         uptime_s=10.0,
@@ -253,75 +53,159 @@ def _stats(streams, datasets, workers=2):
             for sid, ds, b, w, age in streams
         ),
         datasets=tuple(datasets),
-        shm_bytes=0,
+        shm_bytes=4096,
         compiled_plans=1,
         streams_opened=len(streams),
+        **extra,
     )
 
 
-def test_sync_daemon_stats_pulls_counters_at_scrape_time(metrics: Metrics) -> None:
-    m = metrics
-    state = {
-        "stats": _stats([("s1", "cifar", 10, 500_000, 2.0)], [("cifar", 40, 10)]),
-        "calls": 0,
-    }
+@pytest.fixture
+def exporter_of():
+    made: list[MetricsExporter] = []
 
-    def refresh(mm: Metrics) -> None:
-        state["calls"] += 1
-        mm.sync_daemon_stats(state["stats"])
+    def make(get_stats) -> tuple[MetricsExporter, int]:
+        e = MetricsExporter(get_stats)
+        made.append(e)
+        _, port = e.start_http(0)
+        return e, port
 
-    m.set_refresh(refresh)
-    _, port = m.start_http(0)
+    yield make
+    for e in made:
+        e.stop()
+
+
+def test_every_field_of_a_snapshot_becomes_a_metric(exporter_of) -> None:
+    stats = _stats(
+        [("s1", "cifar", 3, 500_000, 2.0)],
+        [("cifar", 96, 3)],
+        queue_depth=5,
+        worker_utilisation=0.75,
+        workers_replaced=1,
+        bad_samples=(("cifar", 2),),
+        op_seconds=(("SimpleRGBImageDecoder", 0.006, 2), ("RandomHorizontalFlip", 0.0001, 1)),
+    )
+    _, port = exporter_of(lambda: stats)
     got = scrape(port)
     s1 = (("dataset", "cifar"), ("stream", "s1"))
-    assert state["calls"] == 1
-    assert got[("beton_stream_batches_total", s1)] == 10
-    assert got[("beton_stream_images_total", s1)] == 40
-    assert got[("beton_samples_decoded_total", (("dataset", "cifar"),))] == 40
-    assert got[("beton_client_stall_ratio", (("client", "s1"),))] == pytest.approx(0.25)
+    assert got[("beton_stream_batches_total", s1)] == 3
+    assert got[("beton_stream_images_total", s1)] == 12
     assert got[("beton_slots_in_use", (("stream", "s1"),))] == 1
+    assert got[("beton_slots_total", (("stream", "s1"),))] == 5
+    assert got[("beton_client_wait_seconds_total", (("client", "s1"),))] == pytest.approx(0.5)
+    assert got[("beton_client_wall_seconds_total", (("client", "s1"),))] == pytest.approx(2.0)
+    assert got[("beton_client_stall_ratio", (("client", "s1"),))] == pytest.approx(0.25)
+    info = (
+        ("client_name", "train.py"),
+        ("client_pid", "99"),
+        ("dataset", "cifar"),
+        ("stream", "s1"),
+        ("transport", "shm"),
+    )
+    assert got[("beton_stream_info", info)] == 1
+    assert got[("beton_streams_active", ())] == 1
+    assert got[("beton_streams_opened_total", ())] == 1
+    assert got[("beton_samples_decoded_total", (("dataset", "cifar"),))] == 96
+    assert got[("beton_batches_decoded_total", (("dataset", "cifar"),))] == 3
+    assert got[("beton_bad_samples_total", (("dataset", "cifar"),))] == 2
+    op = (("op", "SimpleRGBImageDecoder"),)
+    assert got[("beton_op_busy_seconds_total", op)] == pytest.approx(0.006)
+    assert got[("beton_op_runs_total", op)] == 2
+    assert got[("beton_queue_depth", ())] == 5
     assert got[("beton_workers", ())] == 2
+    assert got[("beton_worker_utilisation", ())] == pytest.approx(0.75)
+    assert got[("beton_workers_replaced_total", ())] == 1
+    assert got[("beton_shm_bytes", ())] == 4096
+    assert got[("beton_compiled_plans", ())] == 1
+    assert got[("beton_uptime_seconds", ())] == 10
+    assert got[("beton_stats_stale", ())] == 0
 
-    # The daemon's counters grew; a second stream opened.
+
+def test_each_scrape_reads_a_new_snapshot_and_gone_streams_vanish(exporter_of) -> None:
+    state = {"stats": _stats([("s1", "cifar", 10, 500_000, 2.0)], [("cifar", 40, 10)])}
+    calls = []
+
+    def get():
+        calls.append(1)
+        return state["stats"]
+
+    _, port = exporter_of(get)
+    s1 = (("dataset", "cifar"), ("stream", "s1"))
+    assert scrape(port)[("beton_stream_batches_total", s1)] == 10
     state["stats"] = _stats(
         [("s1", "cifar", 30, 1_500_000, 4.0), ("s2", "cifar", 5, 0, 1.0)], [("cifar", 140, 35)]
     )
     got = scrape(port)
-    assert got[("beton_stream_batches_total", s1)] == 30  # advanced by the growth, not re-added
-    assert got[("beton_samples_decoded_total", (("dataset", "cifar"),))] == 140
-    assert got[("beton_client_stall_ratio", (("client", "s1"),))] == pytest.approx(0.5)
-    assert got[("beton_client_wait_seconds_total", (("client", "s1"),))] == pytest.approx(1.5)
-    assert got[("beton_stream_batches_total", (("dataset", "cifar"), ("stream", "s2")))] == 5
+    assert got[("beton_stream_batches_total", s1)] == 30
+    assert got[("beton_client_stall_ratio", (("client", "s1"),))] == pytest.approx(0.375)
     assert got[("beton_streams_active", ())] == 2
-
-    # s1 closed: its label sets go; the snapshot (which also refreshes) agrees.
     state["stats"] = _stats([("s2", "cifar", 6, 0, 2.0)], [("cifar", 144, 36)])
-    snap = m.snapshot()
-    assert list(snap["streams"]) == ["s2"] and snap["datasets"]["cifar"]["samples_decoded"] == 144
-    assert snap["streams"]["s2"]["client"] == "train.py:99"
     got = scrape(port)
     assert ("beton_stream_batches_total", s1) not in got
     assert ("beton_client_stall_ratio", (("client", "s1"),)) not in got
+    assert got[("beton_samples_decoded_total", (("dataset", "cifar"),))] == 144
+    assert len(calls) == 3  # one snapshot per scrape, none at registration
 
 
-def test_failed_refresh_serves_the_last_values(metrics: Metrics, caplog) -> None:
-    m = metrics
-    m.set_workers(3)
+def test_a_failed_snapshot_serves_the_previous_one_marked_stale(exporter_of, caplog) -> None:
+    state: dict = {"fail": False}
 
-    def broken(_m: Metrics) -> None:
-        raise RuntimeError("event loop is gone")
+    def get():
+        if state["fail"]:
+            raise RuntimeError("event loop is gone")
+        return _stats([], [], workers=3)
 
-    m.set_refresh(broken)
-    _, port = m.start_http(0)
+    _, port = exporter_of(get)
     assert scrape(port)[("beton_workers", ())] == 3
-    assert "metrics refresh failed" in caplog.text
+    state["fail"] = True
+    got = scrape(port)
+    assert got[("beton_workers", ())] == 3
+    assert got[("beton_stats_stale", ())] == 1
+    assert "daemon stats snapshot failed" in caplog.text
 
 
-def test_serve_daemon_metrics_pulls_from_the_event_loop() -> None:
-    import asyncio
+def test_a_collector_that_never_succeeded_serves_nothing() -> None:
+    reg = CollectorRegistry(auto_describe=False)
 
-    from beton_serve.metrics import serve_daemon_metrics
+    def broken():
+        raise RuntimeError("no daemon yet")
 
+    reg.register(DaemonCollector(broken))
+    assert generate_latest(reg).strip() == b""
+
+
+def test_two_exporters_do_not_collide_or_touch_the_global_registry(exporter_of) -> None:
+    _, pa = exporter_of(lambda: _stats([], [], workers=1))
+    _, pb = exporter_of(lambda: _stats([], [], workers=4))
+    assert scrape(pa)[("beton_workers", ())] == 1
+    assert scrape(pb)[("beton_workers", ())] == 4
+    assert REGISTRY.get_sample_value("beton_workers") is None
+
+
+def test_stop_frees_the_port_and_joins_the_thread() -> None:
+    e = MetricsExporter(lambda: _stats([], []))
+    _, port = e.start_http(0)
+    assert any(t.name == "beton-metrics-http" for t in threading.enumerate())
+    e.stop()
+    e.stop()  # idempotent
+    assert not any(t.name == "beton-metrics-http" for t in threading.enumerate())
+    again = MetricsExporter(lambda: _stats([], []))
+    try:
+        again.start_http(port)  # the port is free again
+    finally:
+        again.stop()
+
+
+def test_port_in_use_and_double_start_are_config_errors(exporter_of) -> None:
+    e, port = exporter_of(lambda: _stats([], []))
+    with pytest.raises(ConfigError, match="already running"):
+        e.start_http(0)
+    other = MetricsExporter(lambda: _stats([], []))
+    with pytest.raises(ConfigError, match="pick another --metrics-port"):
+        other.start_http(port)
+
+
+def test_serve_daemon_metrics_takes_the_snapshot_on_the_event_loop() -> None:
     calls: list[str] = []
 
     def get_stats():
@@ -344,7 +228,7 @@ def test_serve_daemon_metrics_pulls_from_the_event_loop() -> None:
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)
         loop.close()
-    assert calls == ["beton-test-loop"]  # the stats were taken on the daemon's loop
+    assert calls == ["beton-test-loop"]
     s9 = (("dataset", "imagenet"), ("stream", "s9"))
     assert got[("beton_stream_batches_total", s9)] == 3
     assert got[("beton_samples_decoded_total", (("dataset", "imagenet"),))] == 12
