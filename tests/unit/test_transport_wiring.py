@@ -24,18 +24,13 @@ from beton_client._transport.shm import TensorInfo
 from beton_client.errors import SpecError as ClientSpecError
 from beton_client.errors import TransportError as ClientTransportError
 from beton_serve.daemon import StreamOpened
-from beton_serve.daemon._grpc_batches import (
-    BATCH_METHOD,
-    SAMPLE_IDS,
-    GrpcFactory,
-    HostRing,
-    parse_codecs,
-)
+from beton_serve.daemon._grpc_batches import SAMPLE_IDS
 from beton_serve.errors import ConfigError, SpecError
 from beton_serve.rpc._convert import opened_message
 from beton_serve.transforms import ToDevice, ToTensor
 from beton_serve.transport.base import SlotTransport
 from beton_serve.transport.cuda_ipc import CudaIpcRing
+from beton_serve.transport.grpc_ring import BATCH_METHOD, GrpcFactory, HostRing, parse_codecs
 from beton_wire.framing import Codec
 from beton_wire.slots import slot_layout
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401

@@ -287,7 +287,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "data_roots": cfg.data_roots,
             "idle_close_s": cfg.idle_close,
         }
-        from beton_serve.daemon._grpc_batches import GrpcFactory, parse_codecs
+        from beton_serve.transport.grpc_ring import GrpcFactory, parse_codecs
 
         grpc_factory = GrpcFactory(allowed_codecs=parse_codecs(cfg.grpc_compression))
         daemon = Daemon.create(

@@ -16,9 +16,12 @@ import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from beton_serve.engine import SourceCaps
 
 __all__ = ["Backend", "BatchSourceLike", "EngineBackend", "OutputInfo", "PlanLike", "SourceParams"]
 
@@ -44,7 +47,8 @@ class PlanLike(Protocol):
 
 
 class BatchSourceLike(Protocol):
-    """One stream's batches (``beton_serve.engine.BatchSource``)."""
+    """One stream's batches (``beton_serve.engine.BatchSource``, or a ``SharedSource`` around
+    one). What it can do beyond the basics is declared in :attr:`caps`, never probed for."""
 
     def __len__(self) -> int: ...
 
@@ -58,7 +62,28 @@ class BatchSourceLike(Protocol):
         priority: int = 1,
         *,
         slices: int | None = None,
-    ) -> Future[list[np.ndarray]]: ...
+        by_reference: bool = False,
+    ) -> Future[list[np.ndarray]]:
+        """Start batch ``(epoch, b)`` into ``out``; the future is a ``BatchFuture`` (its
+        ``sample_ids``, ``decoded_here`` and ``shared_ref`` are read by the publishers)."""
+        ...
+
+    @property
+    def caps(self) -> SourceCaps:
+        """By reference (zero-copy sharing) or not; may look ahead or not."""
+        ...
+
+    def skipped(self) -> Sequence[Any]:
+        """The samples skipped under the bad-sample budget so far (``BadSample``), oldest first."""
+        ...
+
+    def promote(self, fut: Future[Any]) -> None:
+        """Move the decode behind ``fut`` ahead of prefetch work (its client waits)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds (a shared source leaves its group); idempotent."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -112,8 +112,9 @@ class NoticePump:
                 stream.discard(la.pending)
         self.failed = False
         self.stopped = False
-        self.ring: Any = stream.ring
-        self.ctl = hasattr(stream.ring, "reap")  # release words (beton_wire.notice)
+        # The release words and starved flag (beton_wire.notice); None: not an shm ring.
+        self.extras = stream.ring.notice_extras
+        self.ctl = self.extras is not None
         self.timer_armed = False
         self.delay = TIMER_FIRST_S
         self.done: asyncio.Future[None] = loop.create_future()
@@ -159,12 +160,12 @@ class NoticePump:
                 # to wake us (WAKE), then look once more in case it released meanwhile.
                 if not self._wants_slot():
                     break
-                self.ring.starved = True
+                self.extras.starved = True  # type: ignore[union-attr] # ctl is set
                 if not s.reap():
                     self._arm_timer()
                     return new
-            if self.ctl and self.ring.starved:
-                self.ring.starved = False
+            if self.extras is not None and self.extras.starved:
+                self.extras.starved = False
             self.delay = TIMER_FIRST_S
             if self.pending and s._published == 0 and not self.pending[0][2].done():
                 s.promote(self.pending[0][2])  # the client has read everything: it waits
@@ -268,8 +269,8 @@ class NoticePump:
             self.stopped = True
             if s.pump is self:
                 s.pump = None
-            if self.ctl:
-                self.ring.starved = False
+            if self.extras is not None:
+                self.extras.starved = False
             s.discard(self.pending)
             if self.delivered == self.n and not self.failed and not s.closed and self.ahead:
                 s.lookahead = Lookahead(self.epoch + 1, self.ahead, self.ahead_next)

@@ -36,6 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ from beton_wire.slots import SlotLayout
 
 from beton_serve.daemon._backend import BatchSourceLike, OutputInfo
 from beton_serve.daemon._datasets import Dataset
+from beton_serve.engine import BatchFuture, Releasable, ids_or
 from beton_serve.errors import SpecError, TransportError
 from beton_serve.transport.base import Published, SlotTransport
 
@@ -258,16 +260,15 @@ class Stream:
     def reap(self) -> bool:
         """Release the slots whose release word the client set (hold :attr:`lock`); whether
         there were any."""
-        reap = getattr(self.ring, "reap", None)
-        if reap is None:
+        extras = self.ring.notice_extras
+        if extras is None:
             return False
-        slots = reap()
+        slots = extras.reap()
         for slot in slots:
             self._release_slot(slot)
         if slots:
             self.counters.client_wait_us = max(
-                self.counters.client_wait_us,
-                self.ring.client_wait_us(),  # type: ignore[attr-defined]
+                self.counters.client_wait_us, extras.client_wait_us()
             )
         return bool(slots)
 
@@ -307,9 +308,9 @@ class Stream:
         """Return a slot; unknown or double releases are ignored (logged at debug level)."""
         with self.lock:
             if self._release_slot(ev.slot):
-                disarm = getattr(self.ring, "disarm", None)
-                if disarm is not None:
-                    disarm(ev.slot)
+                extras = self.ring.notice_extras
+                if extras is not None:
+                    extras.disarm(ev.slot)
             else:
                 log.debug("stream %s: ignored release of slot %d", self.stream_id, ev.slot)
             self.counters.client_wait_us += max(0, ev.wait_us)
@@ -430,16 +431,13 @@ class Stream:
         """Whether batches of the next epoch may be decoded before the client starts it: not
         under a bad-sample budget, which is spent in decode order (a bad sample of the next
         epoch decoded ahead could use up the budget before one of the current epoch)."""
-        inner = getattr(self.source, "source", self.source)  # a SharedSource wraps its own
-        return not getattr(inner, "bad_sample_budget", 0)
+        return self.source.caps.look_ahead
 
     def by_reference(self) -> bool:
         """Whether shared batches can be published by reference: zero-copy sharing needs a
         sharing source with an arena and the ring's id table (shm; with the notice channel,
         the only one that can name another segment)."""
-        return bool(getattr(self.source, "supports_by_reference", False)) and bool(
-            getattr(self.ring, "write_ids", None)
-        )
+        return self.source.caps.by_reference and self.ring.notice_extras is not None
 
     def submit(self, epoch: int, b: int, slot: int, first: bool, by_ref: bool) -> Any:
         """Submit batch ``b`` into ``slot`` (acquired); ``first``: nothing else is pending.
@@ -455,10 +453,10 @@ class Stream:
             self.ring.host_views(slot),
             priority=0 if waiting else 1,
             slices=None if waiting else 1,
-            **({"by_reference": True} if by_ref else {}),
+            by_reference=by_ref,
         )
 
-    def publish(self, epoch: int, b: int, slot: int, cfut: Any, arrays: Any) -> BatchOut:
+    def publish(self, epoch: int, b: int, slot: int, cfut: Future[Any], arrays: Any) -> BatchOut:
         """Publish the finished batch ``b`` of ``slot``: ids, lease, counters (the caller holds
         :attr:`lock` when engine workers may publish concurrently).
 
@@ -477,7 +475,7 @@ class Stream:
             at=None if ref is None else (ref.segment, ref.offset),
         )
 
-    def publish_notice(self, epoch: int, b: int, slot: int, cfut: Any, arrays: Any) -> None:
+    def publish_notice(self, epoch: int, b: int, slot: int, cfut: Future[Any], arrays: Any) -> None:
         """:meth:`publish` straight to the notice channel (``BATCH`` or ``BATCH_AT``), without
         building the message the Batches call would need (hold :attr:`lock`).
 
@@ -491,37 +489,42 @@ class Stream:
             self.notice.send_batch_at(slot, epoch, b, length, ref.segment, ref.offset)
 
     def _book(
-        self, epoch: int, b: int, slot: int, cfut: Any, arrays: Any
-    ) -> tuple[int, np.ndarray, Any, Published]:
-        ref = getattr(cfut, "shared_ref", None)
+        self, epoch: int, b: int, slot: int, cfut: Future[Any], arrays: Any
+    ) -> tuple[int, np.ndarray, Releasable | None, Published]:
+        batch = cfut if isinstance(cfut, BatchFuture) else None
+        ref = None if batch is None else batch.shared_ref
         if ref is not None:
             self._refs[slot] = ref
+        ids, length = self.account(epoch, b, cfut, arrays)
+        extras = self.ring.notice_extras
+        if extras is not None:  # shm: the notice channel's clients read the ids there
+            extras.write_ids(slot, ids)
+        published = self.ring.publish(slot, length)
+        if extras is not None:  # a client on the notice channel releases through its word
+            extras.arm(slot, lease_token(epoch, b, self.num_batches))
+        self._published += 1
+        return length, ids, ref, published
+
+    def account(self, epoch: int, b: int, cfut: Future[Any], arrays: Any) -> tuple[np.ndarray, int]:
+        """Count a finished batch (stream, dataset and bad samples) and return its ids and
+        length: every publisher (notices, the Batches call, the grpc batch method) calls this
+        once per batch it publishes.
+        """
         self._count_bad()
         # The ids the batch holds (a skipped sample is replaced: engine._source.delivered_ids).
-        ids = getattr(cfut, "sample_ids", None)
-        if ids is None:
-            ids = self.source.batch_ids(epoch, b)
+        ids = np.asarray(ids_or(cfut, self.source.batch_ids(epoch, b)), dtype=np.uint64)
         length = len(ids) if arrays is None or not len(arrays) else len(arrays[0])
-        write_ids = getattr(self.ring, "write_ids", None)
-        if write_ids is not None:  # shm: the notice channel's clients read them there
-            write_ids(slot, ids)
-        published = self.ring.publish(slot, length)
-        arm = getattr(self.ring, "arm", None)
-        if arm is not None:  # a client on the notice channel releases through its word
-            arm(slot, lease_token(epoch, b, self.num_batches))
-        self._published += 1
         self.counters.batches_sent += 1
         self.counters.samples_sent += length
         # A shared source marks batches another identical stream decoded (issue 6).
-        if getattr(cfut, "decoded_here", True):
+        if not isinstance(cfut, BatchFuture) or cfut.decoded_here:
             self.dataset.count(batches=1, samples=length)
-        return length, np.asarray(ids, dtype=np.uint64), ref, published
+        return ids, length
 
     def _count_bad(self) -> None:
         """Add the samples this stream's source skipped since the last batch to the dataset's."""
-        inner = getattr(self.source, "source", self.source)  # a SharedSource wraps its own
-        bad = getattr(inner, "bad_samples", None)
-        if bad is not None and len(bad) > self._bad_seen:
+        bad = self.source.skipped()
+        if len(bad) > self._bad_seen:
             self.dataset.note_bad(int(x.sample_id) for x in bad[self._bad_seen :])
             self._bad_seen = len(bad)
 
@@ -530,9 +533,8 @@ class Stream:
 
     def promote(self, cfut: Any) -> None:
         """Move the decode behind ``cfut`` ahead of prefetch work (the client is waiting)."""
-        promote = getattr(self.source, "promote", None)
-        if cfut is not None and promote is not None:
-            promote(cfut)
+        if cfut is not None:
+            self.source.promote(cfut)
 
     def _tensors(self, length: int) -> tuple[TensorOut, ...]:
         return tuple(
@@ -550,10 +552,8 @@ class Stream:
             return
         self.closed = True
         self.drop_lookahead()
-        close_source = getattr(self.source, "close", None)
-        if callable(close_source):  # a shared source leaves its sharing group
-            with contextlib.suppress(Exception):
-                close_source()
+        with contextlib.suppress(Exception):  # a shared source leaves its sharing group
+            self.source.close()
         if self.notice_unregister is not None:
             self.notice_unregister(self.notice_token)
         if self.notice is not None:  # the client reads end-of-file, then the call's status
@@ -570,6 +570,5 @@ class Stream:
 def _release_shared_ref(fut: Any) -> None:
     """Done-callback: give back the shared reference of a batch that will not be published (a
     pinned group buffer would otherwise stay pinned; ``SharedRef.release`` is idempotent)."""
-    ref = getattr(fut, "shared_ref", None)
-    if ref is not None:
-        ref.release()
+    if isinstance(fut, BatchFuture) and fut.shared_ref is not None:
+        fut.shared_ref.release()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from beton_serve.daemon._grpc_batches import GrpcFactory
 from beton_serve.transport.base import TransportFactory
+from beton_serve.transport.grpc_ring import GrpcFactory
 from beton_serve.transport.negotiate import DaemonFacts
 
 __all__ = ["default_factories", "with_cuda_facts"]

@@ -7,6 +7,7 @@ daemon and the in-process Loader.
 
 from __future__ import annotations
 
+from beton_serve.engine._future import BatchFuture, Releasable, SourceCaps, ids_or
 from beton_serve.engine._pool import Engine, Task
 from beton_serve.engine._source import BadSample, BatchSource, delivered_ids
 from beton_serve.engine.orders import (
@@ -20,14 +21,18 @@ from beton_serve.engine.orders import (
 
 __all__ = [
     "BadSample",
+    "BatchFuture",
     "BatchSource",
     "Engine",
     "OrderConfig",
     "OrderOption",
+    "Releasable",
+    "SourceCaps",
     "Task",
     "TraversalOrder",
     "delivered_ids",
     "distributed_rank_world",
     "epoch_length",
+    "ids_or",
     "make_order",
 ]

@@ -35,9 +35,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
+from beton_serve.engine._future import BatchFuture
 from beton_serve.errors import BetonError, PipelineError, drop_frame_locals
 
 __all__ = ["Engine", "Task"]
@@ -60,7 +60,7 @@ class Task:
         self.seq = seq
         self.fn = fn
         self.args = args
-        self.future: Future[Any] = Future()
+        self.future = BatchFuture()
         self._claimed = False
         self._running = False
         #: Workers this task killed (each death re-queues it, see the module docstring).

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from beton_serve.engine._future import BatchFuture, SourceCaps, ids_or
 from beton_serve.engine._pool import Engine
 from beton_serve.engine.orders import (
     OrderConfig,
@@ -53,8 +54,7 @@ __all__ = ["BatchSource", "BadSample", "delivered_ids"]
 def delivered_ids(fut: Future[Any], order_ids: NDArray[np.uint64]) -> NDArray[np.uint64]:
     """The sample ids the completed batch ``fut`` holds (see the module docstring): its
     ``sample_ids`` when the source set them (a skipped sample replaced), else ``order_ids``."""
-    ids = getattr(fut, "sample_ids", None)
-    return order_ids if ids is None else ids
+    return ids_or(fut, order_ids)
 
 
 def _forget_tasks(fut: Future[Any]) -> None:
@@ -62,9 +62,8 @@ def _forget_tasks(fut: Future[Any]) -> None:
     refers to its future, so the pair would be a reference cycle that keeps the batch's
     arrays, often views of a stream's shared-memory ring, alive until the garbage collector
     runs (issue 11). The list is emptied in place: copies of the future (sharing) hold it too."""
-    tasks = getattr(fut, "tasks", None)
-    if isinstance(tasks, list):
-        tasks.clear()
+    if isinstance(fut, BatchFuture):
+        fut.tasks.clear()
 
 
 class BadSample(NamedTuple):
@@ -206,7 +205,8 @@ class BatchSource:
         *,
         timeout: float | None = None,
         slices: int | None = None,
-    ) -> Future[list[np.ndarray]]:
+        by_reference: bool = False,
+    ) -> BatchFuture:
         """Run batch ``b`` of ``epoch`` on the engine.
 
         Blocks while ``batches_ahead`` batches of this source are in flight (the credit comes
@@ -220,6 +220,8 @@ class BatchSource:
             slices: units of work for this batch (default: the source's ``slices``). Slicing
                 lowers one batch's latency; whole batches cost less per image, so prefetch work
                 is best left whole.
+            by_reference: accepted for the source protocol; a plain source always writes
+                into ``out`` (its :attr:`caps` say so).
 
         Returns:
             A future of ``[out[i][:n] for each output]``; its exception is a
@@ -243,15 +245,15 @@ class BatchSource:
             task = self.engine.submit(
                 self._run, epoch, ids, 0, n, out, keys, held, priority=priority
             )
-            task.future.tasks = [task]  # type: ignore[attr-defined]
+            task.future.tasks.append(task)
             task.future.add_done_callback(_forget_tasks)
-            task.future.sample_ids = held  # type: ignore[attr-defined]
+            task.future.sample_ids = held
             task.future.add_done_callback(lambda _f: self._credit.release())
             return task.future
-        result: Future[list[np.ndarray]] = Future()
+        result = BatchFuture()
         result.set_running_or_notify_cancel()
         result.add_done_callback(lambda _f: self._credit.release())
-        result.sample_ids = held  # type: ignore[attr-defined]
+        result.sample_ids = held
         bounds = np.linspace(0, n, parts + 1).astype(int)
         pending = [parts]
         errors: list[BaseException] = []
@@ -285,15 +287,28 @@ class BatchSource:
             )
             tasks.append(task)
             task.future.add_done_callback(done)
-        result.tasks = tasks  # type: ignore[attr-defined]
+        result.tasks = tasks
         result.add_done_callback(_forget_tasks)
         return result
+
+    @property
+    def caps(self) -> SourceCaps:
+        """Never by reference; looks ahead unless a bad-sample budget is being spent."""
+        return SourceCaps(by_reference=False, look_ahead=self.bad_sample_budget == 0)
+
+    def skipped(self) -> list[BadSample]:
+        """The samples skipped under the bad-sample budget so far, oldest first."""
+        return self.bad_samples
+
+    def close(self) -> None:
+        """Nothing to free: the engine and the plan belong to the caller (the daemon)."""
 
     @staticmethod
     def promote(fut: Future[Any]) -> None:
         """Move a submitted batch ahead of prefetch work (its consumer is now waiting)."""
-        for task in getattr(fut, "tasks", ()):
-            task.promote()
+        if isinstance(fut, BatchFuture):
+            for task in fut.tasks:
+                task.promote()
 
     def _run(
         self,

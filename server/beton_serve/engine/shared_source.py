@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from beton_serve.engine._future import BatchFuture, SourceCaps
 from beton_serve.engine.sharing import Consumer, ShareKey, SharingRegistry
 from beton_serve.errors import BetonError
 
@@ -159,7 +160,7 @@ class SharedSource:
         *,
         slices: int | None = None,
         by_reference: bool = False,
-    ) -> Future[list[np.ndarray]]:
+    ) -> BatchFuture:
         """Deliver batch ``(epoch, b)`` into ``out`` (``None``: new arrays); ``slices`` is passed
         to the wrapped source when this stream decodes the batch.
 
@@ -190,14 +191,15 @@ class SharedSource:
             raise BetonError(f"no batch ({epoch}, {b}) from the sharing group")
         produced = batch.handle
         decoded_here = produced.owner is self
-        result: Future[list[np.ndarray]] = Future()
+        result = BatchFuture()
         result.set_running_or_notify_cancel()
-        result.decoded_here = decoded_here  # type: ignore[attr-defined]
-        result.tasks = getattr(produced.future, "tasks", ())  # type: ignore[attr-defined]
-        result.shared_ref = None  # type: ignore[attr-defined]
-        # The ids the group batch holds (a skipped sample replaced), as the producer's source
-        # patched them (engine._source.delivered_ids).
-        result.sample_ids = getattr(produced.future, "sample_ids", None)  # type: ignore[attr-defined]
+        result.decoded_here = decoded_here
+        group_future = produced.future
+        if isinstance(group_future, BatchFuture):
+            result.tasks = group_future.tasks  # shared: emptied when the group batch completes
+            # The ids the group batch holds (a skipped sample replaced), as the producer's
+            # source patched them (engine._source.delivered_ids).
+            result.sample_ids = group_future.sample_ids
 
         # One shot: the group future keeps its callbacks, so deliver lets go of what it needs
         # (the stream's slot views, its future, the group batch) once it ran; otherwise they
@@ -258,11 +260,22 @@ class SharedSource:
         produced.future.add_done_callback(deliver)
         return result
 
+    @property
+    def caps(self) -> SourceCaps:
+        """By reference when the daemon gave it an arena; looks ahead as its own source does."""
+        return SourceCaps(
+            by_reference=self.supports_by_reference, look_ahead=self.source.caps.look_ahead
+        )
+
+    def skipped(self) -> Sequence[Any]:
+        """The samples the wrapped source skipped (``BatchSource.skipped``)."""
+        return self.source.skipped()  # type: ignore[no-any-return]
+
     def promote(self, fut: Future[Any]) -> None:
         """Move the decode behind ``fut`` ahead of prefetch work (its consumer is waiting)."""
-        promote = getattr(self.source, "promote", None)
-        if promote is not None:
-            promote(fut)
+        if isinstance(fut, BatchFuture):
+            for task in fut.tasks:
+                task.promote()
 
     def close(self) -> None:
         """Leave the sharing group and release what this stream holds. Idempotent."""

@@ -18,12 +18,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from beton_serve.daemon import Daemon
-from beton_serve.daemon._grpc_batches import BATCH_SERVICE, producer_factory
+from beton_serve.daemon._grpc_batches import producer_factory
 from beton_serve.errors import ConfigError
 from beton_serve.rpc._errors import status_for
 from beton_serve.rpc._service import BetonServeServicer
 from beton_serve.rpc._strict import add_strict_servicer
 from beton_serve.transport.grpc_codec import add_batch_stream_handler
+from beton_serve.transport.grpc_ring import BATCH_SERVICE
 from beton_serve.transport.security import (
     AioBearerTokenInterceptor,
     TlsConfig,

@@ -61,6 +61,37 @@ class Published:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
+class NoticeExtras(Protocol):
+    """What a ring offers the notice channel (``beton_wire.notice``), beyond :class:`SlotTransport`.
+
+    Only the shm ring has it: an id table the client reads each batch's sample ids from, and one
+    release word per slot that the client stores a lease token into instead of sending a message.
+    """
+
+    #: Whether the daemon waits for a release to go on (the client then sends ``WAKE``).
+    starved: bool
+
+    def write_ids(self, slot: int, ids: np.ndarray) -> None:
+        """Store the sample ids of the batch in ``slot`` in the id table (before publishing)."""
+        ...
+
+    def arm(self, slot: int, token: int) -> None:
+        """Expect ``token`` in ``slot``'s release word."""
+        ...
+
+    def reap(self) -> list[int]:
+        """The slots whose release word holds the armed token (disarmed; release them)."""
+        ...
+
+    def disarm(self, slot: int) -> None:
+        """Stop expecting a token in ``slot``'s word (it was released another way)."""
+        ...
+
+    def client_wait_us(self) -> int:
+        """The client's total wait for data, as it last stored it (microseconds)."""
+        ...
+
+
 @runtime_checkable
 class SlotTransport(Protocol):
     """A ring of batch slots owned by one stream (see the module docstring for the contract)."""
@@ -68,6 +99,11 @@ class SlotTransport(Protocol):
     kind: str
     layout: SlotLayout
     slot_count: int
+
+    @property
+    def notice_extras(self) -> NoticeExtras | None:
+        """The id table and release words of the notice channel, or ``None`` (not shm)."""
+        ...
 
     def setup(self) -> TransportSetup:
         """Describe the ring for the client (sent once, in the OpenStream reply)."""
@@ -163,6 +199,11 @@ class HostSlotRing:
     layout: SlotLayout
     slot_count: int
     _base: np.ndarray
+
+    @property
+    def notice_extras(self) -> NoticeExtras | None:
+        """``None``: a plain host ring has no release words (the shm ring overrides this)."""
+        return None
 
     def _init_slots(self) -> None:
         self._state = [_FREE] * self.slot_count

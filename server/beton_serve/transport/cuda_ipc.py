@@ -197,6 +197,11 @@ class CudaIpcRing:
 
     kind = "cuda_ipc"
 
+    @property
+    def notice_extras(self) -> None:
+        """``None``: batches on the GPU are announced on the Batches call, not by notices."""
+        return None
+
     def __init__(
         self,
         layout: SlotLayout,

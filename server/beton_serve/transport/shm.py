@@ -225,6 +225,11 @@ class ShmRing(HostSlotRing):
             release_offset=self.release_offset,
         )
 
+    @property
+    def notice_extras(self) -> ShmRing:
+        """This ring: its id table and release words serve the notice channel."""
+        return self
+
     def arm(self, slot: int, token: int) -> None:
         """Expect ``token`` in ``slot``'s release word: the client stores it when it is done."""
         self._expected[slot] = token
