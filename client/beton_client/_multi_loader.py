@@ -45,7 +45,8 @@ from beton_wire.framing import ALIGN, Compression, OpenRequest
 from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-from beton_client._ops import PipelinePlan, SpecOp, build_tail
+from beton_client._ops import PipelinePlan
+from beton_client._tail import build_output_tails
 from beton_client._transport.grpc_codec import BatchStream, BufferPool
 from beton_client._transport.grpc_receiver import SAMPLE_IDS, GrpcSetupInfo
 from beton_client._transport.multi import AllDaemonsLostError, MultiDaemonReader, StreamLink
@@ -126,11 +127,9 @@ class RemoteStream:
         self.reply = daemons[0].reply
         self.num_batches = int(self.reply.num_batches)
         self.names = [o.name for o in self.reply.outputs]
-        tails = {p.name: list(p.tail) for p in plans}
-        self.tails = [
-            build_tail([*(SpecOp.from_wire(op) for op in o.client_ops), *tails.get(o.name, [])])
-            for o in self.reply.outputs
-        ]
+        self.tails = build_output_tails(
+            self.reply.outputs, plans, max(1, int(self.reply.batch_size))
+        )
         self.closed = False
         targets = [d.target for d in self.daemons]
         self.reader: MultiDaemonReader[Any] = MultiDaemonReader(
@@ -241,9 +240,7 @@ class RemoteEpochIterator(Iterator[tuple[Any, ...]]):
         )
         out = []
         for a, tail in zip(arrays, self.stream.tails, strict=True):
-            for op in tail:
-                a = op(a)
-            out.append(a)
+            out.append(tail(a, self.loader.last_sample_ids, self.epoch, self.loader.seed))
         self.index += 1
         self.loader._position = (self.epoch, self.index)
         if self.index == self.stream.num_batches:

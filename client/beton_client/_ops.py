@@ -1,13 +1,20 @@
 """Splitting an FFCV-style pipeline, and the client-side (torch) implementations of its tail.
 
-The split (DESIGN.md §7). Walking one pipeline from its decoder:
+The split (DESIGN.md §7, docs/custom-ops.md). Walking one pipeline from its decoder:
 
-* the **prefix**, ops the daemon can rebuild (they have a ``spec_name`` and ``spec_params()``) and
-  that work on numpy arrays, travels as ``(name, JSON params)`` and runs in the daemon;
+* the **prefix** runs in the daemon: built-in ops travel as ``(spec_name, JSON params)``; a
+  user's op (any other ``Operation``, i.e. anything with ``generate_code``) travels as
+  ``@import``: its ``spec_name``/``spec_params()`` if it has them (a plugin), its import path and
+  recorded constructor arguments if it has them (``Operation.import_spec()``), and why not
+  otherwise. The daemon runs it as a plugin, or imports its module from its own disk when it
+  trusts the peer, or hands it back: then the client runs that op and the rest of the pipeline
+  itself (``_tail``, compiled locally by ``_local_jit``);
 * the **tail** starts at the first op that works on torch tensors (``ToTensor``, ``ToDevice``,
-  ``ToTorchImage``, ``Convert``, ``Squeeze``, ``View``, ``ModuleWrapper``) or that cannot travel
-  (a ``torch.nn.Module``, a lambda); it runs here, on the received batch, in order. Ops that exist
-  in both worlds (``NormalizeImage``) run where they fall.
+  ``ToTorchImage``, ``Convert``, ``Squeeze``, ``View``, ``ModuleWrapper``) or that is no
+  ``Operation`` (a ``torch.nn.Module``, a lambda); it runs here, on the received batch, in order,
+  with FFCV's semantics (``_tail``). Each tail op travels as an ``@client`` placeholder, so the
+  daemon's graph has the in-process graph's nodes and positions (random ops' seeds derive from
+  them: ``beton_serve.pipeline.rng``).
 
 Ops are recognised by duck typing (``spec_name``, else the class name), so this module never
 imports ``beton_serve``; torch is imported only when a tail is built.
@@ -24,7 +31,25 @@ import numpy as np
 
 from beton_client.errors import SpecError
 
-__all__ = ["PipelinePlan", "SpecOp", "TailOp", "build_tail", "device_of", "split_pipelines"]
+__all__ = [
+    "CLIENT_OP",
+    "IMPORT_OP",
+    "LOCAL_MARKER",
+    "PipelinePlan",
+    "SpecOp",
+    "TailOp",
+    "build_tail",
+    "device_of",
+    "split_pipelines",
+]
+
+#: Wire names shared with the daemon (``beton_serve.pipeline.registry``, ``daemon._on_demand``).
+IMPORT_OP = "@import"
+CLIENT_OP = "@client"
+LOCAL_MARKER = "@local"
+#: Constructor arguments larger than this (as JSON) are not sent: the op runs here instead
+#: (well under ``beton_wire.limits.MAX_PARAMS_BYTES``).
+MAX_IMPORT_BYTES = 256 << 10
 
 #: Ops that run on torch tensors, hence in the client (by spec name / class name).
 TORCH_OPS = frozenset(
@@ -74,9 +99,14 @@ class PipelinePlan:
     Attributes:
         name: the output name.
         field: the field it reads.
-        ops: the daemon-side prefix as ``(spec name, JSON params)``.
-        tail: the client-side ops, in order (the user's objects).
+        ops: what is sent: ``(spec name, JSON params)`` per op of ``user_ops`` (the tail's as
+            ``@client`` placeholders).
+        tail: the client-side ops, in order (the user's objects): ``user_ops[boundary:]``.
         skip: ``True`` for ``pipelines={name: None}``.
+        user_ops: every op of the pipeline as the user listed it (decoder included when given).
+        boundary: the index in ``user_ops`` where the tail starts.
+        decoder_given: whether ``user_ops[0]`` is the decoder (else the daemon prepends the
+            field's default decoder, as ``build_graph`` does in process): positions depend on it.
     """
 
     name: str
@@ -84,6 +114,69 @@ class PipelinePlan:
     ops: tuple[tuple[str, str], ...]
     tail: tuple[Any, ...]
     skip: bool = False
+    user_ops: tuple[Any, ...] = ()
+    boundary: int = 0
+    decoder_given: bool = False
+
+
+def _is_operation(op: Any) -> bool:
+    return callable(getattr(op, "generate_code", None)) and callable(
+        getattr(op, "declare_state_and_memory", None)
+    )
+
+
+def is_builtin(op: Any) -> bool:
+    """An op of beton-serve itself (the daemon's registry has it by its ``spec_name``)."""
+    return type(op).__module__.startswith("beton_serve.") and _travels(op)
+
+
+def is_decoder(op: Any) -> bool:
+    """The rule of ``beton_serve.pipeline._graph`` (over the class's MRO: subclasses of a
+    decoder are decoders)."""
+    return any(
+        c.__module__.startswith("beton_serve.fields") or c.__name__.endswith("Decoder")
+        for c in type(op).__mro__
+        if c.__name__ not in ("Operation", "ABC", "object")
+    )
+
+
+def _user_op_params(op: Any, first: bool) -> str:
+    """The ``@import`` params of a user's op (see the module docstring)."""
+    why: list[str] = []
+    spec = None
+    # Only a spec_name the op's own class (or the op) declares: a subclass of a built-in
+    # inherits its name, and the daemon would build the built-in without the subclass's code.
+    own = "spec_name" in type(op).__dict__ or "spec_name" in getattr(op, "__dict__", {})
+    if own and _travels(op):
+        try:
+            spec = {"name": str(op.spec_name), "params": dict(op.spec_params())}
+            json.dumps(spec, allow_nan=False)
+        except (NotImplementedError, TypeError, ValueError, RecursionError) as exc:
+            why.append(f"plugin: {type(op).__name__}.spec_params() is unusable ({exc})")
+            spec = None
+    imp = None
+    fn = getattr(op, "import_spec", None)
+    if callable(fn):
+        try:
+            imp = fn()
+        except NotImplementedError as exc:
+            why.append(f"import: {exc}")
+        if imp is not None and len(json.dumps(imp)) > MAX_IMPORT_BYTES:
+            why.append(
+                f"import: {type(op).__name__}'s constructor arguments take more than "
+                f"{MAX_IMPORT_BYTES} bytes as JSON"
+            )
+            imp = None
+    else:
+        why.append(
+            f"import: {type(op).__name__} is not a beton_serve Operation, so its constructor "
+            "arguments were not recorded"
+        )
+    return json.dumps(
+        {"spec": spec, "import": imp, "why": why, "decoder": bool(first and is_decoder(op))},
+        sort_keys=True,
+        allow_nan=False,
+    )
 
 
 def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
@@ -93,8 +186,8 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
     (``source``, ``decoder``, ``transforms``).
 
     Raises:
-        SpecError: an op cannot run anywhere (an unregistered custom ``Operation``), or a prefix op
-            has no JSON-safe parameters.
+        SpecError: an op is neither an ``Operation`` nor callable, or a built-in op's parameters
+            are not JSON-safe.
     """
     out: list[PipelinePlan] = []
     for name, value in (pipelines or {}).items():
@@ -114,22 +207,35 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
             ops = list(value)
         boundary = len(ops)
         for i, op in enumerate(ops):
-            if _op_name(op) in TORCH_OPS or not _travels(op):
+            if _op_name(op) in TORCH_OPS or not (_is_operation(op) or _travels(op)):
                 boundary = i
                 break
         prefix, tail = ops[:boundary], ops[boundary:]
         for op in tail:
-            if hasattr(op, "generate_code") and _op_name(op) not in CLIENT_IMPLEMENTED:
-                raise SpecError(
-                    f"pipeline {name!r}: {type(op).__name__} is a custom Operation after the "
-                    "ToTensor/ToDevice boundary; the client runs only torch modules and "
-                    "callables there. Load it into the daemon (--plugin) and place it before "
-                    "ToTensor(), or wrap the torch code in a torch.nn.Module"
-                )
-            if not callable(op) and _op_name(op) not in CLIENT_IMPLEMENTED:
+            if (
+                not callable(op)
+                and not _is_operation(op)
+                and _op_name(op) not in CLIENT_IMPLEMENTED
+            ):
                 raise SpecError(f"pipeline {name!r}: {op!r} is neither an op nor callable")
-        wire = tuple((_op_name(op), _wire_params(op, name)) for op in prefix)
-        out.append(PipelinePlan(name, field, wire, tuple(tail)))
+        wire = tuple(
+            (_op_name(op), _wire_params(op, name))
+            if is_builtin(op) or isinstance(op, SpecOp) or not _is_operation(op)
+            else (IMPORT_OP, _user_op_params(op, i == 0))
+            for i, op in enumerate(prefix)
+        )
+        wire += tuple((CLIENT_OP, "{}") for _ in tail)
+        out.append(
+            PipelinePlan(
+                name,
+                field,
+                wire,
+                tuple(tail),
+                user_ops=tuple(ops),
+                boundary=boundary,
+                decoder_given=bool(ops) and is_decoder(ops[0]),
+            )
+        )
     return out
 
 

@@ -28,8 +28,9 @@ from beton_wire import notice
 from beton_wire.slots import DTYPE_NAMES, slot_layout
 from beton_wire.v1 import beton_pb2 as pb
 
-from beton_client._ops import PipelinePlan, SpecOp, build_tail
+from beton_client._ops import PipelinePlan
 from beton_client._resume import RetryPolicy, retriable
+from beton_client._tail import build_output_tails
 from beton_client._transport import Receiver, ShmReceiver, TensorInfo
 from beton_client._transport.shm import NoticeChannel
 from beton_client.errors import ServerError, ServerUnavailable, from_rpc_error
@@ -81,15 +82,15 @@ class _Stream:
         self.target = target
         self.num_batches = int(reply.num_batches)
         self.names = [o.name for o in reply.outputs]
-        tails = {p.name: list(p.tail) for p in plans}
-        self.tails = [
-            build_tail([*(SpecOp.from_wire(op) for op in o.client_ops), *tails.get(o.name, [])])
-            for o in reply.outputs
-        ]
+        self.tails = build_output_tails(reply.outputs, plans, max(1, int(reply.batch_size)))
         self.held: tuple[int, int, int, int] | None = None  # (slot, batch, wait_us, lease token)
         self.wait_us = 0  # total, reported through the release words
         self._started = False
         self.notice = _connect_notices(reply, receiver)
+        #: Per-stream constants of the per-batch path: the shm receiver (``None``: another
+        #: transport) and the receiver's own release step (cuda_ipc records an event there).
+        self.shm = receiver if isinstance(receiver, ShmReceiver) else None
+        self._release_hook = getattr(receiver, "release", None)
         self._layout = slot_layout(
             [(o.name, tuple(o.shape), DTYPE_NAMES[o.dtype]) for o in reply.outputs],
             max(1, int(reply.batch_size)),
@@ -128,13 +129,13 @@ class _Stream:
         if self.held is not None:
             slot, index, wait_us, token = self.held
             self.held = None
-            release = getattr(self.receiver, "release", None)
+            release = self._release_hook
             if release is not None:  # cuda_ipc: record the free event before the Release
                 release(slot)
-            if self.notice is not None:  # a store in shared memory; a record only if starved
-                assert isinstance(self.receiver, ShmReceiver)
+            shm = self.shm
+            if self.notice is not None and shm is not None:  # a store; a record only if starved
                 self.wait_us += wait_us
-                if self.receiver.release_word(slot, token, self.wait_us):
+                if shm.release_word(slot, token, self.wait_us):
                     self.notice.wake()
             else:
                 self.send(
@@ -183,8 +184,10 @@ class _Stream:
             except ValueError as exc:
                 raise ServerError(f"bad BATCH_AT record: {exc}") from None
             at = (segment, offset)
-        assert isinstance(self.receiver, ShmReceiver)
-        return Ready(b, c, a, d, self._tensors(d), self.receiver.ids(a, d), at)
+        shm = self.shm
+        if shm is None:  # _connect_notices opens a notice channel for shm receivers only
+            raise ServerError("a notice channel without an shm receiver")
+        return Ready(b, c, a, d, self._tensors(d), shm.ids(a, d), at)
 
     def _tensors(self, length: int) -> list[TensorInfo]:
         if length == self._layout.batch_size and self._full is not None:
@@ -254,6 +257,8 @@ class EpochOwner(Protocol):
 
     #: Copy each batch out of its slot and release the slot at once.
     copy: bool
+    #: The augmentation seed (seed keys of ops the client runs, ``_tail``).
+    seed: int
     #: How long to try reconnecting when the daemon goes away.
     reconnect: RetryPolicy
     #: Written with each batch's sample ids (``uint64``).
@@ -317,9 +322,13 @@ class _EpochIterator(Iterator[tuple[Any, ...]]):
                 f"out-of-order batch: expected epoch {self.epoch} batch {self.index}, got "
                 f"epoch {b.epoch} batch {b.index}"
             )
+        shm = s.shm
         if b.at is not None:
-            assert isinstance(s.receiver, ShmReceiver)
-            arrays = s.receiver.arrays_at(b.at[0], b.at[1], b.tensors)
+            if shm is None:
+                raise ServerError("a shared batch (BATCH_AT) on a stream that is not shm")
+            arrays = shm.arrays_at(b.at[0], b.at[1], b.tensors)
+        elif shm is not None and b.tensors is s._full:  # views built once per slot
+            arrays = shm.slot_arrays(b.slot, b.tensors)
         else:
             arrays = s.receiver.arrays(b.slot, b.tensors)
         s.held = (b.slot, b.index, wait_us, notice.lease_token(b.epoch, b.index, s.num_batches))
@@ -331,9 +340,7 @@ class _EpochIterator(Iterator[tuple[Any, ...]]):
         self.loader.last_sample_ids = b.sample_ids
         out = []
         for a, tail in zip(arrays, s.tails, strict=True):
-            for op in tail:
-                a = op(a)
-            out.append(a)
+            out.append(tail(a, b.sample_ids, self.epoch, self.loader.seed))
         self.index += 1
         self.loader._position = (self.epoch, self.index)
         if self.index == s.num_batches:

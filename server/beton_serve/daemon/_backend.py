@@ -109,11 +109,16 @@ class SourceParams:
 class Backend(Protocol):
     """What the daemon needs from the decoding layers."""
 
-    def open_dataset(self, path: str) -> Any:
-        """Open and validate one ``.beton`` file; raises ``FormatError``."""
+    def open_dataset(self, path: str, custom_fields: Mapping[str, type] | None = None) -> Any:
+        """Open and validate one ``.beton`` file, reading the fields named in ``custom_fields``
+        with those classes (FFCV's ``custom_fields``); raises ``FormatError``."""
         ...
 
     def num_samples(self, reader: Any) -> int: ...
+
+    def is_field_class(self, cls: type) -> bool:
+        """Whether ``cls`` is a ``Field`` subclass (a ``custom_fields`` value)."""
+        ...
 
     def fields(self, reader: Any) -> list[tuple[str, str]]:
         """``(field name, field class name)`` in file order."""
@@ -166,13 +171,18 @@ class Backend(Protocol):
 class EngineBackend:
     """The real backend: ``BetonReader``, ``op_from_spec``, ``compile_pipelines``, ``Engine``."""
 
-    def open_dataset(self, path: str) -> Any:
+    def open_dataset(self, path: str, custom_fields: Mapping[str, type] | None = None) -> Any:
         from beton_serve.format import BetonReader
 
-        return BetonReader(os.fspath(path))
+        return BetonReader(os.fspath(path), custom_fields=dict(custom_fields or {}) or None)
 
     def num_samples(self, reader: Any) -> int:
         return int(reader.num_samples)
+
+    def is_field_class(self, cls: type) -> bool:
+        from beton_serve.fields.base import Field
+
+        return issubclass(cls, Field)
 
     def fields(self, reader: Any) -> list[tuple[str, str]]:
         return [(n, type(reader.handlers[n]).__name__) for n in reader.field_names]

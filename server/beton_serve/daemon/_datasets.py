@@ -65,6 +65,9 @@ class Dataset:
     files: tuple[FileIdentity, ...] = ()
     #: Opened because a client named its file (closed again after an idle time).
     on_demand: bool = False
+    #: The custom field classes it was opened with, as sorted ``name=module:qualname`` entries
+    #: (``()``: the built-in classes only). Part of :attr:`key`.
+    custom: tuple[str, ...] = ()
     #: When its last stream ended (monotonic seconds; ``None`` while it has streams).
     idle_since: float | None = None
     _extra: dict[str, Any] = field(default_factory=dict)
@@ -83,7 +86,7 @@ class Dataset:
         cached = self._extra.get("key")
         if cached is None:
             ids = [[f.path, f.device, f.inode, f.size, f.mtime_ns] for f in self.files]
-            text = json.dumps([self.name, self.paths, self.schema_key, ids])
+            text = json.dumps([self.name, self.paths, self.schema_key, ids, list(self.custom)])
             cached = self._extra["key"] = hashlib.sha256(text.encode()).hexdigest()
         return str(cached)
 
@@ -178,12 +181,16 @@ class DatasetTable:
             self.close()
             raise
 
-    def _open(self, name: str, paths: list[str]) -> Dataset:
+    def _open(
+        self, name: str, paths: list[str], custom_fields: Mapping[str, type] | None = None
+    ) -> Dataset:
         b = self._backend
         readers: list[Any] = []
         try:
             for p in paths:
-                readers.append(b.open_dataset(p))
+                readers.append(
+                    b.open_dataset(p, custom_fields) if custom_fields else b.open_dataset(p)
+                )
             first = readers[0]
             key = b.schema_key(first)
             fields = b.fields(first)
@@ -208,15 +215,21 @@ class DatasetTable:
             combined=combined,
             watch=FileWatch(paths),
             files=tuple(_identity(p) for p in paths),
+            custom=tuple(sorted(f"{k}={_class_path(v)}" for k, v in (custom_fields or {}).items())),
         )
 
-    def find_file(self, file: FileIdentity, *, same_host: bool) -> Dataset | None:
-        """The served dataset whose one file *is* ``file`` (by identity), or ``None``.
+    def find_file(
+        self, file: FileIdentity, *, same_host: bool, custom: tuple[str, ...] = ()
+    ) -> Dataset | None:
+        """The served dataset whose one file *is* ``file`` (by identity), opened with the custom
+        field classes ``custom`` (sorted ``name=module:qualname``), or ``None``.
 
         Raises:
             SpecError: ``file`` is one shard of a sharded dataset (open it by name).
         """
         for ds in self._by_name.values():
+            if ds.custom != custom:
+                continue
             for i, ident in enumerate(ds.files):
                 if not ident.same_file(file, same_host=same_host):
                     continue
@@ -265,16 +278,28 @@ class DatasetTable:
             "dataset by name"
         )
 
-    def open_file(self, path: str) -> Dataset:
-        """Open ``path`` as a single-file dataset *not yet served* (:meth:`adopt` serves it); may
-        run on another thread than the table's users (it only reads the file).
+    def open_file(
+        self, path: str | Sequence[str], custom_fields: Mapping[str, type] | None = None
+    ) -> Dataset:
+        """Open ``path`` (or the shards ``path``) as a dataset *not yet served* (:meth:`adopt`
+        serves it), reading the fields of ``custom_fields`` with those classes; may run on
+        another thread than the table's users (it only reads the files).
 
         Raises:
-            FormatError: the file is invalid (the reader's error).
+            FormatError: a file is invalid (the reader's error).
         """
-        ds = self._open(Path(path).stem, [path])
+        paths = [path] if isinstance(path, str) else list(path)
+        ds = self._open(Path(paths[0]).stem, paths, custom_fields)
         ds.on_demand = True
         return ds
+
+    def find_variant(self, paths: Sequence[str], custom: tuple[str, ...]) -> Dataset | None:
+        """The dataset over exactly ``paths`` opened with the custom classes ``custom``."""
+        want = [os.path.realpath(p) for p in paths]
+        for ds in self._by_name.values():
+            if ds.custom == custom and [os.path.realpath(p) for p in ds.paths] == want:
+                return ds
+        return None
 
     def adopt(self, ds: Dataset) -> Dataset:
         """Serve ``ds`` (from :meth:`open_file`) under its stem, or ``stem@2``, ``stem@3``...
@@ -350,3 +375,7 @@ def _schema_diff(b: Backend, a: Any, other: Any, fields: list[tuple[str, str]]) 
         if sa != sb:
             return f"field {n!r} differs: {sa} vs {sb}"
     return "the schema keys differ"
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"

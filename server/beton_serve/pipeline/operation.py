@@ -26,11 +26,15 @@ An op is planned once and compiled once:
 
 beton-serve streams pipelines over the wire as data, so every built-in op also has a registered
 ``spec_name`` and JSON-safe ``spec_params()``; ``beton_serve.pipeline.registry`` rebuilds ops from
-them. Custom ops run in the daemon only when loaded as plugins.
+them. A user's op needs neither (docs/custom-ops.md): every subclass's constructor records its
+arguments when they are JSON-safe (:meth:`Operation.import_spec`), so that a daemon allowed to
+import the op's module from its own disk can rebuild it; otherwise the client runs it.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -56,6 +60,25 @@ class Operation(ABC):
     #: samples), so the batch is never split into slices across workers.
     torch_op: ClassVar[bool] = False
     batch_wide: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Wrap the subclass's own ``__init__`` so that each instance records the arguments it
+        was built with, when JSON-safe (for :meth:`import_spec`; no boilerplate in user ops)."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "_beton_records_args", False):
+            return
+
+        @functools.wraps(init)
+        def __init__(self: Operation, *args: Any, **kw: Any) -> None:
+            # Only the constructor the instance's own class resolves to records: a subclass's
+            # super().__init__(...) call must not overwrite its caller's arguments.
+            if type(self).__init__ is __init__:
+                self.__dict__["_beton_init_args"] = _json_safe_args(args, kw)
+            init(self, *args, **kw)
+
+        __init__._beton_records_args = True  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[method-assign]
 
     def __init__(self) -> None:
         self.metadata: Any = None
@@ -100,6 +123,49 @@ class Operation(ABC):
             "--plugin and give it a spec_name, or run it in the client after ToDevice"
         )
 
+    def import_spec(self) -> dict[str, Any]:
+        """How a daemon may rebuild this op from its own copy of the op's module.
+
+        Returns ``{"module", "qualname", "args", "kwargs"}``: the class's import path and the
+        constructor arguments recorded when this instance was built (JSON-safe values only:
+        ``None``, bools, numbers, strings, lists and dicts of them; tuples come back as lists).
+        The daemon imports ``module`` from its own ``sys.path``, never code from the wire, and
+        only for a peer it trusts (docs/custom-ops.md).
+
+        Raises:
+            NotImplementedError: the op cannot be rebuilt that way; the message says why (the
+                class lives in ``__main__`` or is local to a function, or an argument is not
+                JSON-safe).
+        """
+        cls = type(self)
+        name = cls.__qualname__
+        if cls.__module__ == "__main__":
+            raise NotImplementedError(
+                f"{name} is defined in the script (__main__), which a daemon cannot import; "
+                "move it into a module"
+            )
+        if "<locals>" in name:
+            raise NotImplementedError(
+                f"{name} is defined inside a function; define it at module level"
+            )
+        if "_beton_init_args" in self.__dict__:
+            recorded = self.__dict__["_beton_init_args"]
+        elif type(self).__init__ is Operation.__init__:
+            recorded = ([], {})
+        else:
+            raise NotImplementedError(
+                f"{name}'s constructor arguments were not recorded (its __init__ was added "
+                "after the class was created, e.g. by @dataclass, or it was built without "
+                "calling it)"
+            )
+        if recorded is None:
+            raise NotImplementedError(
+                f"{name}'s constructor arguments are not JSON-safe (numbers, strings, bools, None, "
+                "lists and dicts of them)"
+            )
+        args, kwargs = recorded
+        return {"module": cls.__module__, "qualname": name, "args": args, "kwargs": kwargs}
+
     def __repr__(self) -> str:
         try:
             params = self.spec_params()
@@ -107,3 +173,31 @@ class Operation(ABC):
             return f"{type(self).__name__}()"
         args = ", ".join(f"{k}={v!r}" for k, v in params.items())
         return f"{type(self).__name__}({args})"
+
+
+def _json_value(value: Any, depth: int = 0) -> Any:
+    """``value`` as a JSON value (tuples as lists); ``TypeError`` if it is not JSON-safe."""
+    if depth > 32:
+        raise TypeError("nested too deep")
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int | float) and type(value) in (int, float):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TypeError("not finite")
+        return value
+    if isinstance(value, list | tuple):
+        return [_json_value(v, depth + 1) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _json_value(v, depth + 1) for k, v in value.items()}
+    raise TypeError(type(value).__name__)
+
+
+def _json_safe_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]] | None:
+    """``(args, kwargs)`` as JSON values, or ``None`` if any is not JSON-safe (numpy scalars and
+    arrays, objects, non-finite floats, dicts with non-str keys are not)."""
+    try:
+        return _json_value(list(args)), _json_value(dict(kwargs))
+    except TypeError:
+        return None

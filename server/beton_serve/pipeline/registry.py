@@ -7,6 +7,17 @@ built-in op has a ``spec_name`` (its FFCV class name) and JSON-safe ``spec_param
 Built-ins are registered by module path and imported on first use, so importing this module does
 not import Numba, OpenCV or torch. A registry is an object (:class:`OpRegistry`); the module-level
 functions use the default one, which holds the built-ins.
+
+Two reserved wire names carry a user's ops (docs/custom-ops.md):
+
+* :data:`IMPORT_OP` (``"@import"``): an op the daemon may build itself, with params
+  ``{"spec": {"name", "params"} | None, "import": Operation.import_spec() | None, "why": [str],
+  "decoder": bool}``. :meth:`OpRegistry.build_imported` imports the named module from the
+  daemon's own ``sys.path`` (never code from the wire); the daemon calls it only for peers its
+  :class:`~beton_serve.daemon.OpImportPolicy` trusts.
+* :data:`CLIENT_OP` (``"@client"``): a placeholder for an op the client runs itself. It keeps
+  the op's node (hence its position, which random ops' seeds derive from) in the daemon's graph,
+  and ends the daemon-side (jit) prefix there.
 """
 
 from __future__ import annotations
@@ -14,12 +25,52 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from beton_serve.errors import SpecError
 from beton_serve.pipeline.operation import Operation
+from beton_serve.pipeline.state import State
 
-__all__ = ["OpRegistry", "default_registry", "op_from_spec", "register_op", "registered_ops"]
+__all__ = [
+    "CLIENT_OP",
+    "IMPORT_OP",
+    "ClientOp",
+    "OpRegistry",
+    "default_registry",
+    "op_from_spec",
+    "register_op",
+    "registered_ops",
+]
+
+#: Wire name of an op the daemon may import from its own disk (see the module docstring).
+IMPORT_OP = "@import"
+#: Wire name of the placeholder of an op that runs in the client.
+CLIENT_OP = "@client"
+
+
+class ClientOp(Operation):
+    """Placeholder for an op the client runs: it ends the jit prefix and keeps its node's place.
+
+    Its output state is its input's, out of jit mode, so the planner ends the daemon-side prefix
+    before it; nothing calls its function (the client tail is run by the client).
+    """
+
+    spec_name = CLIENT_OP
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, None]:
+        return replace(previous_state, jit_mode=False), None
+
+    def generate_code(self) -> Callable[..., Any]:
+        def client_side(inp, dst):
+            raise SpecError("this op runs in the client; the daemon cannot run it")
+
+        return client_side
+
+    def spec_params(self) -> dict[str, Any]:
+        return {}
+
 
 _DECODERS = "beton_serve.fields.decoders"
 _T = "beton_serve.transforms"
@@ -115,6 +166,50 @@ class OpRegistry:
             self._lazy.pop(name, None)
         return found  # type: ignore[no-any-return]
 
+    def build_imported(self, spec: Any) -> Operation:
+        """Build a user's op from its ``Operation.import_spec()``, importing its module here.
+
+        The module is imported by name from this process's ``sys.path`` (the daemon's own disk);
+        nothing but the names and the JSON arguments comes from the request. The caller decides
+        whether the peer may make it import at all (``OpImportPolicy``).
+
+        Raises:
+            SpecError: the spec is malformed, the module cannot be imported, the name is not an
+                ``Operation`` subclass there, or its constructor rejected the arguments.
+        """
+        if not isinstance(spec, dict):
+            raise SpecError("no import path was sent for this op")
+        module, qualname = spec.get("module"), spec.get("qualname")
+        args, kwargs = spec.get("args", []), spec.get("kwargs", {})
+        if not (isinstance(module, str) and module and isinstance(qualname, str) and qualname):
+            raise SpecError("the op's import path needs a module and a qualname")
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise SpecError("the op's recorded arguments must be a list and an object")
+        if module == "__main__" or module.startswith(".") or "<locals>" in qualname:
+            raise SpecError(f"{module}.{qualname} cannot be imported by name")
+        try:
+            obj: Any = importlib.import_module(module)
+        except Exception as exc:  # an ImportError, or whatever the module's top level raised
+            raise SpecError(
+                f"the daemon cannot import module {module!r} ({type(exc).__name__}: {exc}); "
+                "install it where the daemon runs, or put it on the daemon's PYTHONPATH"
+            ) from None
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                raise SpecError(f"module {module!r} (the daemon's copy) has no {qualname!r}")
+        if not (inspect.isclass(obj) and issubclass(obj, Operation)):
+            raise SpecError(f"{module}.{qualname} is not an Operation subclass")
+        try:
+            return obj(*args, **kwargs)  # type: ignore[no-any-return]
+        except SpecError:
+            raise
+        except Exception as exc:
+            raise SpecError(
+                f"{module}.{qualname}(*{args!r}, **{kwargs!r}) failed in the daemon: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+
     def build(self, name: str, params: dict[str, Any] | None) -> Operation:
         """Build the op ``name`` from its ``spec_params``.
 
@@ -125,6 +220,14 @@ class OpRegistry:
             SpecError: unknown name, params not a dict of str keys, or the constructor rejected
                 them (the message names the op and its expected parameters).
         """
+        if name == CLIENT_OP:  # reserved names: built by every registry, never listed
+            return ClientOp()
+        if name == IMPORT_OP:
+            # The daemon rewrites these params itself after asking its OpImportPolicy; a client
+            # cannot set "import_allowed" (docs/custom-ops.md).
+            if not isinstance(params, dict) or params.get("import_allowed") is not True:
+                raise SpecError("importing op modules is not allowed for this request")
+            return self.build_imported(params.get("import"))
         cls = self.lookup(name)
         if params is None:
             params = {}

@@ -1,0 +1,366 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""Custom FFCV Operations from the training script, served, unchanged (issue 13 §2).
+
+Every route of docs/custom-ops.md through a real daemon, over shm and grpc, against the
+in-process Loader, bit for bit (pixels and labels):
+
+* after the ToTensor boundary: an op that normalises channel 0 after ToTensor/ToTorchImage/
+  Convert (the seed document's pattern) and an op ``with_indices``, run by the client as FFCV runs
+  them;
+* route b: a Numba op before ToTensor, defined in a module the daemon can import too, rebuilt by
+  the daemon from its automatically recorded constructor arguments;
+* route c: the same op from a module the daemon cannot import, and from ``__main__``, run by the
+  client, with a random op after it (seed keys from the in-process graph's positions).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from beton_client import Loader
+from beton_client.errors import SpecError
+from beton_serve.fields import IntField, RGBImageField
+from beton_serve.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+from beton_serve.loader import Loader as InProcessLoader
+from beton_serve.loader import OrderOption
+from beton_serve.transforms import (
+    Convert,
+    RandomHorizontalFlip,
+    Squeeze,
+    ToTensor,
+    ToTorchImage,
+)
+from beton_serve.writer import DatasetWriter
+from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+N, H, W = 24, 12, 10
+BATCH = 8
+SEED = 7
+
+#: The user's ops, as a training script's own module would hold them.
+OPS_SOURCE = textwrap.dedent(
+    '''
+    from dataclasses import replace
+
+    import numpy as np
+    import torch
+
+    from beton_serve.pipeline.allocation_query import AllocationQuery
+    from beton_serve.pipeline.compiler import Compiler
+    from beton_serve.pipeline.operation import Operation
+
+
+    class NormalizeFirstChannel(Operation):
+        """The seed document's op: channel 0 of a (B, C, H, W) float batch, in place."""
+
+        def __init__(self, mean, std):
+            super().__init__()
+            self.mean, self.std = mean, std
+
+        def generate_code(self):
+            mean, std = self.mean, self.std
+
+            def normalize(images, dst):
+                images[:, 0] = (images[:, 0] - mean) / std
+                return images
+
+            return normalize
+
+        def declare_state_and_memory(self, previous_state):
+            return previous_state, None
+
+
+    class AddSampleId(Operation):
+        """labels + sample id, into its own buffer (with_indices)."""
+
+        def generate_code(self):
+            def add(labels, dst, indices):
+                ids = torch.from_numpy(indices.astype(np.int64)).view(-1, 1)
+                dst.copy_(labels + ids)
+                return dst
+
+            add.with_indices = True
+            return add
+
+        def declare_state_and_memory(self, previous_state):
+            return previous_state, AllocationQuery(
+                previous_state.shape, previous_state.dtype, previous_state.device
+            )
+
+
+    class Posterize(Operation):
+        """A Numba op before ToTensor: keep the top `bits` bits of each pixel, plus the sample
+        id's parity in the last bit (uses with_indices)."""
+
+        def __init__(self, bits, *, invert=False):
+            super().__init__()
+            self.bits, self.invert = bits, invert
+
+        def generate_code(self):
+            my_range = Compiler.get_iterator()
+            mask = np.uint8((0xFF << (8 - self.bits)) & 0xFF)
+            invert = self.invert
+
+            def posterize(images, dst, indices):
+                for i in my_range(images.shape[0]):
+                    odd = np.uint8(indices[i] % 2)
+                    for y in range(images.shape[1]):
+                        for x in range(images.shape[2]):
+                            for c in range(images.shape[3]):
+                                v = images[i, y, x, c]
+                                if invert:
+                                    v = np.uint8(255) - v
+                                dst[i, y, x, c] = (v & mask) | odd
+                return dst
+
+            posterize.with_indices = True
+            return posterize
+
+        def declare_state_and_memory(self, previous_state):
+            return replace(previous_state), AllocationQuery(
+                previous_state.shape, previous_state.dtype
+            )
+    '''
+)
+
+
+class _Images:
+    def __init__(self) -> None:
+        rng = np.random.default_rng(3)
+        self.images = rng.integers(0, 256, (N, H, W, 3), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        return self.images[i], int(i * 3 + 1)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("custom-ops") / "images.beton"
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="raw"), "label": IntField()}
+    ).from_indexed_dataset(_Images())
+    return path
+
+
+@pytest.fixture(scope="module")
+def labels_first(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same samples with the label field first: the image pipeline's nodes come after the
+    label pipeline's, tail included."""
+    path = tmp_path_factory.mktemp("custom-ops") / "labels_first.beton"
+    rows = _Images()
+
+    class Swapped:
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, i: int):
+            image, label = rows[i]
+            return label, image
+
+    DatasetWriter(
+        str(path), {"label": IntField(), "image": RGBImageField(write_mode="raw")}
+    ).from_indexed_dataset(Swapped())
+    return path
+
+
+def _module(where: Path, name: str) -> object:
+    """Write the ops module as ``name`` under ``where`` and import it in this process."""
+    where.mkdir(parents=True, exist_ok=True)
+    (where / f"{name}.py").write_text(OPS_SOURCE)
+    sys.path.insert(0, str(where))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(where))
+
+
+@pytest.fixture
+def mods(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short_tmp: Path):
+    """``(importable, private)``: the daemon's PYTHONPATH has the first module, not the second."""
+    shared = tmp_path / "shared"
+    private = tmp_path / "private"
+    tag = tmp_path.name.replace("-", "_")[-20:]
+    a = _module(shared, f"user_ops_shared_{tag}")
+    b = _module(private, f"user_ops_private_{tag}")
+    monkeypatch.setenv("PYTHONPATH", str(shared))
+    yield a, b
+    sys.modules.pop(a.__name__, None)
+    sys.modules.pop(b.__name__, None)
+
+
+def _epochs(loader, epochs: int = 2) -> list[tuple]:
+    out = []
+    for _ in range(epochs):
+        for batch in loader:
+            out.append(
+                tuple(x.clone() if isinstance(x, torch.Tensor) else np.array(x) for x in batch)
+            )
+    return out
+
+
+def _assert_same(served: list[tuple], local: list[tuple]) -> None:
+    assert len(served) == len(local) > 0
+    for a, b in zip(served, local, strict=True):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            x = torch.as_tensor(x)
+            y = torch.as_tensor(y)
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x.cpu(), y.cpu())
+
+
+def _compare(dataset: Path, address: str, transport: str, make_pipelines) -> list[tuple]:
+    kw = dict(batch_size=BATCH, order=OrderOption.RANDOM, seed=SEED, drop_last=False)
+    with InProcessLoader(str(dataset), pipelines=make_pipelines(), **kw) as ref:
+        local = _epochs(ref)
+    with Loader(
+        str(dataset),
+        pipelines=make_pipelines(),
+        server=address,
+        transport=transport,
+        spawn=False,
+        **kw,
+    ) as loader:
+        assert loader.chosen_transport == transport
+        served = _epochs(loader)
+    _assert_same(served, local)
+    return served
+
+
+TRANSPORTS = ["shm", "grpc"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ops_after_the_boundary_run_in_the_client(dataset, mods, daemon_factory, transport):
+    ops, _ = mods
+    d = daemon_factory([dataset])
+
+    def pipelines():
+        return {
+            "image": [
+                SimpleRGBImageDecoder(),
+                RandomHorizontalFlip(0.5),
+                ToTensor(),
+                ToTorchImage(),
+                Convert(torch.float32),
+                ops.NormalizeFirstChannel(100.0, 50.0),
+            ],
+            "label": [IntDecoder(), ToTensor(), ops.AddSampleId(), Squeeze()],
+        }
+
+    served = _compare(dataset, d.address, transport, pipelines)
+    assert served[0][0].dtype == torch.float32 and served[0][1].ndim == 1
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_importable_numba_op_runs_in_the_daemon(dataset, mods, daemon_factory, transport, caplog):
+    ops, _ = mods
+    d = daemon_factory([dataset])
+
+    def pipelines():
+        return {
+            "image": [
+                SimpleRGBImageDecoder(),
+                ops.Posterize(3, invert=True),
+                RandomHorizontalFlip(0.5),
+                ToTensor(),
+            ],
+            "label": [IntDecoder(), ToTensor()],
+        }
+
+    with caplog.at_level(logging.INFO, logger="beton_client"):
+        _compare(dataset, d.address, transport, pipelines)
+    assert "in this process" not in caplog.text  # route b: nothing ran here
+    assert "run in the client" not in d.log()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_op_the_daemon_cannot_import_runs_in_the_client(
+    dataset, mods, daemon_factory, transport, caplog
+):
+    _, private = mods
+    d = daemon_factory([dataset])
+
+    def pipelines():
+        # A random op after the handed-back op, and one in the next pipeline: both draw the
+        # in-process Loader's numbers (positions of the in-process graph).
+        return {
+            "image": [
+                SimpleRGBImageDecoder(),
+                private.Posterize(4),
+                RandomHorizontalFlip(0.5),
+                ToTensor(),
+                ToTorchImage(),
+            ],
+            "label": [IntDecoder(), ToTensor()],
+        }
+
+    with caplog.at_level(logging.INFO, logger="beton_client"):
+        _compare(dataset, d.address, transport, pipelines)
+    text = caplog.text
+    assert "Posterize" in text and "compiled here with Numba" in text
+    assert "cannot import module" in text
+    assert "ops from #1 run in the client" in d.log()
+
+
+def test_op_from_main_runs_in_the_client_and_logs_once(dataset, mods, daemon_factory, caplog):
+    ops, _ = mods
+    d = daemon_factory([dataset])
+    script_op = type("ScriptPosterize", (ops.Posterize,), {"__module__": "__main__"})
+
+    def pipelines():
+        return {
+            "image": [SimpleRGBImageDecoder(), script_op(2), RandomHorizontalFlip(0.5)],
+            "label": [IntDecoder(), ToTensor()],
+        }
+
+    with caplog.at_level(logging.INFO, logger="beton_client"):
+        _compare(dataset, d.address, "shm", pipelines)
+        _compare(dataset, d.address, "shm", pipelines)
+    lines = [r for r in caplog.records if "ScriptPosterize" in r.getMessage()]
+    assert len(lines) == 1
+    assert "__main__" in lines[0].getMessage()
+
+
+def test_a_custom_decoder_that_can_run_nowhere_is_refused(dataset, mods, daemon_factory):
+    _, private = mods
+    d = daemon_factory([dataset])
+    decoder_cls = type("ScriptDecoder", (SimpleRGBImageDecoder,), {"__module__": private.__name__})
+    with pytest.raises(SpecError, match=r"can run nowhere.*plugin.*import"):
+        Loader(
+            str(dataset),
+            BATCH,
+            pipelines={"image": [decoder_cls(), ToTensor()]},
+            server=d.address,
+            spawn=False,
+        )
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_random_op_after_another_pipelines_tail_draws_in_process_numbers(
+    labels_first, mods, daemon_factory, transport
+):
+    ops, _ = mods
+    d = daemon_factory([labels_first])
+
+    def pipelines():
+        # Positions: label 0-3 (decoder, ToTensor, AddSampleId, Squeeze), image 4-6: the flip is
+        # at 5 only if the label pipeline's client-side ops keep their nodes in the daemon.
+        return {
+            "label": [IntDecoder(), ToTensor(), ops.AddSampleId(), Squeeze()],
+            "image": [SimpleRGBImageDecoder(), RandomHorizontalFlip(0.5), ToTensor()],
+        }
+
+    _compare(labels_first, d.address, transport, pipelines)
