@@ -8,6 +8,13 @@ answering. The daemon takes its own lock on ``<socket>.lock``, so even a racing 
 cannot make two daemons serve one address. The spawned daemon exits after ``S`` idle seconds.
 Its log goes to ``<socket>.log``.
 
+No files are left behind: the spawner unlinks ``<socket>.spawn.lock`` before it lets go of it
+(a process that locked the file just unlinked sees that the path no longer names it, and locks
+the current one), and a daemon that stops cleanly removes its ``<socket>.log``, its socket and
+its ``.lock``. The log stays only when the daemon failed, so the user can read why (its tail is
+also in the ``ServerUnavailable`` message). A spawned daemon that lost the address to a daemon
+that was stopping (exit status 75, and then nothing answers) is spawned again, up to 3 times.
+
 Trust: the socket's directory is created 0700 when missing and must be the expected user's,
 writable by nobody else; an existing socket must be that user's before it is even probed; the
 ``.spawn.lock`` and ``.log`` files are opened without following symbolic links and created with
@@ -16,6 +23,7 @@ writable by nobody else; an existing socket must be that user's before it is eve
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -100,41 +108,15 @@ def ensure_daemon(
     check_unix_target(target, uid)
     if daemon_answers(target, 0.5):
         return
-    fd = _private_fd(socket_path + ".spawn.lock", os.O_RDWR, os.getuid())
+    lock_path = socket_path + ".spawn.lock"
+    deadline = time.monotonic() + wait
+    fd = _lock(lock_path, deadline, socket_path)
     try:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ServerUnavailable(
-                        f"timed out waiting for another process to start a daemon at {socket_path}"
-                    ) from None
-                time.sleep(0.05)
         if daemon_answers(target, 0.5):
             return
         log_path = socket_path + ".log"
-        with os.fdopen(_private_fd(log_path, os.O_WRONLY | os.O_APPEND, os.getuid()), "ab") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    "import sys; from beton_serve.cli import main; sys.exit(main())",
-                    "serve",
-                    os.path.abspath(dataset_file),
-                    "--socket",
-                    os.path.abspath(socket_path),
-                    "--idle-timeout",
-                    str(idle_timeout),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-            )
+        proc = _spawn(socket_path, dataset_file, idle_timeout, log_path)
+        respawns = 0
         while time.monotonic() < deadline:
             if daemon_answers(target, 0.25):
                 return
@@ -144,18 +126,112 @@ def ensure_daemon(
                     # first and is still starting: wait for it to answer instead.
                     if daemon_answers(target, max(0.1, min(5.0, deadline - time.monotonic()))):
                         return
+                    if respawns < _MAX_RESPAWNS and not _lock_holder_alive(socket_path):
+                        # That daemon was stopping (idle exit, beton-serve stop) and is gone.
+                        respawns += 1
+                        proc = _spawn(socket_path, dataset_file, idle_timeout, log_path)
                     continue
                 raise ServerUnavailable(
                     f"the beton-serve daemon started for {dataset_file} exited with status "
-                    f"{proc.returncode}: {_tail(log_path)}"
+                    f"{proc.returncode} (its log: {log_path}): {_tail(log_path)}"
                 )
             time.sleep(0.05)
         raise ServerUnavailable(
-            f"the beton-serve daemon started for {dataset_file} did not answer within {wait} s: "
-            f"{_tail(log_path)}"
+            f"the beton-serve daemon started for {dataset_file} did not answer within {wait} s "
+            f"(its log: {log_path}): {_tail(log_path)}"
         )
     finally:
+        if _names_file(lock_path, fd):
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
         os.close(fd)
+
+
+_MAX_RESPAWNS = 3
+
+
+def _lock_holder_alive(socket_path: str) -> bool:
+    """Whether the pid written in ``<socket>.lock`` (the daemon holding the address) is alive."""
+    try:
+        with open(socket_path + ".lock", "rb") as f:
+            text = f.read(32).strip()
+        pid = int(text)
+    except (OSError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) holds no lock
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[:1] != [b"Z"]
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _names_file(path: str, fd: int) -> bool:
+    """Whether ``path`` (not followed if a link) is the file open as ``fd``."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _lock(path: str, deadline: float, socket_path: str) -> int:
+    """An exclusive ``flock`` on ``path``, polled until ``deadline``; returns its descriptor.
+
+    Raises:
+        ServerUnavailable: another process held it past the deadline.
+    """
+    fd = _private_fd(path, os.O_RDWR, os.getuid())
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise ServerUnavailable(
+                    f"timed out waiting for another process to start a daemon at {socket_path}"
+                ) from None
+            time.sleep(0.05)
+            continue
+        if _names_file(path, fd):
+            return fd
+        # Its holder unlinked it on the way out: lock the file that is there now.
+        os.close(fd)
+        fd = _private_fd(path, os.O_RDWR, os.getuid())
+
+
+def _spawn(
+    socket_path: str, dataset_file: str, idle_timeout: float, log_path: str
+) -> subprocess.Popen[bytes]:
+    """Start a detached daemon for ``dataset_file`` on ``socket_path``, logging to ``log_path``."""
+    with os.fdopen(_private_fd(log_path, os.O_WRONLY | os.O_APPEND, os.getuid()), "ab") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from beton_serve.cli import main; sys.exit(main())",
+                "serve",
+                os.path.abspath(dataset_file),
+                "--socket",
+                os.path.abspath(socket_path),
+                "--idle-timeout",
+                str(idle_timeout),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
 
 
 def _tail(path: str, n: int = 2000) -> str:

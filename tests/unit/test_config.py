@@ -75,7 +75,9 @@ def test_socket_resolution(tmp_path: Path) -> None:
     assert default_socket_path({}, uid=7) == "/tmp/beton-serve-7/beton.sock"
     assert socket_path_of(unix_target("/a/b.sock")) == "/a/b.sock" and socket_path_of("h:1") is None
     assert resolve_socket(ServeConfig(socket="/s.sock"), env) == "/s.sock"
-    assert resolve_socket(ServeConfig(listen=("127.0.0.1:1",)), env) is None
+    # --listen adds TCP and keeps the per-user socket; --no-socket (unix_socket=False) drops it.
+    assert resolve_socket(ServeConfig(listen=("127.0.0.1:1",)), env) == default_socket_path(env)
+    assert resolve_socket(ServeConfig(listen=("127.0.0.1:1",), unix_socket=False), env) is None
     assert resolve_socket(ServeConfig(), {"BETON_SERVE_ADDRESS": "unix:///q.sock"}) == "/q.sock"
     assert resolve_socket(ServeConfig(), env) == default_socket_path(env)
 

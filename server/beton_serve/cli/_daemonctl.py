@@ -1,0 +1,282 @@
+"""``beton-serve status`` and ``beton-serve stop``: the per-user daemon, found by its socket.
+
+Which daemon: the one serving ``--socket PATH``, else ``BETON_SERVE_ADDRESS`` when it is a
+``unix:`` target, else the per-user default socket (:mod:`beton_wire.address`), the order the
+Loader uses. A TCP-only daemon (``--no-socket``) has no socket lock: stop it with its process
+manager (systemd, Kubernetes) or SIGTERM.
+
+How a daemon is recognised: a serving daemon holds an ``flock`` on ``<socket>.lock`` and has
+written its pid there (``beton_serve.cli._serve.address_lock``). A daemon is *running* when the
+pid in that file is alive and has that very file open (``/proc/<pid>/fd``): a stale file left
+by a killed daemon, or a pid reused by another process, is not mistaken for one, and the check
+never takes the lock itself (which would make a daemon starting at that moment fail).
+
+``status`` then asks the daemon's Stats RPC for its uptime, workers, datasets and streams.
+
+=====  ===========================================================================
+exit   ``status``
+=====  ===========================================================================
+0      a daemon is running (details printed; "stats unavailable" if it did not answer)
+3      no daemon is running at that socket (LSB's "program is not running")
+=====  ===========================================================================
+
+``stop`` sends SIGTERM to the lock holder (through a pidfd, so a pid reused meanwhile is never
+signalled) and waits until it has exited: it drains its streams, frees its shared memory and
+removes its socket, lock and spawn log. Exit 0 once it is gone, and 0 with the message "not
+running" when there was none (stopping a stopped daemon succeeds, as ``systemctl stop`` does;
+use ``status`` to tell the two apart). Exit 1 if it has not exited after ``--timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from beton_serve.errors import ConfigError
+
+__all__ = [
+    "EXIT_NOT_RUNNING",
+    "EXIT_RUNNING",
+    "EXIT_STOP_TIMEOUT",
+    "daemon_pid",
+    "register",
+    "resolve_socket_path",
+    "run_status",
+    "run_stop",
+]
+
+EXIT_RUNNING = 0
+EXIT_NOT_RUNNING = 3
+EXIT_STOP_TIMEOUT = 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``status`` and ``stop`` on the ``beton-serve`` subcommand parser."""
+    p = subparsers.add_parser(
+        "status",
+        help="is the per-user daemon running: pid, address, uptime, datasets, streams "
+        "(exit 0 running, 3 not)",
+        description="Show the daemon serving the per-user socket (or --socket PATH).",
+    )
+    _socket_arg(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="FILE",
+        help="the daemon's bearer token, for its Stats (default: $BETON_SERVE_TOKEN)",
+    )
+    p.add_argument("--timeout", type=float, default=3.0, help="Stats deadline in s (default 3)")
+    p.set_defaults(func=run_status)
+    q = subparsers.add_parser(
+        "stop",
+        help="stop the per-user daemon (SIGTERM, then wait for it to exit)",
+        description="Stop the daemon serving the per-user socket (or --socket PATH) and wait "
+        "until it has exited. Exit 0 when it is gone or was not running.",
+    )
+    _socket_arg(q)
+    q.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for it to exit (default 30); exit 1 after that",
+    )
+    q.set_defaults(func=run_stop)
+
+
+def _socket_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--socket",
+        default=None,
+        metavar="PATH",
+        help="the daemon's Unix socket (default: $BETON_SERVE_ADDRESS, else the per-user one)",
+    )
+
+
+def resolve_socket_path(explicit: str | None, environ: Mapping[str, str]) -> str:
+    """``--socket``, else ``BETON_SERVE_ADDRESS`` when it is a Unix target, else the default.
+
+    Raises:
+        ConfigError: ``--socket`` was given empty.
+    """
+    from beton_wire.address import ENV_ADDRESS, default_socket_path, socket_path_of
+
+    if explicit is not None:
+        if not explicit.strip():
+            raise ConfigError("--socket is empty: pass the daemon's socket path")
+        return os.path.abspath(explicit)
+    env_path = socket_path_of(environ.get(ENV_ADDRESS, ""))
+    return os.path.abspath(env_path or default_socket_path(environ))
+
+
+def _holds_open(pid: int, path: str) -> bool:
+    """Whether process ``pid`` has the file at ``path`` open (same device and inode)."""
+    try:
+        want = os.stat(path, follow_symlinks=False)
+        fd_dir = f"/proc/{pid}/fd"
+        for name in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(fd_dir, name))  # follows the magic link to the file
+                if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def daemon_pid(socket_path: str) -> int | None:
+    """The pid of the live daemon that holds ``<socket>.lock``, or ``None`` (module docstring)."""
+    lock_path = socket_path + ".lock"
+    try:
+        with open(lock_path, "rb") as f:
+            text = f.read(64).decode(errors="replace").strip()
+    except OSError:
+        return None
+    if not text.isdigit():
+        return None
+    pid = int(text)
+    return pid if pid > 0 and _holds_open(pid, lock_path) else None
+
+
+def _stats(target: str, token: str | None, timeout: float) -> dict[str, Any]:
+    from beton_serve.cli._stats import fetch_stats
+
+    reply = fetch_stats(target, timeout=timeout, token=token)
+    return {
+        "pid": int(reply.pid),
+        "uptime_s": round(float(reply.uptime_s), 3),
+        "workers": int(reply.workers),
+        "datasets": [d.name for d in reply.datasets],
+        "streams": len(reply.streams),
+        "streams_opened": int(reply.streams_opened),
+    }
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    d, rem = divmod(s, 86400)
+    h, rem = divmod(rem, 3600)
+    m, sec = divmod(rem, 60)
+    if d:
+        return f"{d}d{h:02d}h{m:02d}m"
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
+
+
+def run_status(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """``beton-serve status``; returns 0 when a daemon runs, 3 when none does."""
+    from beton_wire.address import unix_target
+
+    from beton_serve.errors import BetonError
+
+    env = os.environ if environ is None else environ
+    sock = resolve_socket_path(args.socket, env)
+    target = unix_target(sock)
+    pid = daemon_pid(sock)
+    info: dict[str, Any] = {"running": pid is not None, "address": target, "pid": pid}
+    if pid is not None:
+        token = None
+        if args.token_file:
+            from beton_serve.transport.security import read_token_file
+
+            token = read_token_file(args.token_file)
+        else:
+            token = env.get("BETON_SERVE_TOKEN") or None
+        try:
+            info.update(_stats(target, token, args.timeout))
+            info["pid"] = pid  # the lock's (the Stats pid is the same, unless in a pid namespace)
+        except BetonError as exc:
+            info["stats_error"] = str(exc)
+    if args.json:
+        sys.stdout.write(json.dumps(info, sort_keys=True) + "\n")
+    elif pid is None:
+        sys.stdout.write(f"not running: no beton-serve daemon serves {target}\n")
+    else:
+        lines = [f"running: pid {pid}", f"  address   {target}"]
+        if "stats_error" in info:
+            lines.append(f"  stats unavailable: {info['stats_error']}")
+        else:
+            lines += [
+                f"  uptime    {_duration(info['uptime_s'])}",
+                f"  workers   {info['workers']}",
+                f"  datasets  {', '.join(info['datasets']) or '(none)'}",
+                f"  streams   {info['streams']} open, {info['streams_opened']} since start",
+            ]
+        sys.stdout.write("\n".join(lines) + "\n")
+    return EXIT_RUNNING if pid is not None else EXIT_NOT_RUNNING
+
+
+def _wait_exit(pid: int, pidfd: int | None, timeout: float) -> bool:
+    """Wait until ``pid`` has exited; ``False`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    if pidfd is not None:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)  # readable once the process has exited
+        return bool(poller.poll(max(0.0, timeout) * 1000))
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def run_stop(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """``beton-serve stop``: SIGTERM the daemon holding the socket's lock and wait for its exit.
+
+    Returns:
+        0 when it has exited (or none was running), 1 when it is still running after
+        ``--timeout`` seconds.
+
+    Raises:
+        ConfigError: the daemon belongs to another user (signalling it is not permitted).
+    """
+    from beton_wire.address import unix_target
+
+    env = os.environ if environ is None else environ
+    sock = resolve_socket_path(args.socket, env)
+    target = unix_target(sock)
+    pid = daemon_pid(sock)
+    if pid is None:
+        sys.stdout.write(f"not running: no beton-serve daemon serves {target}\n")
+        return 0
+    pidfd: int | None = None
+    with contextlib.suppress(AttributeError, OSError):  # no pidfd: Linux < 5.3
+        pidfd = os.pidfd_open(pid)
+    try:
+        if pidfd is not None and daemon_pid(sock) != pid:
+            # It exited between the two looks (and the pid may be reused): nothing to stop.
+            sys.stdout.write(f"not running: no beton-serve daemon serves {target}\n")
+            return 0
+        try:
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            else:
+                os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            sys.stdout.write(f"stopped: pid {pid} had already exited ({target})\n")
+            return 0
+        except PermissionError:
+            raise ConfigError(
+                f"the daemon at {target} (pid {pid}) belongs to another user; it cannot be "
+                "stopped from this account"
+            ) from None
+        if not _wait_exit(pid, pidfd, args.timeout):
+            sys.stderr.write(
+                f"error: the daemon at {target} (pid {pid}) has not exited {args.timeout:g} s "
+                f"after SIGTERM (still draining?); kill -KILL {pid} ends it at once\n"
+            )
+            return EXIT_STOP_TIMEOUT
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    sys.stdout.write(f"stopped: pid {pid} ({target})\n")
+    return 0
