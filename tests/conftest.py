@@ -3,6 +3,10 @@
 * ``gpu`` tests are skipped, with a visible reason, when CUDA is not available.
 * An autouse guard fails any test that leaves a ``beton-*`` segment in ``/dev/shm``, a live child
   process, or a running ``beton-*`` thread behind.
+* The compile cache (issue 14) of the whole run, and of every daemon a test starts (they inherit
+  the environment), is one fresh temporary directory: the suite never reads or writes the user's
+  ``~/.cache/beton-serve``, and later tests reuse what earlier ones compiled. Tests of the cache
+  itself point ``BETON_SERVE_CACHE_DIR`` elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +23,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 SHM = Path("/dev/shm")
+
+_CACHE_DIR: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _CACHE_DIR
+    if "BETON_SERVE_CACHE_DIR" not in os.environ:
+        import tempfile
+
+        _CACHE_DIR = tempfile.mkdtemp(prefix="beton-test-cache-")
+        os.environ["BETON_SERVE_CACHE_DIR"] = _CACHE_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _CACHE_DIR is not None:
+        import shutil
+
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+        os.environ.pop("BETON_SERVE_CACHE_DIR", None)
 
 
 def _cuda_available() -> bool:

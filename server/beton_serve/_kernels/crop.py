@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 
 from beton_serve.pipeline import rng
+from beton_serve.pipeline.compiler import Compiler
 
 __all__ = [
     "center_crop",
@@ -26,7 +26,8 @@ __all__ = [
     "rrc_batch_fixed",
 ]
 
-_jit = numba.njit(nogil=True, cache=False, error_model="numpy")
+#: ``numba.njit(nogil=True, error_model="numpy")`` with the persistent compile cache.
+_jit = Compiler.kernel
 
 
 @_jit

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from beton_serve.pipeline.compiler import Compiler
+
 __all__ = ["area_resize", "area_table", "resize_crop", "scratch_size"]
 
-_jit = numba.njit(nogil=True, cache=False, error_model="numpy")
+#: ``numba.njit(nogil=True, error_model="numpy")`` with the persistent compile cache.
+_jit = Compiler.kernel
 
 
 @_jit
@@ -40,8 +42,13 @@ def area_table(ssize: int, dsize: int):  # pragma: no cover - compiled
     scale = 1.0 / (dsize / ssize)
     max_taps = math.ceil(scale) + 2
     start = np.empty(dsize, np.int64)
-    count = np.zeros(dsize, np.int64)
-    weights = np.zeros((dsize, max_taps), np.float32)
+    # zeroed by loops: np.zeros would compile one more Numba overload (about 0.2 s, cold)
+    count = np.empty(dsize, np.int64)
+    weights = np.empty((dsize, max_taps), np.float32)
+    for d in range(dsize):
+        count[d] = 0
+        for k in range(max_taps):
+            weights[d, k] = 0.0
     for d in range(dsize):
         fs1 = d * scale
         fs2 = fs1 + scale
@@ -81,8 +88,7 @@ def _round_sat(v: np.float32) -> np.uint8:  # pragma: no cover - compiled
 
 
 @_jit
-def _area_generic(flat, width, top, left, sh, sw, dst, acc, out):  # pragma: no cover - compiled
-    dh, dw = dst.shape[0], dst.shape[1]
+def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out):  # pragma: no cover
     xs, xc, xw = area_table(sw, dw)
     ys, yc, yw = area_table(sh, dh)
     # Taps 0..common-1 exist for every output column: those run as dense loops over independent
@@ -149,7 +155,7 @@ def _area_generic(flat, width, top, left, sh, sw, dst, acc, out):  # pragma: no 
             out[o] = out[o] + acc[i] * w
             out[o + 1] = out[o + 1] + acc[i + 1] * w
             out[o + 2] = out[o + 2] + acc[i + 2] * w
-        drow = dst[dy].reshape(dw * 3)
+        drow = dflat[dy * dw * 3 : (dy + 1) * dw * 3]
         o = out[: dw * 3]
         for j in range(dw * 3):
             drow[j] = _round_sat(o[j])
@@ -188,19 +194,27 @@ def scratch_size(crop_width: int, out_width: int) -> int:
 
 
 @_jit
-def area_resize(src, top, left, height, width, dst, scratch):  # pragma: no cover - compiled
+def area_resize(src, flat, top, left, height, width, dst, dflat, scratch):  # pragma: no cover
     """Area-downscale the crop ``src[top:top+height, left:left+width]`` into ``dst``.
 
     Args:
         src: (H, W, 3) uint8, C-contiguous (the whole decoded image).
+        flat: ``src.reshape(-1)``, made by the caller: a reshape inside compiled code pulls in
+            Numba's error-message formatting, about 3 s of the first compile.
         top, left, height, width: the crop; ``dst.shape[0] <= height``, ``dst.shape[1] <=
             width`` (a downscale or same size in each direction).
         dst: (oh, ow, 3) uint8, C-contiguous; written.
+        dflat: ``dst.reshape(-1)``.
         scratch: float32 array of at least ``scratch_size(width, ow)`` elements, reused.
     """
     dh, dw = dst.shape[0], dst.shape[1]
     if height == dh and width == dw:
-        dst[:] = src[top : top + height, left : left + width]
+        # element loop, not ``dst[:] = src[...]``: slice assignment compiles Numba's
+        # shape-mismatch message formatting (about 3 s of a cold compile)
+        for y in range(dh):
+            for x in range(dw):
+                for c in range(3):
+                    dst[y, x, c] = src[top + y, left + x, c]
         return
     scale_x = 1.0 / (dw / width)
     scale_y = 1.0 / (dh / height)
@@ -209,10 +223,19 @@ def area_resize(src, top, left, height, width, dst, scratch):  # pragma: no cove
     if abs(scale_x - ix) < 2.220446049250313e-16 and abs(scale_y - iy) < 2.220446049250313e-16:
         _area_int(src[top : top + height, left : left + width], dst, iy, ix)
         return
-    flat = src.reshape(src.shape[0] * src.shape[1] * 3)
     n = max(width, dw) * 3
     _area_generic(
-        flat, src.shape[1], top, left, height, width, dst, scratch[:n], scratch[n : n + dw * 3]
+        flat,
+        src.shape[1],
+        top,
+        left,
+        height,
+        width,
+        dh,
+        dw,
+        dflat,
+        scratch[:n],
+        scratch[n : n + dw * 3],
     )
 
 
@@ -247,7 +270,7 @@ def resize_crop(
         and src.flags.c_contiguous
         and dst.flags.c_contiguous
     ):
-        area_resize(src, top, left, height, width, dst, scratch)
+        area_resize(src, src.reshape(-1), top, left, height, width, dst, dst.reshape(-1), scratch)
         return
     import cv2
 

@@ -5,6 +5,11 @@ changes torch's thread count). beton-serve runs ops on its own worker threads an
 Numba's parallel backend, so :meth:`Compiler.get_iterator` always returns ``range``; the class
 methods are kept so that FFCV-style custom ops port by changing their imports only.
 
+Every dispatcher made here loads and saves its machine code through the persistent compile cache
+(:mod:`beton_serve.pipeline._compile_cache`), keyed on the code, the values it freezes, the
+signature and the build, so generated closures are cached too (Numba's own ``cache=True`` is
+never used: its key misses globals and callees). ``cache=False`` opts out.
+
 Numba is imported on first use, never at import time.
 """
 
@@ -16,7 +21,8 @@ from typing import Any
 __all__ = ["Compiler", "JIT_OPTIONS"]
 
 #: Options every compiled op uses. ``fastmath`` is off: it lets LLVM reorder float arithmetic,
-#: which would make results depend on the build and break bit-identical batches.
+#: which would make results depend on the build and break bit-identical batches. ``cache`` is
+#: Numba's own disk cache, off: ours is attached instead (see the module docstring).
 JIT_OPTIONS: dict[str, Any] = {
     "nogil": True,
     "cache": False,
@@ -28,15 +34,35 @@ class Compiler:
     """Compiles op functions with Numba (``nopython``, ``nogil``)."""
 
     @staticmethod
-    def compile(fn: Callable[..., Any], signature: Any = None) -> Callable[..., Any]:
-        """Return ``fn`` compiled with Numba; already-compiled dispatchers are returned as is."""
+    def compile(
+        fn: Callable[..., Any], signature: Any = None, *, cache: Any = True
+    ) -> Callable[..., Any]:
+        """Return ``fn`` compiled with Numba; already-compiled dispatchers are returned as is.
+
+        Args:
+            fn: a Python function Numba can compile (a generated closure is fine).
+            signature: compile eagerly for this signature; ``None`` compiles on the first call.
+            cache: ``True`` uses the per-user compile cache the environment selects
+                (``BETON_SERVE_CACHE_DIR``, read on the first compile), a
+                ``_compile_cache.DiskStore`` uses that one, ``False`` compiles without a cache.
+        """
         import numba
 
         if isinstance(fn, numba.core.dispatcher.Dispatcher):
             return fn
+        disp = numba.njit(**JIT_OPTIONS)(fn)
+        if cache is not False:
+            from beton_serve.pipeline._compile_cache import attach
+
+            attach(disp, None if cache is True else cache)
         if signature is not None:
-            return numba.njit(signature, **JIT_OPTIONS)(fn)
-        return numba.njit(**JIT_OPTIONS)(fn)
+            disp.compile(signature)
+        return disp  # type: ignore[no-any-return]
+
+    @staticmethod
+    def kernel(fn: Callable[..., Any]) -> Any:
+        """Decorator for module-level kernels: :meth:`compile` with the default cache."""
+        return Compiler.compile(fn)
 
     @staticmethod
     def get_iterator() -> Callable[..., Any]:

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
+
+from beton_serve.pipeline.compiler import Compiler
 
 __all__ = [
     "beta",
@@ -122,7 +123,8 @@ def derive_seed_key(seed: int, epoch: int, op_position: int | str) -> np.uint64:
 
 
 # -- Numba versions (also callable from Python) -------------------------------------------------
-_jit = numba.njit(nogil=True, cache=False, error_model="numpy")
+# Compiler.kernel: the same options as every op, and the persistent compile cache (issue 14).
+_jit = Compiler.kernel
 
 
 @_jit

@@ -1,0 +1,253 @@
+"""Time to first batch of a NEW process (issue 14), side by side with FFCV 1.0.2.
+
+    python benchmarks/bench_startup.py [--n 2000] [--repeats 3] [--batch 256] [--json]
+                                       [--ffcv-python ../peers/ffcv-venv/bin/python] [--smoke]
+
+Pipeline: RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip, ToTensor,
+ToTorchImage + IntDecoder, ToTensor; order RANDOM, ``num_workers=2``; the ImageNetLike dataset of
+``synthetic.py`` (built once under benchmarks/_data/, as bench_loader.py does).
+
+Each figure is one new Python process, timed from ``Popen`` until it holds its first batch
+(interpreter start, imports, ``Loader()``, first batch); the child also reports its own split
+(``import torch``, other imports, ``Loader()``, first batch). Rows:
+
+* ``ffcv``: FFCV 1.0.2 (its own venv; it compiles in every process).
+* ``inproc-cold``: our in-process Loader, empty compile cache (a fresh directory per run).
+* ``inproc-warm``: the same, the compile cache filled by an earlier process.
+* ``client-warm-daemon``: a new ``beton_client.Loader`` of a daemon that already served it.
+* ``client-after-restart``: the first client of a daemon restarted with a warm cache.
+
+``after torch`` subtracts the child's ``import torch``: a trainer has imported torch before it
+builds a Loader, whichever loader it uses. The median of ``--repeats`` runs is reported.
+``--smoke`` runs one repeat of each at batch 32 (a quick check that the script works; not a
+measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+mode, path, batch, server = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+import torch
+t_torch = time.perf_counter()
+if mode == "ffcv":
+    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
+    kw = {}
+else:
+    from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from beton_serve.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
+    if mode == "client":
+        from beton_client import Loader, OrderOption
+        kw = {"server": server, "spawn": False}
+    else:
+        from beton_serve.loader import Loader, OrderOption
+        kw = {}
+t_imp = time.perf_counter()
+pipes = {
+    "image": [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip(), ToTensor(),
+              ToTorchImage()],
+    "label": [IntDecoder(), ToTensor()],
+}
+ld = Loader(path, batch_size=batch, num_workers=2, order=OrderOption.RANDOM, seed=0,
+            pipelines=pipes, **kw)
+t_ld = time.perf_counter()
+it = iter(ld)
+img, label = next(it)
+t_first = time.perf_counter()
+print(json.dumps({"torch": t_torch - t0, "imports": t_imp - t_torch, "loader": t_ld - t_imp,
+                  "first": t_first - t_ld, "in_child": t_first - t0}), flush=True)
+sys.stdout.close()
+import os
+os._exit(0)  # the figure is taken; do not time (or hang in) worker shutdown
+"""
+
+
+def _child(python: str, mode: str, path: Path, batch: int, server: str, env: dict) -> dict:
+    t = time.perf_counter()
+    proc = subprocess.Popen(
+        [python, "-c", _CHILD, mode, str(path), str(batch), server],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd="/tmp",  # nothing of the checkout shadows the installed packages
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    wall = time.perf_counter() - t
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    if not line:
+        raise RuntimeError(f"{mode} child failed (rc {proc.returncode}): {err[-2000:]}")
+    out = json.loads(line)
+    out["wall"] = wall
+    return out
+
+
+class _Daemon:
+    def __init__(self, path: Path, sock: Path, env: dict) -> None:
+        self.path, self.sock, self.env = path, sock, env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> float:
+        if self.sock.exists():
+            self.sock.unlink()
+        t = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "beton-serve"),
+                "serve",
+                str(self.path),
+                *("--socket", str(self.sock), "--workers", "2"),
+            ],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd="/tmp",
+        )
+        while not self.sock.exists():
+            if self.proc.poll() is not None or time.perf_counter() - t > 60:
+                raise RuntimeError("the daemon did not start")
+            time.sleep(0.02)
+        return time.perf_counter() - t
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+
+
+def _summary(runs: list[dict]) -> dict:
+    keys = ("wall", "torch", "imports", "loader", "first")
+    med = {k: round(statistics.median(r[k] for r in runs), 3) for k in keys}
+    med["after_torch"] = round(statistics.median(r["wall"] - r["torch"] for r in runs), 3)
+    med["runs"] = [round(r["wall"], 3) for r in runs]
+    return med
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n", type=int, default=2000, help="ImageNetLike samples")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--ffcv-python", default=str(ROOT.parent / "peers" / "ffcv-venv" / "bin" / "python")
+    )
+    ap.add_argument("--skip-ffcv", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="one repeat, batch 32: checks the script")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    if args.smoke:
+        args.repeats, args.batch = 1, 32
+    from bench_loader import build
+
+    path = build("imagenet", args.n)
+    work = Path(tempfile.mkdtemp(prefix="bs-startup-", dir="/tmp"))
+    os.chmod(work, 0o700)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("BETON_SERVE_")}
+    results: dict[str, dict] = {}
+    daemon = None
+    try:
+        if not args.skip_ffcv and Path(args.ffcv_python).exists():
+            runs = [
+                _child(args.ffcv_python, "ffcv", path, args.batch, "", base_env)
+                for _ in range(args.repeats)
+            ]
+            results["ffcv"] = _summary(runs)
+        cold = []
+        for i in range(args.repeats):
+            env = dict(base_env, BETON_SERVE_CACHE_DIR=str(work / f"cold-{i}"))
+            cold.append(_child(sys.executable, "inproc", path, args.batch, "", env))
+        results["inproc-cold"] = _summary(cold)
+        env = dict(base_env, BETON_SERVE_CACHE_DIR=str(work / "cold-0"))
+        results["inproc-warm"] = _summary(
+            [
+                _child(sys.executable, "inproc", path, args.batch, "", env)
+                for _ in range(args.repeats)
+            ]
+        )
+        sock = work / "d" / "s.sock"
+        sock.parent.mkdir(mode=0o700)
+        server = f"unix://{sock}"
+        daemon = _Daemon(path, sock, env)
+        daemon.start()
+        _child(sys.executable, "client", path, args.batch, server, base_env)  # the daemon plans
+        results["client-warm-daemon"] = _summary(
+            [
+                _child(sys.executable, "client", path, args.batch, server, base_env)
+                for _ in range(args.repeats)
+            ]
+        )
+        restarted = []
+        starts = []
+        for _ in range(args.repeats):
+            daemon.stop()
+            starts.append(daemon.start())
+            restarted.append(_child(sys.executable, "client", path, args.batch, server, base_env))
+        results["client-after-restart"] = _summary(restarted)
+        results["client-after-restart"]["daemon_start_s"] = round(statistics.median(starts), 3)
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    if "ffcv" in results:
+        ref = results["ffcv"]["wall"]
+        for r in results.values():
+            r["x_ffcv"] = round(r["wall"] / ref, 3)
+    report = {
+        "dataset": path.name,
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "smoke": args.smoke,
+        "results": results,
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(
+        f"time to first batch, new process, {path.name}, batch {args.batch}, 2 workers, "
+        f"median of {args.repeats}"
+    )
+    print(
+        f"{'setup':<22}{'total s':>9}{'after torch':>13}{'torch':>7}{'imports':>9}"
+        f"{'Loader()':>10}{'1st batch':>11}{'x FFCV':>8}"
+    )
+    for name, r in results.items():
+        x = f"{r['x_ffcv']:.3f}" if "x_ffcv" in r else "-"
+        print(
+            f"{name:<22}{r['wall']:>9.2f}{r['after_torch']:>13.2f}{r['torch']:>7.2f}"
+            f"{r['imports']:>9.2f}{r['loader']:>10.2f}{r['first']:>11.2f}{x:>8}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""The persistent compile cache (issue 14): keys, hits across processes, bad entries, bounds.
+
+Every test points the cache at ``tmp_path`` (``BETON_SERVE_CACHE_DIR``) or passes a store.
+Hits are counted (store counters, Numba compile events), never timed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from beton_serve.cli._cache import main as cache_main
+from beton_serve.pipeline._compile_cache import DiskStore, cache_dir, default_store
+from beton_serve.pipeline._compile_key import fingerprint
+from beton_serve.pipeline.compiler import Compiler
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> DiskStore:
+    monkeypatch.setenv("BETON_SERVE_CACHE_DIR", str(tmp_path / "cc"))
+    s = default_store()
+    assert s is not None and s.root == tmp_path / "cc"
+    return s
+
+
+def _make_scale(k: float):
+    """A generated closure, as ops' generate_code() return them."""
+
+    def scale(x, out):  # pragma: no cover - compiled
+        for i in range(x.shape[0]):
+            out[i] = x[i] * k
+        return out
+
+    return scale
+
+
+def _run(fn, n: int = 7) -> np.ndarray:
+    x = np.arange(n, dtype=np.float64) / 3.0
+    return fn(x, np.empty_like(x))  # type: ignore[no-any-return]
+
+
+def _entries(s: DiskStore) -> list[Path]:
+    return sorted(s.entries_dir.glob("*.nbk"))
+
+
+# -- keys ------------------------------------------------------------------------------------
+def test_key_covers_closure_values_and_callees() -> None:
+    assert fingerprint(_make_scale(2.0)) == fingerprint(_make_scale(2.0))
+    assert fingerprint(_make_scale(2.0)) != fingerprint(_make_scale(3.0))
+
+    from beton_serve._kernels import crop
+
+    base = fingerprint(crop.rrc_batch.py_func)
+    assert base is not None
+    # a callee two modules away (rng) is part of the key: change one of its frozen globals
+    from beton_serve.pipeline import rng
+
+    old = rng._INV53  # read by rng.uniform, which crop.random_resized_crop calls
+    try:
+        rng._INV53 = old * 0.5
+        assert fingerprint(crop.rrc_batch.py_func) != base
+    finally:
+        rng._INV53 = old
+    assert fingerprint(crop.rrc_batch.py_func) == base
+
+
+def test_unkeyable_function_compiles_uncached(store: DiskStore) -> None:
+    path = ctypes.util.find_library("m")
+    if path is None:
+        pytest.skip("no libm")
+    cos = ctypes.CDLL(path).cos
+    cos.restype, cos.argtypes = ctypes.c_double, [ctypes.c_double]
+
+    def use_cos(x):  # pragma: no cover - compiled
+        return cos(x)
+
+    assert fingerprint(use_cos) is None
+    fn = Compiler.compile(use_cos)
+    assert fn(0.0) == 1.0
+    assert _entries(store) == [] and store.saves == 0
+
+
+# -- hits ------------------------------------------------------------------------------------
+def test_hit_in_process_is_bit_identical(store: DiskStore) -> None:
+    first = Compiler.compile(_make_scale(1.7))
+    out1 = _run(first)
+    assert store.saves == 1 and len(_entries(store)) == 1
+    second = Compiler.compile(_make_scale(1.7))  # a new dispatcher, as a new Plan makes
+    out2 = _run(second)
+    assert store.hits == 1
+    stats = second.stats  # type: ignore[attr-defined]
+    assert stats.cache_hits and not stats.cache_misses
+    uncached = _run(Compiler.compile(_make_scale(1.7), cache=False))
+    np.testing.assert_array_equal(out1, uncached)
+    np.testing.assert_array_equal(out2, uncached)
+    assert out2.tobytes() == uncached.tobytes()
+
+
+@pytest.mark.slow
+def test_kernels_hit_and_match_uncached(store: DiskStore) -> None:
+    from beton_serve._kernels import resize as rz
+
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, size=(61, 47, 3), dtype=np.uint8)
+    outs = []
+    for cache in (store, store, False):
+        disp = Compiler.compile(rz.area_resize.py_func, cache=cache)
+        dst = np.zeros((20, 17, 3), np.uint8)
+        scratch = np.zeros(rz.scratch_size(45, 17), np.float32)
+        disp(src, src.reshape(-1), 2, 1, 55, 45, dst, dst.reshape(-1), scratch)
+        outs.append(dst)
+    assert store.hits >= 1
+    np.testing.assert_array_equal(outs[0], outs[2])
+    np.testing.assert_array_equal(outs[1], outs[2])
+
+
+_CHILD = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    from numba.core import event
+    compiles = []
+
+    class Count(event.Listener):
+        def on_start(self, e):
+            d = e.data["dispatcher"]
+            # only what goes through the compile cache (Compiler.compile / Compiler.kernel)
+            if type(d._cache).__name__ == "KeyedCache":
+                compiles.append(d.py_func.__qualname__)
+
+        def on_end(self, e):
+            pass
+
+    event.register("numba:compile", Count())
+    from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from beton_serve.loader import Loader, OrderOption
+    from beton_serve.pipeline._compile_cache import default_store
+    from beton_serve.transforms import RandomHorizontalFlip
+
+    pipes = {
+        "image": [RandomResizedCropRGBImageDecoder((24, 24)), RandomHorizontalFlip()],
+        "label": [IntDecoder()],
+    }
+    h = hashlib.sha256()
+    with Loader(sys.argv[1], batch_size=4, num_workers=1, order=OrderOption.RANDOM, seed=5,
+                pipelines=pipes) as ld:
+        for img, label in ld:
+            h.update(bytes(memoryview(img)))
+            h.update(bytes(memoryview(label)))
+    st = default_store()
+    print(json.dumps({"compiles": len(compiles), "names": compiles, "hits": st.hits, "saves": st.saves,
+                      "digest": h.hexdigest()}))
+    """
+)
+
+
+class _Images:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        rng = np.random.default_rng(i)
+        h, w = 30 + 3 * i, 40 + 2 * i
+        img = np.clip(
+            np.linspace(0, 255, h * w * 3).reshape(h, w, 3) + rng.normal(0, 9, (h, w, 3)), 0, 255
+        )
+        return img.astype(np.uint8), i
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_second_process_compiles_nothing(tmp_path: Path) -> None:
+    from beton_serve.fields import IntField, RGBImageField
+    from beton_serve.writer import DatasetWriter
+
+    data = tmp_path / "img.beton"
+    DatasetWriter(
+        str(data), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(_Images(12))
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = dict(os.environ, BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"))
+
+    def child() -> dict:
+        out = subprocess.run(
+            [sys.executable, str(script), str(data)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=200,
+            cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    cold, warm = child(), child()
+    assert cold["compiles"] > 0 and cold["saves"] > 0
+    assert warm["compiles"] == 0, warm
+    assert warm["hits"] > 0 and warm["saves"] == 0
+    assert warm["digest"] == cold["digest"]  # cached machine code: the same bytes
+
+
+# -- bad entries -----------------------------------------------------------------------------
+def _one_entry(store: DiskStore, k: float = 1.25) -> Path:
+    _run(Compiler.compile(_make_scale(k)))
+    (entry,) = _entries(store)
+    return entry
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
+def test_corrupt_entry_is_recompiled(store: DiskStore, damage: str) -> None:
+    entry = _one_entry(store)
+    data = bytearray(entry.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[-10] ^= 0xFF
+    elif damage == "garbage":
+        data = bytearray(os.urandom(len(data)))
+    else:
+        data = bytearray()
+    entry.write_bytes(bytes(data))
+    fn = Compiler.compile(_make_scale(1.25))
+    np.testing.assert_array_equal(_run(fn), _run(Compiler.compile(_make_scale(1.25), cache=False)))
+    assert store.rejected == 1 and store.saves == 2  # recompiled and replaced
+    assert Compiler.compile(_make_scale(1.25)) is not fn
+    _run(Compiler.compile(_make_scale(1.25)))
+    assert store.hits == 1
+
+
+def test_stale_entry_under_another_key_is_rejected(store: DiskStore) -> None:
+    a = _one_entry(store, 1.5)
+    _run(Compiler.compile(_make_scale(2.5)))
+    b = next(p for p in _entries(store) if p != a)
+    b.write_bytes(a.read_bytes())  # a valid entry, but for another key
+    out = _run(Compiler.compile(_make_scale(2.5)))
+    np.testing.assert_array_equal(out, np.arange(7) / 3.0 * 2.5)
+    assert store.rejected == 1
+
+
+def test_unpicklable_payload_is_recompiled(store: DiskStore) -> None:
+    entry = _one_entry(store)
+    key = bytes.fromhex(entry.name.split(".")[0])
+    store.put(key, b"not a pickle")  # valid header and checksum, useless payload
+    out = _run(Compiler.compile(_make_scale(1.25)))
+    np.testing.assert_array_equal(out, np.arange(7) / 3.0 * 1.25)
+    assert store.rejected == 1
+
+
+def test_foreign_entries_are_not_used(store: DiskStore) -> None:
+    entry = _one_entry(store)
+    entry.chmod(0o666)  # writable by others: anyone could have replaced it
+    _run(Compiler.compile(_make_scale(1.25)))
+    assert store.rejected == 1 and store.hits == 0
+    if os.geteuid() != 0:
+        return
+    entry = _entries(store)[0]
+    os.chown(entry, 4321, -1)  # another user's file
+    _run(Compiler.compile(_make_scale(1.25)))
+    assert store.rejected == 2 and store.hits == 0
+    link = entry.with_suffix(".tmp")
+    entry.rename(link)
+    entry.symlink_to(link)
+    _run(Compiler.compile(_make_scale(1.25)))
+    assert store.rejected == 3 and store.hits == 0
+
+
+def test_directory_is_private_and_foreign_directory_disables(tmp_path: Path) -> None:
+    root = tmp_path / "loose"
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)
+    s = DiskStore(root)
+    assert s.ready()
+    assert (root.stat().st_mode & 0o777) == 0o700
+    assert (s.entries_dir.stat().st_mode & 0o777) == 0o700
+    if os.geteuid() != 0:
+        return
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chown(other, 4321, 4321)
+    s2 = DiskStore(other)
+    assert not s2.ready() and "uid 4321" in s2.problem()
+    fn = Compiler.compile(_make_scale(4.0), cache=s2)  # compiles, uncached, no error
+    np.testing.assert_array_equal(_run(fn), np.arange(7) / 3.0 * 4.0)
+    assert s2.saves == 0 and not list(other.iterdir())
+
+
+def test_env_selects_directory(tmp_path: Path) -> None:
+    assert cache_dir({"BETON_SERVE_CACHE_DIR": "off"}) is None
+    assert cache_dir({"BETON_SERVE_CACHE_DIR": str(tmp_path)}) == tmp_path
+    assert cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "beton-serve"
+    assert cache_dir({}) == Path.home() / ".cache" / "beton-serve"
+    s = default_store({"BETON_SERVE_CACHE_DIR": str(tmp_path), "BETON_SERVE_CACHE_MAX_MB": "2"})
+    assert s is not None and s.max_bytes == 2 * 1024 * 1024
+
+
+# -- concurrency and size ----------------------------------------------------------------------
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from beton_serve.pipeline._compile_cache import DiskStore
+    s = DiskStore(Path(sys.argv[1]))
+    key = bytes(32)
+    me = int(sys.argv[2])
+    bad = 0
+    for i in range(80):
+        s.put(key, bytes([me]) * (1000 + 7919 * ((i + me) % 13)))
+        got = s.get(key)
+        if got is None or len(set(got)) != 1:
+            bad += 1
+    print(bad)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_writers_never_expose_a_partial_entry(tmp_path: Path) -> None:
+    root = tmp_path / "cc"
+    DiskStore(root).ready()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(root), str(i)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for i in range(4)
+    ]
+    try:
+        outs = [p.communicate(timeout=50)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    assert [int(o.strip()) for o in outs] == [0, 0, 0, 0]
+    s = DiskStore(root)
+    assert s.get(bytes(32)) is not None and s.rejected == 0
+    assert [p.name for p in s.entries_dir.iterdir()] == [bytes(32).hex() + ".nbk"]
+
+
+def test_size_bound_evicts_least_recently_used(tmp_path: Path) -> None:
+    s = DiskStore(tmp_path / "cc", max_bytes=10_500)  # five entries of 2,069 bytes
+    keys = [bytes([i]) * 32 for i in range(8)]
+    for i, k in enumerate(keys[:4]):
+        s.put(k, b"x" * 2000)
+        os.utime(s._path(k), (1000 + i, 1000 + i))
+    assert s.get(keys[0]) is not None  # a hit: key 0 becomes the most recent
+    for k in keys[4:]:
+        s.put(k, b"y" * 2000)
+    info = s.info()
+    assert info.total_bytes <= 10_500 and info.entries == 5
+    assert s.get(keys[0]) is not None
+    assert s.get(keys[1]) is None and s.get(keys[2]) is None
+    assert s.get(keys[7]) is not None
+
+
+# -- info / clear ----------------------------------------------------------------------------
+def test_cli_info_and_clear(store: DiskStore, capsys: pytest.CaptureFixture[str]) -> None:
+    _one_entry(store)
+    assert cache_main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["path"] == str(store.root) and info["entries"] == 1 and info["bytes"] > 0
+    assert info["usable"] is True
+    assert cache_main(["info"]) == 0
+    assert "entries:  1" in capsys.readouterr().out
+    assert cache_main(["clear"]) == 0
+    assert "removed 1" in capsys.readouterr().out
+    assert _entries(store) == []
+    missing = store.root.parent / "nothing-here"
+    assert cache_main(["info", "--dir", str(missing)]) == 0
+    assert "empty" in capsys.readouterr().out and not missing.exists()
+    assert cache_main([]) == 2
+
+
+# -- pre-compiling -----------------------------------------------------------------------------
+_PRECOMPILE_TOML = """
+[[precompile]]
+dataset = "img"
+batch_size = 4
+[precompile.pipelines]
+image = [
+  { op = "RandomResizedCropRGBImageDecoder", params = { output_size = [24, 24] } },
+  { op = "RandomHorizontalFlip" },
+]
+label = [{ op = "IntDecoder" }]
+"""
+
+
+def test_precompile_config_parses_and_rejects(tmp_path: Path) -> None:
+    from beton_serve.cli.config import load_config
+    from beton_serve.errors import ConfigError
+
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(_PRECOMPILE_TOML)
+    (spec,) = load_config(cfg_path).precompile
+    assert spec.dataset == "img" and spec.batch_size == 4
+    assert [o.op for o in spec.pipelines["image"]] == [  # type: ignore[union-attr]
+        "RandomResizedCropRGBImageDecoder",
+        "RandomHorizontalFlip",
+    ]
+    assert dict(spec.pipelines["image"][0].params) == {"output_size": [24, 24]}  # type: ignore[index]
+    for bad, needle in (
+        (
+            '[[precompile]]\nbatch_size = 4\n[precompile.pipelines]\nx = [{op = "IntDecoder"}]',
+            "one of",
+        ),
+        ('[[precompile]]\ndataset = "a"\nfile = "b"\n[precompile.pipelines]\nx = []', "one of"),
+        ('[[precompile]]\ndataset = "a"\ncolour = 1\n[precompile.pipelines]\nx = []', "colour"),
+        (
+            '[[precompile]]\ndataset = "a"\n[precompile.pipelines]\nx = [{name = "IntDecoder"}]',
+            "op",
+        ),
+        ('[[precompile]]\ndataset = "a"', "pipelines"),
+        ('precompile = "x"', "list of tables"),
+    ):
+        cfg_path.write_text(bad)
+        with pytest.raises(ConfigError, match=needle):
+            load_config(cfg_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_precompile_at_start_leaves_nothing_to_compile(
+    tmp_path: Path, store: DiskStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from beton_serve.cli.config import load_config
+    from beton_serve.daemon import Daemon
+    from beton_serve.daemon._precompile import start_precompile
+    from beton_serve.fields import IntField, RGBImageField
+    from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from beton_serve.loader import Loader
+    from beton_serve.transforms import RandomHorizontalFlip
+    from beton_serve.writer import DatasetWriter
+    from numba.core import event
+
+    data = tmp_path / "img.beton"
+    DatasetWriter(
+        str(data), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(_Images(6))
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(_PRECOMPILE_TOML)
+    specs = load_config(cfg_path).precompile
+    daemon = Daemon.create({"img": [str(data)]}, num_workers=1, sweep=False)
+    try:
+        fut = start_precompile(daemon, specs)
+        assert fut is not None
+        (result,) = fut.result(timeout=200)
+        assert result.error == "" and result.target == "img"
+    finally:
+        daemon.close()
+    assert store.saves > 0
+
+    compiled: list[str] = []
+
+    class Count(event.Listener):
+        def on_start(self, e: event.Event) -> None:
+            d = e.data["dispatcher"]
+            if type(d._cache).__name__ == "KeyedCache":  # what the compile cache can hold
+                compiled.append(d.py_func.__qualname__)
+
+        def on_end(self, e: event.Event) -> None:
+            pass
+
+    pipes: dict[str, Any] = {
+        "image": [RandomResizedCropRGBImageDecoder((24, 24)), RandomHorizontalFlip()],
+        "label": [IntDecoder()],
+    }
+    with event.install_listener("numba:compile", Count()):
+        with Loader(str(data), batch_size=4, num_workers=1, pipelines=pipes) as ld:
+            batches = list(ld)
+    assert len(batches) == 1  # drop_last, as FFCV
+    assert compiled == []  # the client's plan found every kernel compiled or cached
