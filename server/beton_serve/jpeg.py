@@ -13,20 +13,77 @@ and producing an area-like downscale. Only factors of 1/2 and below are fast (th
 IDCTs have no SIMD path and are *slower* than a full decode), so :func:`decode_into` scales only
 by factors >= 2 (``1/2, 3/8, 1/4, 1/8`` of the side), and only when asked for a minimum size that
 allows it.
+
+The crop decoders prefer libjpeg-turbo's TurboJPEG 3 API (:mod:`beton_serve._tj3`), which
+decodes only a crop's rectangle at any scale ``M/8``; :func:`resolve_backend` picks it, or falls
+back to this module's ``simplejpeg`` path with one logged reason (docs/jpeg-decode.md).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import numpy as np
 from numpy.typing import NDArray
 
-from beton_serve.errors import PipelineError
+from beton_serve.errors import PipelineError, SpecError
 
-__all__ = ["CorruptJPEGError", "check_size", "decode_into", "read_header", "scaled_size"]
+__all__ = [
+    "JPEG_BACKENDS",
+    "CorruptJPEGError",
+    "check_size",
+    "decode_into",
+    "read_header",
+    "resolve_backend",
+    "scaled_size",
+]
+
+log = logging.getLogger(__name__)
+
+#: Values of the crop decoders' ``jpeg_backend`` argument.
+JPEG_BACKENDS = ("auto", "tj3", "simplejpeg")
+
+_fallback_lock = threading.Lock()
+_fallback_logged: set[str] = set()
 
 
 class CorruptJPEGError(PipelineError):
     """A stored JPEG could not be decoded (truncated, corrupt, or not a JPEG)."""
+
+
+def resolve_backend(requested: str) -> str:
+    """The JPEG backend a crop decoder uses: ``"tj3"`` or ``"simplejpeg"``.
+
+    Args:
+        requested: one of :data:`JPEG_BACKENDS`. ``"auto"`` takes TurboJPEG 3 when a library
+            is found (see :func:`beton_serve._tj3.load`), else ``simplejpeg``, logging the
+            reason once per process (WARNING, naming ``pip install 'beton-serve[tj3]'``).
+
+    Raises:
+        SpecError: ``requested`` is unknown, or is ``"tj3"`` and no library is found.
+    """
+    from beton_serve import _tj3
+
+    if requested not in JPEG_BACKENDS:
+        raise SpecError(f"jpeg_backend must be one of {JPEG_BACKENDS}, not {requested!r}")
+    if requested == "simplejpeg":
+        return "simplejpeg"
+    try:
+        _tj3.load()
+    except _tj3.TJ3Unavailable as exc:
+        if requested == "tj3":
+            raise SpecError(f"jpeg_backend='tj3': {exc}") from None
+        reason = str(exc)
+        with _fallback_lock:
+            first = reason not in _fallback_logged
+            _fallback_logged.add(reason)
+        if first:
+            log.warning(
+                "crop decoders fall back to simplejpeg (full-image decode, slower): %s", reason
+            )
+        return "simplejpeg"
+    return "tj3"
 
 
 def read_header(data: NDArray[np.uint8] | bytes) -> tuple[int, int]:

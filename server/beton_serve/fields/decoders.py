@@ -20,6 +20,9 @@ Differences from FFCV, all deliberate:
   OpenCV's ``INTER_AREA``, see :mod:`beton_serve._kernels.resize`) or with OpenCV itself
   (``resize="cv2"``, FFCV's exact pixels), and decode a JPEG at a reduced DCT scale when the
   crop is at least twice the output size (``dct_scale=True``; see :meth:`_CropDecoder.__init__`).
+* With libjpeg-turbo's TurboJPEG 3 API (:mod:`beton_serve._tj3`, ``jpeg_backend="auto"``), the
+  crop decoders decode only each crop's rectangle (plus a pixel each side), bit-identical to the
+  same rectangle of a whole-image decode; simplejpeg's whole-image decode is the fallback.
 
 This module imports neither Numba nor OpenCV at import time.
 """
@@ -359,27 +362,38 @@ class _CropDecoder(SimpleRGBImageDecoder):
         resize: str = "area",
         dct_scale: bool = True,
         fast_upsample: bool = False,
+        jpeg_backend: str = "auto",
     ) -> None:
         """Args:
         output_size: ``(height, width)`` of the output; may be changed between epochs
             (progressive resizing): ``declare_state_and_memory`` reads it each time.
         resize: ``"area"`` (compiled area filter, within 1 grey level of OpenCV) or
             ``"cv2"`` (OpenCV ``INTER_AREA``, FFCV's exact pixels).
-        dct_scale: decode a JPEG at 1/2, 3/8, 1/4 or 1/8 scale when the crop stays at least
-            as large as the output after scaling (libjpeg-turbo's DCT-domain downscale:
-            less decode work and a smaller resize). Pixels then differ from FFCV's full
-            decode + resize by a few grey levels (measured in benchmarks/RESULTS.md); set
-            ``False`` for FFCV's pixels.
+        dct_scale: decode a JPEG at a reduced DCT scale ``M/8`` when the crop still covers
+            the output at that scale (libjpeg-turbo's DCT-domain downscale: less decode work
+            and a smaller resize): with TurboJPEG 3 the cheapest measured scale of 1/8, 1/4,
+            1/2 (see ``beton_serve._tj3.SCALE_ORDER``), with simplejpeg one of 1/2, 3/8, 1/4,
+            1/8. Pixels then differ from FFCV's full decode + resize by a few grey levels
+            (docs/jpeg-decode.md); set ``False`` for FFCV's pixels.
         fast_upsample: plain chroma upsampling in the JPEG decoder (about 9% faster decode,
             chroma edges differ from FFCV by a few grey levels); off by default.
+        jpeg_backend: ``"auto"`` (TurboJPEG 3 if a library is found, else simplejpeg with a
+            logged reason), ``"tj3"`` (required: ``SpecError`` when the pipeline is built
+            without it) or ``"simplejpeg"`` (whole-image decode). TurboJPEG 3 decodes only the
+            crop's rectangle; without DCT scaling its pixels equal a whole-image decode's.
         """
+        from beton_serve.jpeg import JPEG_BACKENDS
+
         super().__init__()
         if resize not in ("area", "cv2"):
             raise SpecError(f"resize must be 'area' or 'cv2', not {resize!r}")
+        if jpeg_backend not in JPEG_BACKENDS:
+            raise SpecError(f"jpeg_backend must be one of {JPEG_BACKENDS}, not {jpeg_backend!r}")
         self.output_size = output_size
         self.resize = resize
         self.dct_scale = bool(dct_scale)
         self.fast_upsample = bool(fast_upsample)
+        self.jpeg_backend = jpeg_backend
         self._cols: _ImageColumns | None = None
 
     def _out_hw(self) -> tuple[int, int]:
@@ -406,6 +420,176 @@ class _CropDecoder(SimpleRGBImageDecoder):
         raise NotImplementedError
 
     def _make_loop(self) -> Callable[..., Any]:
+        from beton_serve.jpeg import resolve_backend
+
+        if resolve_backend(self.jpeg_backend) == "tj3":
+            return self._make_tj3_loop()
+        return self._make_simplejpeg_loop()
+
+    def _make_tj3_loop(self) -> Callable[..., Any]:
+        """The batch loop with TurboJPEG 3: per sample, decode only the crop, at the cheapest
+        scale that covers the output (``beton_serve._tj3.plan_crop``), then resize.
+
+        Each worker thread owns one decompressor handle (in a ``threading.local``; freed when
+        the thread or this loop goes) and a region buffer that grows to the largest region
+        decoded so far. A region that is exactly the output is decoded straight into ``dst[b]``.
+        With ``resize="area"`` the batch runs in ``_tj3.batch_kernel`` (numba, no GIL) once it
+        is compiled; ``one`` (ctypes) does the samples it hands back, and everything before.
+        """
+        from beton_serve import _tj3
+        from beton_serve._kernels import resize as rz
+        from beton_serve.jpeg import CorruptJPEGError
+
+        if self._cols is None:
+            self._cols = _ImageColumns(_require_metadata(self, _RGB_MEMBERS))
+        cols = self._cols
+        lib = _tj3.load()
+        mem_read = self.memory_read
+        method = self.resize
+        dct = self.dct_scale
+        fast_up = self.fast_upsample
+        name = type(self).__name__
+        local = threading.local()
+        crops_of = self._crops
+
+        def worker_state(ow: int) -> tuple[_tj3.Decompressor, np.ndarray]:
+            tj = getattr(local, "tj", None)
+            if tj is None:
+                tj = local.tj = _tj3.Decompressor(lib, fast_upsample=fast_up)
+            need = rz.scratch_size(max(cols.max_w, 1), ow)
+            rbuf = getattr(local, "rbuf", None)
+            if rbuf is None or rbuf.shape[0] < need:
+                rbuf = local.rbuf = np.empty(need, np.float32)
+            return tj, rbuf
+
+        def region_buffer(nbytes: int) -> np.ndarray:
+            # sized by regions of images whose header matched their metadata (never by the
+            # metadata's maximum: one lying sample must not make every worker map 12 GiB)
+            jbuf = getattr(local, "jbuf", None)
+            if jbuf is None or jbuf.shape[0] < nbytes:
+                grown = 0 if jbuf is None else min(2 * jbuf.shape[0], cols.max_h * cols.max_w * 3)
+                jbuf = local.jbuf = np.empty(max(nbytes, grown, 1), np.uint8)
+            return jbuf  # type: ignore[no-any-return]
+
+        def one(
+            tj: _tj3.Decompressor,
+            rbuf: np.ndarray,
+            dst: np.ndarray,
+            b: int,
+            sid: int,
+            box: np.ndarray,
+            data: np.ndarray,
+        ) -> None:
+            """Sample ``sid`` into ``dst[b]`` through ctypes (each call releases the GIL)."""
+            oh, ow = dst.shape[1], dst.shape[2]
+            top, left, ch, cw = (int(v) for v in box)
+            height, width = int(cols.heights[sid]), int(cols.widths[sid])
+            if cols.modes[sid] != 0:
+                img = data[: height * width * 3].reshape(height, width, 3)
+                rz.resize_crop(img, top, left, ch, cw, dst[b], rbuf, method)
+                return
+            try:
+                try:
+                    hd = tj.header(data)
+                except ValueError as exc:
+                    raise CorruptJPEGError(str(exc)) from None
+                if (hd.height, hd.width) != (height, width):
+                    # the crop box comes from the metadata: a JPEG of another size is a
+                    # bad sample (issue 11), as jpeg.check_size says
+                    raise CorruptJPEGError(
+                        f"the JPEG is {hd.height}x{hd.width} (HxW) but the sample's "
+                        f"metadata says {height}x{width}"
+                    )
+                if hd.colorspace not in _tj3.DECODABLE_COLORSPACES:
+                    raise CorruptJPEGError(
+                        f"{_tj3.colorspace_name(hd.colorspace)} JPEGs cannot be decoded "
+                        "to RGB; store them as RGB JPEGs"
+                    )
+                m, region, rh, rw, t2, l2, c2, w2 = _tj3.plan_crop(
+                    hd, top, left, ch, cw, oh, ow, dct, not _tj3.ends_with_eoi(data)
+                )
+                out = dst[b]
+                direct = (rh, rw, c2, w2) == (oh, ow, oh, ow) and out.flags.c_contiguous
+                if not direct:
+                    out = region_buffer(rh * rw * 3)[: rh * rw * 3].reshape(rh, rw, 3)
+                try:
+                    tj.decode(data, out, m, region)
+                except ValueError as exc:
+                    raise CorruptJPEGError(str(exc)) from None
+            except CorruptJPEGError as exc:
+                raise _corrupt(exc, sid, name) from None
+            if not direct:
+                rz.resize_crop(out, t2, l2, c2, w2, dst[b], rbuf, method)
+
+        # The compiled loop (no GIL for the whole batch) does the area-resized samples; this
+        # Python loop does what it hands back (upscales, raw images, errors) and resize="cv2".
+        # (compiled in the background on first use: the first batches take the Python loop)
+        use_kernel = method == "area"
+
+        def region_grid(h: int, w: int) -> np.ndarray:
+            # the kernel's (H, W, 3) region scratch; grows as regions need (as region_buffer)
+            grid = getattr(local, "grid", None)
+            if grid is None or grid.shape[0] < h or grid.shape[1] < w:
+                old = (0, 0) if grid is None else grid.shape[:2]
+                grid = local.grid = np.empty((max(h, old[0], 1), max(w, old[1], 1), 3), np.uint8)
+            return grid  # type: ignore[no-any-return]
+
+        def run(batch_indices, dst, metadata, storage_state, seed_key=None):
+            tj, rbuf = worker_state(dst.shape[2])
+            boxes = crops_of(batch_indices, seed_key)
+            n = len(batch_indices)
+            ids = [int(v) for v in batch_indices]
+            datas = [mem_read(cols.ptrs[sid], storage_state) for sid in ids]  # type: ignore[misc]
+            kernel = _tj3.batch_kernel(lib, wait=False) if use_kernel else None
+            if kernel is None or not dst.flags.c_contiguous or boxes.dtype != np.int64:
+                for b in range(n):
+                    one(tj, rbuf, dst, b, ids[b], boxes[b], datas[b])
+                return dst
+            addrs = np.zeros(n, np.uint64)
+            lens = np.zeros(n, np.int64)  # 0: not a JPEG, left to one()
+            eoi = np.zeros(n, np.bool_)
+            for b in range(n):
+                data = datas[b]
+                if cols.modes[ids[b]] == 0 and data.shape[0]:
+                    addrs[b] = data.ctypes.data
+                    lens[b] = data.shape[0]
+                    eoi[b] = _tj3.ends_with_eoi(data)
+            idx = np.asarray(ids, np.int64)
+            heights, widths = cols.heights[idx], cols.widths[idx]
+            dflat = dst.reshape(-1)
+            jbuf = region_grid(0, 0)
+            b = 0
+            while b < n:
+                b, need_h, need_w = kernel(  # type: ignore[operator]
+                    tj.handle,
+                    b,
+                    addrs,
+                    lens,
+                    eoi,
+                    heights,
+                    widths,
+                    boxes,
+                    dct,
+                    dst,
+                    dflat,
+                    jbuf,
+                    jbuf.reshape(-1),
+                    rbuf,
+                )
+                if b >= n:
+                    break
+                if need_h:
+                    jbuf = region_grid(need_h, need_w)
+                    continue
+                one(tj, rbuf, dst, b, ids[b], boxes[b], datas[b])
+                b += 1
+            return dst
+
+        return run
+
+    def _make_simplejpeg_loop(self) -> Callable[..., Any]:
+        """The batch loop with simplejpeg: decode the whole image (maybe DCT-scaled), crop,
+        resize (the fallback when TurboJPEG 3 is missing)."""
         from beton_serve._kernels import resize as rz
         from beton_serve.jpeg import CorruptJPEGError, check_size, decode_into, scaled_size
 
@@ -485,10 +669,19 @@ class _CropDecoder(SimpleRGBImageDecoder):
         return run
 
 
+def _shared_loop(decoder: _CropDecoder) -> Callable[..., Any]:
+    """``share_decode=True``: full decodes shared with the decode group (issue 16)."""
+    from beton_serve.fields._shared_decode import make_shared_loop
+
+    return make_shared_loop(decoder)
+
+
 class RandomResizedCropRGBImageDecoder(_CropDecoder):
     """Random crop (torchvision/FFCV sampler, §3.5) of each image, area-resized to ``output_size``.
 
     Crops are drawn from the counter RNG (``with_seed``): reproducible for any worker count.
+    ``share_decode=True`` takes each sample's full decode from the stream's decode group
+    (:mod:`beton_serve.fields.decode_cache`; pixels as ``dct_scale=False``, alone or shared).
     """
 
     spec_name = "RandomResizedCropRGBImageDecoder"
@@ -502,10 +695,18 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
         resize: str = "area",
         dct_scale: bool = True,
         fast_upsample: bool = False,
+        jpeg_backend: str = "auto",
+        share_decode: bool = False,
     ) -> None:
         super().__init__(
-            output_size, resize=resize, dct_scale=dct_scale, fast_upsample=fast_upsample
+            output_size,
+            resize=resize,
+            dct_scale=dct_scale,
+            fast_upsample=fast_upsample,
+            jpeg_backend=jpeg_backend,
         )
+        #: Issue 16: take full decodes from the stream's decode group (fields.decode_cache).
+        self.share_decode = bool(share_decode)
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
         if not (0 < self.scale[0] <= self.scale[1]) or min(self.ratio) <= 0:
@@ -528,7 +729,7 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
         )
 
     def generate_code(self) -> Callable[..., Any]:
-        loop = self._make_loop()
+        loop = _shared_loop(self) if self.share_decode else self._make_loop()
 
         def decode(batch_indices, dst, metadata, storage_state, seed_key):
             return loop(batch_indices, dst, metadata, storage_state, seed_key)
@@ -545,13 +746,17 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
             "resize": self.resize,
             "dct_scale": self.dct_scale,
             "fast_upsample": self.fast_upsample,
+            # sent only when chosen, so that a default spec reads as before (and as FFCV's)
+            **({"jpeg_backend": self.jpeg_backend} if self.jpeg_backend != "auto" else {}),
+            **({"share_decode": True} if self.share_decode else {}),
         }
 
 
 class CenterCropRGBImageDecoder(_CropDecoder):
     """FFCV's centre crop (§3.6): ``c = int(ratio * min(H, W))`` square, resized to ``output_size``.
 
-    ``ratio`` is required, as in FFCV (ffcv-imagenet uses ``224/256``).
+    ``ratio`` is required, as in FFCV (ffcv-imagenet uses ``224/256``). ``share_decode``: as for
+    :class:`RandomResizedCropRGBImageDecoder`.
     """
 
     spec_name = "CenterCropRGBImageDecoder"
@@ -564,10 +769,18 @@ class CenterCropRGBImageDecoder(_CropDecoder):
         resize: str = "area",
         dct_scale: bool = True,
         fast_upsample: bool = False,
+        jpeg_backend: str = "auto",
+        share_decode: bool = False,
     ) -> None:
         super().__init__(
-            output_size, resize=resize, dct_scale=dct_scale, fast_upsample=fast_upsample
+            output_size,
+            resize=resize,
+            dct_scale=dct_scale,
+            fast_upsample=fast_upsample,
+            jpeg_backend=jpeg_backend,
         )
+        #: Issue 16: take full decodes from the stream's decode group (fields.decode_cache).
+        self.share_decode = bool(share_decode)
         self.ratio = float(ratio)
         if not 0 < self.ratio <= 1:
             raise SpecError(f"CenterCropRGBImageDecoder: ratio must be in (0, 1], got {ratio}")
@@ -584,7 +797,7 @@ class CenterCropRGBImageDecoder(_CropDecoder):
         )
 
     def generate_code(self) -> Callable[..., Any]:
-        loop = self._make_loop()
+        loop = _shared_loop(self) if self.share_decode else self._make_loop()
 
         def decode(batch_indices, dst, metadata, storage_state):
             return loop(batch_indices, dst, metadata, storage_state)
@@ -599,4 +812,7 @@ class CenterCropRGBImageDecoder(_CropDecoder):
             "resize": self.resize,
             "dct_scale": self.dct_scale,
             "fast_upsample": self.fast_upsample,
+            # sent only when chosen, so that a default spec reads as before (and as FFCV's)
+            **({"jpeg_backend": self.jpeg_backend} if self.jpeg_backend != "auto" else {}),
+            **({"share_decode": True} if self.share_decode else {}),
         }
