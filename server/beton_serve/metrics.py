@@ -32,6 +32,9 @@ name                                       kind     labels           from ``Daem
 ``beton_compiled_plans``                   gauge    -                ``compiled_plans``
 ``beton_uptime_seconds``                   gauge    -                ``uptime_s``
 ``beton_stats_stale``                      gauge    -                1 when the last snapshot failed
+``beton_decode_group_*``                   both     dataset, field,  ``decode_groups`` (issue 16):
+                                                    order            members, detached, delivered,
+                                                                     decoded, hits, evicted, bytes
 =========================================  =======  ===============  ==============================
 
 The ``client`` label is the stream id (one stream is one client's Loader); the client's script
@@ -162,6 +165,46 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
         busy.add_metric([str(op)], float(sec))
         runs.add_metric([str(op)], float(n))
 
+    labels = ("dataset", "field", "order")
+    g_members = _gauge("beton_decode_group_members", "Streams in a decode group.", labels)
+    g_detached = _gauge(
+        "beton_decode_group_detached", "Members decoding alone for lagging.", labels
+    )
+    g_delivered = _counter(
+        "beton_decode_group_delivered_samples", "Samples handed to a group's members.", labels
+    )
+    g_decoded = _counter(
+        "beton_decode_group_decoded_samples", "JPEG decodes run for a group's members.", labels
+    )
+    g_hits = _counter(
+        "beton_decode_group_hits", "Samples a member found decoded by another.", labels
+    )
+    g_evicted = _counter(
+        "beton_decode_group_evicted", "Decoded samples dropped by the byte bound.", labels
+    )
+    g_bytes = _gauge("beton_decode_group_live_bytes", "Bytes of a group's cached images.", labels)
+    for g in stats.decode_groups:
+        key = [str(g.dataset), str(g.field), str(g.order)]
+        for fam, value in (
+            (g_members, g.members),
+            (g_detached, g.detached),
+            (g_delivered, g.delivered),
+            (g_decoded, g.decoded),
+            (g_hits, g.hits),
+            (g_evicted, g.evicted),
+            (g_bytes, g.live_bytes),
+        ):
+            fam.add_metric(key, float(value))
+    groups: list[Metric] = [
+        g_members,
+        g_detached,
+        g_delivered,
+        g_decoded,
+        g_hits,
+        g_evicted,
+        g_bytes,
+    ]
+
     singles: list[Metric] = []
     for fam, value in (
         (
@@ -198,7 +241,7 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
         singles.append(fam)
     return [
         batches, images, info, in_use, total, wait, wall, stall, active, opened,
-        decoded, decoded_b, bad, busy, runs, *singles,
+        decoded, decoded_b, bad, busy, runs, *groups, *singles,
     ]  # fmt: skip
 
 

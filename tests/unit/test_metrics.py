@@ -121,6 +121,25 @@ def test_every_field_of_a_snapshot_becomes_a_metric(exporter_of) -> None:
     assert got[("beton_stats_stale", ())] == 0
 
 
+def test_decode_groups_are_exported(exporter_of) -> None:
+    from beton_serve.daemon._messages import DecodeGroupRow
+
+    row = DecodeGroupRow(
+        dataset="imagenet", field="image", order="ab12", members=4, detached=1,
+        delivered=400, decoded=110, hits=290, evicted=3, live_bytes=1 << 20,
+    )  # fmt: skip
+    _, port = exporter_of(lambda: _stats([], [], decode_groups=(row,)))
+    got = scrape(port)
+    key = (("dataset", "imagenet"), ("field", "image"), ("order", "ab12"))
+    assert got[("beton_decode_group_members", key)] == 4
+    assert got[("beton_decode_group_detached", key)] == 1
+    assert got[("beton_decode_group_delivered_samples_total", key)] == 400
+    assert got[("beton_decode_group_decoded_samples_total", key)] == 110
+    assert got[("beton_decode_group_hits_total", key)] == 290
+    assert got[("beton_decode_group_evicted_total", key)] == 3
+    assert got[("beton_decode_group_live_bytes", key)] == 1 << 20
+
+
 def test_each_scrape_reads_a_new_snapshot_and_gone_streams_vanish(exporter_of) -> None:
     state = {"stats": _stats([("s1", "cifar", 10, 500_000, 2.0)], [("cifar", 40, 10)])}
     calls = []

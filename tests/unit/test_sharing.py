@@ -495,6 +495,9 @@ class FakeSource:
     def __len__(self) -> int:
         return self.n_samples // self.batch_size
 
+    def close(self) -> None:
+        self.closed = True
+
     def batch_ids(self, epoch: int, b: int) -> np.ndarray:
         perm = np.random.default_rng(99 + epoch).permutation(self.n_samples)
         return perm[b * self.batch_size : (b + 1) * self.batch_size]

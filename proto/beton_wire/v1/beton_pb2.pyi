@@ -683,10 +683,58 @@ class DatasetStats(_message.Message):
         bad_samples: int | None = ...,
     ) -> None: ...
 
+class DecodeGroupStats(_message.Message):
+    __slots__ = (
+        "dataset",
+        "decoded",
+        "delivered",
+        "detached",
+        "evicted",
+        "field",
+        "hits",
+        "live_bytes",
+        "members",
+        "order",
+    )
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    field: str
+    order: str
+    members: int
+    detached: int
+    delivered: int
+    decoded: int
+    hits: int
+    evicted: int
+    live_bytes: int
+    def __init__(
+        self,
+        dataset: str | None = ...,
+        field: str | None = ...,
+        order: str | None = ...,
+        members: int | None = ...,
+        detached: int | None = ...,
+        delivered: int | None = ...,
+        decoded: int | None = ...,
+        hits: int | None = ...,
+        evicted: int | None = ...,
+        live_bytes: int | None = ...,
+    ) -> None: ...
+
 class StatsResponse(_message.Message):
     __slots__ = (
         "compiled_plans",
         "datasets",
+        "decode_groups",
         "pid",
         "queue_depth",
         "shm_bytes",
@@ -708,6 +756,7 @@ class StatsResponse(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     WORKER_UTILISATION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_REPLACED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     pid: int
     uptime_s: float
     workers: int
@@ -719,6 +768,7 @@ class StatsResponse(_message.Message):
     queue_depth: int
     worker_utilisation: float
     workers_replaced: int
+    decode_groups: _containers.RepeatedCompositeFieldContainer[DecodeGroupStats]
     def __init__(
         self,
         pid: int | None = ...,
@@ -732,4 +782,5 @@ class StatsResponse(_message.Message):
         queue_depth: int | None = ...,
         worker_utilisation: float | None = ...,
         workers_replaced: int | None = ...,
+        decode_groups: _Iterable[DecodeGroupStats | _Mapping] | None = ...,
     ) -> None: ...

@@ -17,6 +17,7 @@ from beton_serve.transport.negotiate import ClientOffer, Rejection
 
 __all__ = [
     "DaemonStats",
+    "DecodeGroupRow",
     "OpRequest",
     "PipelineRequest",
     "StreamOpened",
@@ -103,6 +104,32 @@ class StreamStats:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DecodeGroupRow:
+    """One decode group (``beton_serve.fields.decode_cache``) in a daemon snapshot.
+
+    Attributes:
+        dataset: the file's name (the group's label).
+        field: the decoded field.
+        order: a short digest of the group's order key (order, seed, indices, rank, world).
+        members: streams in the group now; ``detached``: those decoding alone for lagging.
+        delivered: samples handed to members; ``decoded``: JPEG decodes run for them.
+        hits: samples another member had decoded; ``evicted``: entries dropped by the bound.
+        live_bytes: bytes of the group's cached images now.
+    """
+
+    dataset: str
+    field: str
+    order: str
+    members: int
+    detached: int
+    delivered: int
+    decoded: int
+    hits: int
+    evicted: int
+    live_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DaemonStats:
     """A snapshot of the daemon (what the Stats RPC returns)."""
 
@@ -124,3 +151,5 @@ class DaemonStats:
     bad_samples: tuple[tuple[str, int], ...] = ()
     #: ``(op, seconds, batches)``: time each op spent, summed over every batch (all plans).
     op_seconds: tuple[tuple[str, float, int], ...] = ()
+    #: Decode groups (issue 16): samples decoded against samples delivered, per group.
+    decode_groups: tuple[DecodeGroupRow, ...] = ()

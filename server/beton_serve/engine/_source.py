@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from beton_serve.engine._decode_groups import bind_decode_groups, unbind
 from beton_serve.engine._future import BatchFuture, SourceCaps, ids_or
 from beton_serve.engine._pool import Engine
 from beton_serve.engine.orders import (
@@ -46,6 +47,7 @@ from beton_serve.engine.orders import (
     make_order,
 )
 from beton_serve.errors import PipelineError, SpecError
+from beton_serve.fields.decode_cache import decode_scope
 from beton_serve.pipeline._plan import OpFailure, Plan
 
 __all__ = ["BatchSource", "BadSample", "delivered_ids"]
@@ -157,6 +159,13 @@ class BatchSource:
         self._orders: OrderedDict[int, NDArray[np.uint64]] = OrderedDict()
         self._keys: OrderedDict[int, NDArray[np.uint64]] = OrderedDict()
         self._len = epoch_length(len(self.sample_order(0)), self.batch_size, self.drop_last)
+        #: Issue 16: the decode groups of its ``share_decode`` decoders (None: decodes alone).
+        self.decode_binding = bind_decode_groups(self)
+
+    def close(self) -> None:
+        """Leave its decode groups now instead of when collected (issue 16). Idempotent; the
+        source stays usable and decodes alone from then on."""
+        unbind(self.decode_binding)
 
     # -- order ---------------------------------------------------------------------------
     def sample_order(self, epoch: int) -> NDArray[np.uint64]:
@@ -230,6 +239,8 @@ class BatchSource:
         """
         ids = self.batch_ids(epoch, b)
         n = len(ids)
+        if self.decode_binding is not None:  # issue 16: a stream that runs batches is held for
+            self.decode_binding.activate()
         # What the batch will hold: the order's ids, patched by _run where a sample is skipped.
         held = ids.copy()
         if out is None:
@@ -300,9 +311,6 @@ class BatchSource:
         """The samples skipped under the bad-sample budget so far, oldest first."""
         return self.bad_samples
 
-    def close(self) -> None:
-        """Nothing to free: the engine and the plan belong to the caller (the daemon)."""
-
     @staticmethod
     def promote(fut: Future[Any]) -> None:
         """Move a submitted batch ahead of prefetch work (its consumer is now waiting)."""
@@ -321,7 +329,8 @@ class BatchSource:
         held: NDArray[np.uint64] | None = None,
     ) -> list[np.ndarray]:
         try:
-            out = self._run_plan(epoch, batch, lo, hi, outs, keys, held)
+            with decode_scope(self.decode_binding, epoch):  # issue 16: its decode groups
+                out = self._run_plan(epoch, batch, lo, hi, outs, keys, held)
         except BaseException:
             # Zeros read from a file truncated under its mapping can make a decode fail: then
             # the file is at fault, not a sample (no bad-sample skip can make that batch good).

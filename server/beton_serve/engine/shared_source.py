@@ -287,6 +287,7 @@ class SharedSource:
             consumer.close()
         if self._arena is not None:  # unlinked once the other members gave its buffers back
             self._arena.close()
+        self.source.close()  # its own source leaves its decode groups now (issue 16)
 
     # ------------------------------------------------------------------ state
     @property

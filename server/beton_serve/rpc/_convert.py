@@ -467,4 +467,19 @@ def stats_message(s: DaemonStats) -> pb.StatsResponse:
         queue_depth=getattr(s, "queue_depth", 0),
         worker_utilisation=getattr(s, "worker_utilisation", 0.0),
         workers_replaced=getattr(s, "workers_replaced", 0),
+        decode_groups=[
+            pb.DecodeGroupStats(
+                dataset=g.dataset,
+                field=g.field,
+                order=g.order,
+                members=g.members,
+                detached=g.detached,
+                delivered=g.delivered,
+                decoded=g.decoded,
+                hits=g.hits,
+                evicted=g.evicted,
+                live_bytes=g.live_bytes,
+            )
+            for g in getattr(s, "decode_groups", ())
+        ],
     )

@@ -1,0 +1,300 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""Issue 16 end to end: streams whose pipelines differ share decodes (decode groups).
+
+Four pipelines, RandomResizedCrop to 160/176/192/224 with a flip, same dataset, seed and order,
+``share_decode=True``. Each job's batches must equal its solo run bit for bit, in process and
+served, while the group decodes each sample about once per epoch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from beton_serve.engine import Engine, OrderOption
+from beton_serve.fields import IntField, RGBImageField
+from beton_serve.fields import decode_cache as dc
+from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+from beton_serve.loader import Loader
+from beton_serve.pipeline.registry import op_from_spec
+from beton_serve.transforms import RandomHorizontalFlip
+from beton_serve.writer import DatasetWriter
+from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+
+N = 48
+BATCH = 8
+SEED = 5
+SIZES = (160, 176, 192, 224)
+
+
+class _Images:
+    """Smooth random images of 40..90 px a side, as JPEG-friendly uint8 HWC."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        g = np.random.default_rng(i)
+        h, w = (int(v) for v in g.integers(40, 91, 2))
+        yy, xx = np.mgrid[0:h, 0:w]
+        img = np.stack([(yy * (c + 1) + xx * (3 - c) + 40 * c) % 256 for c in range(3)], -1)
+        img = img + g.normal(0, 4, img.shape)
+        return np.clip(img, 0, 255).astype(np.uint8), i
+
+
+@pytest.fixture(scope="module")
+def jpeg_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("dg") / "sweep.beton"
+    DatasetWriter(
+        str(path),
+        {"image": RGBImageField(write_mode="jpg", jpeg_quality=90), "label": IntField()},
+        num_workers=1,
+    ).from_indexed_dataset(_Images())
+    return path
+
+
+@pytest.fixture
+def cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[dc.DecodeCache]:
+    """A fresh process cache for the test (streams join ``default_decode_cache()``)."""
+    fresh = dc.DecodeCache()
+    monkeypatch.setattr(dc, "_default", [fresh])
+    yield fresh
+
+
+def _pipelines(size: int, share: bool = True, tensors: bool = False) -> dict:
+    from beton_serve.transforms import ToTensor
+
+    def tail() -> list:
+        return [ToTensor()] if tensors else []
+
+    return {
+        "image": [
+            RandomResizedCropRGBImageDecoder((size, size), share_decode=share),
+            RandomHorizontalFlip(),
+            *tail(),
+        ],
+        "label": [IntDecoder(), *tail()],
+    }
+
+
+def _loader(path: Path, size: int, engine: Engine | None = None, **kw) -> Loader:
+    return Loader(
+        str(path),
+        batch_size=kw.pop("batch_size", BATCH),
+        order=OrderOption.RANDOM,
+        seed=SEED,
+        engine=engine,
+        num_workers=2,
+        pipelines=kw.pop("pipelines", None) or _pipelines(size),
+        **kw,
+    )
+
+
+def _read(loader, epochs: int, out: list, start_epoch: int = 0, pause=None) -> None:
+    for e in range(start_epoch, epochs):
+        for i, (x, y) in enumerate(loader):
+            out.append((e, _np(x), _np(y)))
+            if pause is not None:
+                pause(e, i)
+
+
+def _np(x) -> np.ndarray:
+    """A copy of a batch output (numpy array or CPU tensor) as numpy."""
+    return x.numpy().copy() if hasattr(x, "numpy") else np.array(x)
+
+
+def _solo(path: Path, size: int, epochs: int = 2) -> list:
+    out: list = []
+    engine = Engine(num_workers=2)
+    try:
+        _read(_loader(path, size, engine), epochs, out)
+    finally:
+        engine.close()
+    return out
+
+
+def _same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for (e1, x1, y1), (e2, x2, y2) in zip(a, b, strict=True):
+        assert e1 == e2 and np.array_equal(y1, y2) and np.array_equal(x1, x2)
+
+
+def _together(loaders: list, epochs: int, pause=None) -> list[list]:
+    outs: list[list] = [[] for _ in loaders]
+    errors: list[BaseException] = []
+
+    start = threading.Barrier(len(loaders), timeout=30)
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            _read(loaders[i], epochs, outs[i], pause=pause and (lambda e, b: pause(i, e, b)))
+        except BaseException as exc:  # pragma: no cover - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(loaders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return outs
+
+
+def test_share_decode_is_a_wire_parameter_and_decodes_in_full(jpeg_file: Path, cache) -> None:
+    op = RandomResizedCropRGBImageDecoder((32, 32), share_decode=True)
+    params = op.spec_params()
+    assert params["share_decode"] is True
+    assert "share_decode" not in RandomResizedCropRGBImageDecoder((32, 32)).spec_params()
+    assert op_from_spec("RandomResizedCropRGBImageDecoder", params).share_decode is True
+    # A full decode then the resize kernel: FFCV's pixels, as with dct_scale=False.
+    full = _pipelines(32)
+    full["image"][0] = RandomResizedCropRGBImageDecoder(
+        (32, 32), dct_scale=False, jpeg_backend="simplejpeg"
+    )
+    a: list = []
+    b: list = []
+    _read(_loader(jpeg_file, 32), 1, a)
+    _read(_loader(jpeg_file, 32, pipelines=full), 1, b)
+    _same(a, b)
+
+
+def test_four_pipelines_share_decodes_and_equal_their_solo_runs(jpeg_file: Path, cache) -> None:
+    refs = {s: _solo_with_batch(jpeg_file, s, BATCH + i) for i, s in enumerate(SIZES)}
+    before = sum(g.decoded for g in cache.stats())
+    engine = Engine(num_workers=2)
+    try:
+        loaders = [_loader(jpeg_file, s, engine, batch_size=BATCH + i) for i, s in enumerate(SIZES)]
+        outs = _together(loaders, 2)
+        (st,) = cache.stats()
+    finally:
+        engine.close()
+    # batch sizes differ (8..11): compare sample streams, not batches
+    for s, out in zip(SIZES, outs, strict=True):
+        got = np.concatenate([x for _, x, _ in out])
+        assert np.array_equal(got, refs[s])
+    decoded = st.decoded - before
+    delivered_per_member = sum(len(x) for _, x, _ in outs[0])
+    assert decoded / delivered_per_member <= 1.3, st
+
+
+def _solo_with_batch(path: Path, size: int, batch: int) -> np.ndarray:
+    out: list = []
+    engine = Engine(num_workers=2)
+    try:
+        _read(_loader(path, size, engine, batch_size=batch), 2, out)
+    finally:
+        engine.close()
+    return np.concatenate([x for _, x, _ in out])
+
+
+def test_a_laggard_detaches_and_stays_exact(jpeg_file: Path, monkeypatch) -> None:
+    budget = 8 * 90 * 90 * 3  # a handful of images: the slow job cannot stay in the window
+    small = dc.DecodeCache(max_bytes=budget)
+    monkeypatch.setattr(dc, "_default", [small])
+    refs = {s: _solo(jpeg_file, s) for s in SIZES}
+    engine = Engine(num_workers=2)
+    gate = threading.Event()
+    try:
+        loaders = [_loader(jpeg_file, s, engine) for s in SIZES]
+        outs: list[list] = [[] for _ in SIZES]
+        threads = [threading.Thread(target=_read, args=(loaders[i], 2, outs[i])) for i in range(3)]
+        slow_started = threading.Event()
+
+        def first_then_wait() -> None:  # the 224 job stalls after one batch until the end
+            it = iter(loaders[3])
+            x, y = next(it)
+            outs[3].append((0, np.array(x), np.array(y)))
+            slow_started.set()
+            gate.wait(20)
+            for x, y in it:
+                outs[3].append((0, np.array(x), np.array(y)))
+            _read(loaders[3], 2, outs[3], start_epoch=1)
+
+        slow = threading.Thread(target=first_then_wait)
+        slow.start()
+        assert slow_started.wait(20)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        st = small.stats()[0]
+        gate.set()
+        slow.join(60)
+    finally:
+        gate.set()
+        engine.close()
+    assert small.peak_bytes <= budget
+    assert st.evicted > 0 and st.detached >= 1  # the stalled job was detached
+    for s, out in zip(SIZES, outs, strict=True):
+        _same(out, refs[s])
+
+
+def test_a_job_resumed_mid_epoch_joins_and_reads_exactly_once(jpeg_file: Path, cache) -> None:
+    ref = _solo(jpeg_file, 192)
+    k = 3
+    first = _loader(jpeg_file, 192)
+    it = iter(first)
+    for _ in range(k):
+        next(it)
+    state = first.state_dict()
+    it.close()
+    others = {s: _solo(jpeg_file, s) for s in (160, 176, 224)}
+    engine = Engine(num_workers=2)
+    try:
+        loaders = [_loader(jpeg_file, s, engine) for s in (160, 176, 224)]
+        late = _loader(jpeg_file, 192, engine)
+        late.load_state_dict(state)
+        outs = _together([*loaders, late], 2)
+    finally:
+        engine.close()
+    for s, out in zip((160, 176, 224), outs, strict=False):
+        _same(out, others[s])
+    _same(outs[3], ref[k:])  # the rest of epoch 0, then epoch 1: nothing twice, nothing lost
+    ids = np.concatenate([y.reshape(-1) for e, _, y in outs[3] if e == 0])
+    before = np.concatenate([y.reshape(-1) for e, _, y in ref[:k]])
+    assert sorted([*ids.tolist(), *before.tolist()]) == list(range(N))
+
+
+@pytest.mark.slow
+def test_served_jobs_share_decodes_and_equal_in_process(jpeg_file: Path, daemon_factory) -> None:
+    from beton_client import Loader as Client
+    from beton_client import OrderOption as ClientOrder
+
+    refs = {}
+    for s in SIZES:
+        out: list = []
+        _read(_loader(jpeg_file, s, pipelines=_pipelines(s, tensors=True)), 2, out)
+        refs[s] = out
+    d = daemon_factory([jpeg_file])
+    clients = [
+        Client(
+            "sweep",
+            batch_size=BATCH,
+            order=ClientOrder.RANDOM,
+            seed=SEED,
+            pipelines=_pipelines(s, tensors=True),
+            server=d.address,
+            spawn=False,
+        )
+        for s in SIZES
+    ]
+    try:
+        outs = _together(clients, 2)
+        stats = d.stats()
+    finally:
+        for c in clients:
+            c.close()
+    for s, out in zip(SIZES, outs, strict=True):
+        _same(out, refs[s])
+    (g,) = [g for g in stats.decode_groups if g.field == "image"]
+    # delivered counts the daemon's look-ahead into epoch 2 as well
+    assert g.members == 4 and g.delivered >= 4 * 2 * N
+    # Decode epochs per epoch (4.0 unshared). The four streams open one after the other, so the
+    # first batches of a 6-batch epoch are decoded more than once: the benchmark's longer epochs
+    # hold the issue's target of 1.3.
+    assert g.decoded * g.members / g.delivered <= 1.5, g
