@@ -108,7 +108,7 @@ def make_model(classes: int) -> Any:
 def evaluate(model: Any, args: argparse.Namespace) -> float:
     """One pass over the dataset through the remote daemons; returns the accuracy."""
     import torch
-    from beton_client import Loader, OrderOption
+    from beton_client import Loader, OrderOption, ServeOptions
 
     servers = [s for s in args.eval_server.split(",") if s]
     token = None
@@ -120,9 +120,9 @@ def evaluate(model: Any, args: argparse.Namespace) -> float:
         batch_size=args.batch_size,
         order=OrderOption.SEQUENTIAL,
         pipelines=build_pipelines(args.res),
-        server=servers if len(servers) > 1 else servers[0],
-        transport="grpc",
-        token=token,
+        serve=ServeOptions(
+            server=servers if len(servers) > 1 else servers[0], transport="grpc", token=token
+        ),
     )
     correct = total = 0
     model.eval()
@@ -138,7 +138,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
     """Train on this rank; returns the summary that is printed as JSON."""
     import torch
     import torch.distributed as dist
-    from beton_client import Loader, OrderOption
+    from beton_client import Loader, OrderOption, ServeOptions
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)  # the daemon does the decoding; leave the cores to it
@@ -155,7 +155,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
             seed=args.seed,
             pipelines=build_pipelines(args.res),
             drop_last=True,
-            server=args.server,
+            serve=ServeOptions(server=args.server),
         )
         model = DistributedDataParallel(make_model(args.classes))
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

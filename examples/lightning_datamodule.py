@@ -96,7 +96,7 @@ class BetonDataModule(_Base):  # type: ignore[misc,valid-type]
 
     def train_dataloader(self) -> Any:
         """The training loader: random-resized crops and flips, decoded by the daemon."""
-        from beton_client import Loader, OrderOption
+        from beton_client import Loader, OrderOption, ServeOptions
         from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
         from beton_serve.transforms import (
             NormalizeImage,
@@ -115,7 +115,7 @@ class BetonDataModule(_Base):  # type: ignore[misc,valid-type]
             distributed=self._is_distributed(),
             seed=self.seed,
             drop_last=True,
-            server=self.server,
+            serve=ServeOptions(server=self.server),
             pipelines={
                 "image": [
                     RandomResizedCropRGBImageDecoder((self.res, self.res)),
@@ -133,7 +133,7 @@ class BetonDataModule(_Base):  # type: ignore[misc,valid-type]
         """The validation loader: center crops, in file order; ``[]`` without a val file."""
         if self.val_path is None:
             return []
-        from beton_client import Loader, OrderOption
+        from beton_client import Loader, OrderOption, ServeOptions
         from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
         from beton_serve.transforms import NormalizeImage, Squeeze, ToDevice, ToTensor, ToTorchImage
 
@@ -144,7 +144,7 @@ class BetonDataModule(_Base):  # type: ignore[misc,valid-type]
             order=OrderOption.SEQUENTIAL,
             distributed=self._is_distributed(),
             drop_last=False,
-            server=self.server,
+            serve=ServeOptions(server=self.server),
             pipelines={
                 "image": [
                     CenterCropRGBImageDecoder((self.res, self.res), ratio=224 / 256),

@@ -8,6 +8,7 @@ pipeline has client-side ops).
 from __future__ import annotations
 
 from beton_client._loader import Loader, OrderOption
+from beton_client._options import ServeOptions
 from beton_client._resume import RetryPolicy
 from beton_client.errors import (
     AuthError,
@@ -30,6 +31,7 @@ __all__ = [
     "PipelineError",
     "RetryPolicy",
     "ServerError",
+    "ServeOptions",
     "ServerUnavailable",
     "SpecError",
     "TransportError",

@@ -63,6 +63,7 @@ from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
 from beton_client._ops import PipelinePlan, device_of, split_pipelines
+from beton_client._options import ServeOptions, merge_serve_keywords
 from beton_client._resume import RetryPolicy, retriable, retry
 from beton_client._stream import _EpochIterator, _Stream
 from beton_client._transport import Receiver, ShmReceiver
@@ -78,7 +79,7 @@ from beton_client.errors import (
     from_rpc_error,
 )
 
-__all__ = ["Loader", "OrderOption", "RetryPolicy"]
+__all__ = ["Loader", "OrderOption", "RetryPolicy", "ServeOptions"]
 
 #: Seconds an auto-spawned daemon waits without clients before exiting.
 SPAWN_IDLE_TIMEOUT_S = 300.0
@@ -187,6 +188,33 @@ def _check_request(req: pb.OpenStreamRequest, facts: Mapping[str, Any]) -> None:
             )
 
 
+def _custom_field_specs(custom_fields: Mapping[str, Any]) -> list[str]:
+    """``custom_fields`` as ``"name=module:qualname"`` entries: the daemon imports each class by
+    that path from its own disk (or finds it among its plugins), never code from the wire.
+
+    Raises:
+        SpecError: a value is not a class, or its class cannot be imported by name (defined in
+            ``__main__`` or inside a function).
+    """
+    out = []
+    for name, cls in custom_fields.items():
+        if not isinstance(cls, type):
+            raise SpecError(
+                f"custom_fields[{short_repr(name)}] must be a Field class (FFCV passes the class, "
+                f"not an instance), not {short_repr(cls)}"
+            )
+        module, qualname = cls.__module__, cls.__qualname__
+        if module == "__main__" or "<locals>" in qualname:
+            raise SpecError(
+                f"custom_fields[{short_repr(name)}]: {qualname} is defined in "
+                f"{'the training script' if module == '__main__' else 'a function'}, so a daemon "
+                "cannot import it; move it to a module (importable where the daemon runs) or "
+                "load that module into the daemon with --plugin"
+            )
+        out.append(f"{name}={module}:{qualname}")
+    return out
+
+
 def _client_name() -> str:
     """The script's name, for the daemon's logs (at most ``MAX_NAME_CHARS`` characters)."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
@@ -240,43 +268,18 @@ class Loader:
             RANDOM so that every rank draws the same permutation, as in-process).
         indices: the sample ids to use (default: all).
         pipelines: FFCV-style ``{name: [ops] | None}``.
-        custom_fields: must be empty (custom field classes are loaded into the daemon with
-            ``--plugin``).
+        custom_fields: FFCV's ``{field name: Field class}``. Each class travels as its import
+            path; the daemon uses its plugin's class of that path, or imports the module from
+            its own disk for a client of its own user (``--allow-op-imports`` for others), and
+            reads the file with it (docs/custom-ops.md).
         drop_last: drop the last partial batch.
         batches_ahead: batches the daemon prepares ahead of the one being read.
         recompile: accepted for FFCV compatibility; changed ops always take effect at the next
             epoch (the stream is re-opened).
-        server: the daemon's address in gRPC target syntax (``unix:///path.sock`` or
-            ``host:port``); default ``BETON_SERVE_ADDRESS``, then the per-user socket. A list of
-            addresses spreads each epoch over several daemons serving the same file (batch b
-            from daemon b mod S, delivered in order; a daemon that fails hands its share to the
-            others, nothing lost or repeated); the transport is then grpc (``_multi_loader``).
-        transport: ``"auto"``, ``"shm"``, ``"cuda_ipc"`` or ``"grpc"``; a forced transport that
-            cannot work raises :class:`TransportError` with the reason. ``auto`` picks cuda_ipc
-            for a GPU pipeline on the daemon's host, shm on that host, grpc from elsewhere; the
-            choice is :attr:`chosen_transport` and the reasons against the faster ones are
-            :attr:`transport_rejections` (``(transport, code, reason)``). When the daemon chose
-            cuda_ipc but this process cannot open it (no CuPy), the stream is re-opened over
-            shm, logged, and the reason added to :attr:`transport_rejections`.
         copy: copy every batch out of the daemon's slot (see "Batch lifetime").
-        spawn: start a daemon for ``fname_or_dataset`` when none answers (Unix sockets only).
-        reconnect: when the daemon goes away mid-stream (killed, restarted), re-open the stream
-            under this :class:`RetryPolicy` (``True``: the default, a 30 s budget with
-            exponential backoff; ``False``: never) and resume at the exact batch not yet
-            yielded, so that every sample is delivered exactly once per epoch. A daemon this
-            Loader auto-spawned (``spawn``) is spawned again if it died.
-        compression: grpc only: ``"lz4"``, ``"zstd"`` or ``"zstd:LEVEL"`` per stream (``None``:
-            none, the default; measured to help only on links slower than ~1 Gb/s). The daemon
-            refuses one it does not allow (``--grpc-compression``) with :class:`SpecError`.
-        token: bearer token the daemon requires (``--token-file``); default ``BETON_SERVE_TOKEN``,
-            read when the Loader is built.
-        tls_ca: PEM CA that signed the daemon's certificate: TLS to a ``host:port`` daemon.
-        tls_cert, tls_key: this client's PEM certificate and key, for mutual TLS.
-        socket_owner: the uid that must own a Unix-socket daemon's socket and its directory
-            (default: this process's uid). Checked before every connection, for the default
-            socket and for ``server=`` alike; a socket of anyone else raises
-            :class:`~beton_client.errors.UntrustedSocketError`. Name another user's uid here to
-            trust a daemon that user runs.
+        serve: how to reach the daemon (:class:`~beton_client.ServeOptions`: server, transport,
+            spawn, reconnect, compression, token, TLS, socket_owner). Those names given here as
+            keywords still work, with a ``DeprecationWarning``.
 
     Raises:
         SpecError: invalid arguments or pipelines (also as reported by the daemon).
@@ -301,19 +304,22 @@ class Loader:
         drop_last: bool = True,
         batches_ahead: int = 3,
         recompile: bool = False,
-        server: str | Sequence[str] | None = None,
-        transport: str = "auto",
+        *,
+        serve: ServeOptions | None = None,
         copy: bool = False,
-        spawn: bool = True,
-        reconnect: RetryPolicy | bool = True,
-        compression: str | None = None,
-        token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        socket_owner: int | None = None,
+        **serving: Any,
     ) -> None:
         environ = os.environ
+        #: How this Loader reaches its daemon (the deprecated keywords folded in).
+        self.serve = opts = merge_serve_keywords(serve, serving)
+        server, transport, spawn, reconnect = (
+            opts.server,
+            opts.transport,
+            opts.spawn,
+            opts.reconnect,
+        )
+        compression, token, socket_owner = opts.compression, opts.token, opts.socket_owner
+        tls_ca, tls_cert, tls_key = opts.tls_ca, opts.tls_cert, opts.tls_key
         # The daemon's request limits (beton_wire.limits), checked before anything is sent.
         if transport not in _TRANSPORTS:
             raise SpecError(f"transport must be one of {_TRANSPORTS}, not {short_repr(transport)}")
@@ -330,6 +336,8 @@ class Loader:
             )
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
             raise SpecError(f"seed must be an int in [0, 2**64), not {short_repr(seed)}")
+        if _is_int(order) and not hasattr(order, "name"):
+            order = OrderOption(order)  # FFCV's values; ValueError as in-process for others
         order_name = getattr(order, "name", str(order))
         if order_name not in _ORDER_PB:
             raise SpecError(
@@ -515,7 +523,7 @@ class Loader:
                 ],
             ),
             client_name=_client_name(),
-            custom_fields=list(self.custom_fields),
+            custom_fields=_custom_field_specs(self.custom_fields),
         )
         f = self._file
         if f is not None:

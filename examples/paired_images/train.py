@@ -20,7 +20,7 @@ import json
 import sys
 
 import torch
-from beton_client import Loader, OrderOption  # was: from ffcv.loader import Loader, OrderOption
+from beton_client import Loader, OrderOption, ServeOptions  # was: from ffcv.loader import ...
 from beton_serve.fields.decoders import SimpleRGBImageDecoder  # was: ffcv.fields.decoders
 from beton_serve.transforms import Convert, ToDevice, ToTensor, ToTorchImage  # was: ffcv.transforms
 
@@ -75,7 +75,7 @@ def make_loader(path: str, batch_size: int, server: str | None) -> Loader:
             ],
         },
         drop_last=True,
-        server=server,
+        serve=ServeOptions(server=server),
     )
 
 

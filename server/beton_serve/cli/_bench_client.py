@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from beton_client import Loader, OrderOption
+    from beton_client import Loader, OrderOption, ServeOptions
 
     from beton_serve.cli._bench import build_pipelines
     from beton_serve.format import BetonReader
@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         pipelines=pipelines,
         drop_last=False,
-        server=args.server,
-        spawn=False,
+        serve=ServeOptions(server=args.server, spawn=False),
     )
     out = sys.stdout
     times: list[float] = []

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     args = p.parse_args(argv)
 
-    from beton_client import Loader, OrderOption
+    from beton_client import Loader, OrderOption, ServeOptions
 
     with_torch = importlib.util.find_spec("torch") is not None
     pipelines, pipeline_name = _pipelines(args.trainer, with_torch)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.trainer,
         pipelines=pipelines,
         drop_last=False,
-        server=args.server,
+        serve=ServeOptions(server=args.server),
     )
     open_s = time.perf_counter() - t_open
     step: Any

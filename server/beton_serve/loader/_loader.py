@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
-from beton_wire.limits import short_repr
+from beton_wire.limits import MAX_BATCH_SIZE, short_repr
 from beton_wire.loader_state import (
     StateError,
     StateIdentity,
@@ -144,6 +144,17 @@ class Loader:
         self._order_kwargs = dict(order_kwargs or {})
         self._custom_fields = dict(custom_fields or {})
         self.fname = getattr(self.reader, "path", None)
+        if (
+            not isinstance(batch_size, int | np.integer)
+            or isinstance(batch_size, bool)
+            or not 1 <= int(batch_size) <= MAX_BATCH_SIZE
+        ):
+            # the served Loader's rule and words (beton_wire.limits), refused the same way here
+            raise SpecError(
+                f"batch_size {short_repr(batch_size)} is out of range: use an int in "
+                f"1..{MAX_BATCH_SIZE} (the daemon also refuses batches larger than its slot "
+                "memory allows)"
+            )
         self.batch_size = int(batch_size)
         self.num_workers = int(num_workers) if num_workers >= 1 else _default_workers()
         self.os_cache = os_cache
@@ -226,6 +237,9 @@ class Loader:
         #: The ``indices`` argument as ids (``None`` for every sample), for the state's digest.
         self._subset = None if indices is None else self.indices
         self._identity: StateIdentity | None = None
+        #: The sample ids of the batch last yielded (dataset ids, in batch order), as in FFCV's
+        #: served counterpart; empty before the first batch.
+        self.last_sample_ids: np.ndarray = np.empty(0, np.uint64)
 
     # -- FFCV surface --------------------------------------------------------------------
     def __len__(self) -> int:
@@ -423,13 +437,15 @@ class EpochIterator:
         self.batch = start
         self.finished = False
         self._end = len(loader)
+        # Everything that may raise comes before the engine, whose worker threads only
+        # ``_Running.release`` stops (a tail that cannot be built leaked them, issue 12 §3).
+        self._tail = loader.plan.make_tail()
+        self._source = loader._source
+        self._slots: list[list[np.ndarray]] = loader._slots or []
+        self._keys = self._source.seed_keys(epoch)
         owns = loader._engine is None
         engine = loader._engine if loader._engine is not None else Engine(loader.num_workers)
         loader._source.engine = engine
-        self._source = loader._source
-        self._slots: list[list[np.ndarray]] = loader._slots or []
-        self._tail = loader.plan.make_tail()
-        self._keys = self._source.seed_keys(epoch)
         self._running = _Running(engine, owns)
         self._finalizer = weakref.finalize(self, self._running.release)
         self._next_submit = start
@@ -476,6 +492,7 @@ class EpochIterator:
         self._submit_one()
         ids = delivered_ids(fut, self._source.batch_ids(self.epoch, b))
         out = self._tail(arrays, ids, self._keys)
+        self.loader.last_sample_ids = ids
         self.batch = b + 1
         self.loader._position = (self.epoch, self.batch)
         return out

@@ -83,9 +83,12 @@ def _wrap(op: Any, where: str) -> Operation:
         torch = None  # type: ignore[assignment]
     if torch is not None and isinstance(op, torch.nn.Module):
         return ModuleWrapper(op)
+    if callable(op):
+        # a plain callable on the torch batch (a lambda), as the served Loader's tail runs it
+        return ModuleWrapper(op)
     raise SpecError(
-        f"{where}: {op!r} is neither an Operation nor a torch.nn.Module; "
-        "wrap plain functions in an Operation subclass"
+        f"{where}: {op!r} is neither an Operation, a torch.nn.Module nor a callable; "
+        "wrap it in an Operation subclass"
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 import numpy as np
+from beton_wire.limits import short_repr
 
 from beton_serve.errors import SpecError
 from beton_serve.pipeline._boundary import ToTensor, torch_dtype
@@ -30,6 +31,28 @@ def _require_torch(op: Operation, state: State) -> None:
         )
 
 
+def _check_device(device: Any) -> None:
+    """Refuse a CUDA device this process does not have, in the served Loader's words."""
+    dev = str(device)
+    if not dev.startswith("cuda"):
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    tail = dev.partition(":")[2]
+    index = int(tail) if tail.isdigit() else 0
+    if index >= n:
+        have = [f"cuda:{i}" for i in range(n)]
+        hint = (
+            "pick one of those"
+            if have
+            else "install a CUDA build of torch here, or use ToDevice('cpu')"
+        )
+        raise SpecError(
+            f"ToDevice({short_repr(dev)}): this process sees {have or 'no CUDA device'}; {hint}"
+        )
+
+
 class ToDevice(Operation):
     """Copy into a preallocated buffer on ``device`` (channels-last inputs stay channels-last)."""
 
@@ -44,6 +67,7 @@ class ToDevice(Operation):
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         _require_torch(self, previous_state)
+        _check_device(self.device)
         return replace(previous_state, device=self.device), AllocationQuery(
             previous_state.shape,  # type: ignore[arg-type]
             previous_state.dtype,

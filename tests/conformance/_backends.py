@@ -1,0 +1,262 @@
+"""The Loader backends of the conformance suite, and bit-exact comparison of their outputs.
+
+A *backend* is how a test gets a Loader with FFCV's signature:
+
+* ``inproc``: ``beton_serve.loader.Loader`` (one worker thread, a module-wide plan cache);
+* ``shm``, ``grpc``: ``beton_client.Loader(..., server=daemon, transport=...)``;
+* ``cuda_ipc``: the same with ``transport="cuda_ipc"``; every pipeline with a ``ToTensor`` then
+  ends with ``ToDevice('cuda:0')`` (the transport needs a GPU pipeline) and outputs are compared
+  on the CPU.
+
+Every test compares a backend with a fresh in-process Loader built from the same arguments, the
+oracle. A batch is snapshotted as :class:`Out` values (kind, dtype, shape, strides and raw bytes),
+so equality is bit equality: ``-0.0 != 0.0`` and NaNs compare by payload.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers.daemon import DaemonProcess, start_daemon
+
+#: Parameters for ``@pytest.mark.parametrize("backend", BACKENDS)``.
+BACKENDS = [
+    "inproc",
+    "shm",
+    "grpc",
+    pytest.param("cuda_ipc", marks=pytest.mark.gpu),
+]
+#: The served backends only (for tests whose subject is served-vs-in-process).
+SERVED = [b for b in BACKENDS if not (isinstance(b, str) and b == "inproc")]
+
+Pipelines = Callable[[], Mapping[str, Any]]
+
+
+@contextmanager
+def module_daemon(files: Sequence[Path], args: Sequence[str] = ()) -> Iterator[DaemonProcess]:
+    """A daemon serving ``files`` on a socket in a short private directory, stopped at the end
+    (for a module-scoped fixture: one daemon per test module)."""
+    d_dir = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))
+    os.chmod(d_dir, 0o700)
+    d = start_daemon(files, d_dir, args=args)
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(d_dir, ignore_errors=True)
+
+
+_PLAN_CACHE: Any = None
+
+
+def _plan_cache() -> Any:
+    """One in-process plan cache for the whole session: a second in-process Loader over the same
+    file and pipelines starts without compiling (the suite's runtime is mostly Numba)."""
+    global _PLAN_CACHE
+    if _PLAN_CACHE is None:
+        from beton_serve.pipeline import PlanCache
+
+        _PLAN_CACHE = PlanCache()
+    return _PLAN_CACHE
+
+
+def _on_cuda(pipelines: Mapping[str, Any]) -> dict[str, Any]:
+    """Every pipeline that reaches torch (has a ``ToTensor``) ends with ``ToDevice('cuda:0')``."""
+    from beton_serve.transforms import ToDevice, ToTensor
+
+    out: dict[str, Any] = {}
+    for name, ops in pipelines.items():
+        if isinstance(ops, list | tuple) and any(isinstance(op, ToTensor) for op in ops):
+            out[name] = [*ops, ToDevice("cuda:0")]
+        else:
+            out[name] = ops
+    return out
+
+
+def make_loader(
+    backend: str,
+    path: str | Path,
+    pipelines: Mapping[str, Any],
+    *,
+    address: str | None = None,
+    order: str = "SEQUENTIAL",
+    **kw: Any,
+) -> Any:
+    """A Loader of ``backend`` over ``path`` (see the module docstring); ``order`` by name.
+
+    ``pipelines`` must be fresh op objects (a Loader owns them: progressive resizing mutates
+    its decoder). ``address`` is the daemon's, for the served backends.
+    """
+    if backend == "inproc":
+        from beton_serve.loader import Loader, OrderOption
+
+        kw.setdefault("num_workers", 1)
+        return Loader(
+            str(path),
+            pipelines=dict(pipelines),
+            order=OrderOption[order],
+            plan_cache=_plan_cache(),
+            **kw,
+        )
+    from beton_client import Loader as ClientLoader
+    from beton_client import OrderOption as ClientOrder
+
+    if address is None:
+        raise ValueError("a served backend needs the daemon's address")
+    pipes = _on_cuda(pipelines) if backend == "cuda_ipc" else dict(pipelines)
+    return ClientLoader(
+        str(path), pipelines=pipes, order=ClientOrder[order], **serving(address, backend), **kw
+    )
+
+
+def serving(address: str, transport: str) -> dict[str, Any]:
+    """The served Loader's keywords for this daemon and transport, never spawning one:
+    ``serve=ServeOptions(...)`` (issue 12 §8), or the flat keywords of a client without it."""
+    try:
+        from beton_client import ServeOptions  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        return {"server": address, "transport": transport, "spawn": False}
+    return {"serve": ServeOptions(server=address, transport=transport, spawn=False)}
+
+
+@dataclass(frozen=True, slots=True)
+class Out:
+    """One output of one batch, as bits: ``kind`` is ``tensor`` or ``ndarray``."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    data: bytes
+
+    def array(self) -> np.ndarray:
+        """The values as a C-contiguous numpy array (bfloat16 is not handled)."""
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def snap_one(x: Any) -> Out:
+    """Snapshot one output (a torch tensor on any device, or a numpy array)."""
+    if hasattr(x, "detach"):
+        t = x.detach()
+        strides = tuple(int(s) * t.element_size() for s in t.stride())
+        c = t.cpu().contiguous()
+        return Out("tensor", _dtype_name(t), tuple(t.shape), strides, c.numpy().tobytes())
+    a = np.asarray(x)
+    return Out("ndarray", a.dtype.name, a.shape, a.strides, np.ascontiguousarray(a).tobytes())
+
+
+def snap(batch: Any) -> tuple[Out, ...]:
+    """Snapshot a batch (the tuple a Loader yields)."""
+    items = batch if isinstance(batch, tuple | list) else (batch,)
+    return tuple(snap_one(x) for x in items)
+
+
+def epoch(it: Iterable[Any], n: int | None = None) -> list[tuple[Out, ...]]:
+    """Snapshot the batches of ``it`` (the first ``n`` of them when ``n`` is given)."""
+    out = []
+    for b in it:
+        out.append(snap(b))
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def epochs(loader: Any, n: int) -> list[list[tuple[Out, ...]]]:
+    """``n`` whole epochs of ``loader``, snapshotted."""
+    return [epoch(loader) for _ in range(n)]
+
+
+def _first_difference(a: Out, b: Out) -> str:
+    for attr in ("kind", "dtype", "shape"):
+        if getattr(a, attr) != getattr(b, attr):
+            return f"{attr} {getattr(a, attr)} != {getattr(b, attr)}"
+    if a.strides != b.strides:
+        same = "equal" if a.data == b.data else "different"
+        return f"strides {a.strides} != {b.strides} (the values are {same})"
+    x, y = a.array().reshape(-1), b.array().reshape(-1)
+    if not x.size:
+        return "the bytes differ"
+    xb, yb = x.view(np.uint8).reshape(x.size, -1), y.view(np.uint8).reshape(y.size, -1)
+    bad = np.flatnonzero((xb != yb).any(axis=1))
+    i = int(bad[0])
+    pos = np.unravel_index(i, a.shape)
+    return f"{len(bad)} of {x.size} elements differ; first at {tuple(map(int, pos))}: {x[i]!r} != {y[i]!r}"
+
+
+def assert_same_batches(
+    got: list[tuple[Out, ...]],
+    want: list[tuple[Out, ...]],
+    what: str,
+    *,
+    strides: bool = True,
+) -> None:
+    """Bit equality of two snapshotted batch lists; the message names the first difference.
+
+    ``strides=False`` compares values, dtypes and shapes but not the memory layout.
+    """
+    assert len(got) == len(want), f"{what}: {len(got)} batches, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert len(g) == len(w), f"{what}: batch {i} has {len(g)} outputs, expected {len(w)}"
+        for j, (a, b) in enumerate(zip(g, w, strict=True)):
+            if not strides:
+                a = Out(a.kind, a.dtype, a.shape, b.strides, a.data)
+            if a != b:
+                pytest.fail(f"{what}: batch {i} output {j}: {_first_difference(a, b)}")
+
+
+def assert_same_epochs(
+    got: list[list[tuple[Out, ...]]],
+    want: list[list[tuple[Out, ...]]],
+    what: str,
+    *,
+    strides: bool = True,
+) -> None:
+    """:func:`assert_same_batches` for each epoch."""
+    assert len(got) == len(want), f"{what}: {len(got)} epochs, expected {len(want)}"
+    for e, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_same_batches(g, w, f"{what}, epoch {e}", strides=strides)
+
+
+def column(batches: list[tuple[Out, ...]], j: int) -> np.ndarray:
+    """Output ``j`` of every batch, concatenated along the batch axis."""
+    return np.concatenate([b[j].array() for b in batches]) if batches else np.empty(0)
+
+
+def attempt(fn: Callable[[], Any]) -> BaseException | None:
+    """Run ``fn`` (build a Loader, take a batch); the exception it raised, if any."""
+    try:
+        fn()
+    except Exception as exc:  # the subject of the test: any error is compared
+        return exc
+    return None
+
+
+def assert_same_error(
+    got: BaseException | None, want: BaseException | None, pattern: str, what: str
+) -> None:
+    """Both raised, with the same class name (``beton_serve.errors.X`` ~ ``beton_client.errors.X``),
+    and both messages match ``pattern`` (an equivalent message: it names the same thing)."""
+    assert want is not None, f"{what}: the in-process Loader accepted it"
+    assert got is not None, f"{what}: accepted, but in-process raises {type(want).__name__}: {want}"
+    assert type(got).__name__ == type(want).__name__, (
+        f"{what}: {type(got).__module__}.{type(got).__name__}: {got} -- in-process raises "
+        f"{type(want).__module__}.{type(want).__name__}: {want}"
+    )
+    for exc in (want, got):
+        assert re.search(pattern, str(exc), re.I | re.S), (
+            f"{what}: {type(exc).__name__} message {str(exc)!r} does not match {pattern!r}"
+        )

@@ -1,0 +1,65 @@
+"""ServeOptions: the serving arguments in one value; the flat keywords still work and warn."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from beton_client import Loader, RetryPolicy, ServeOptions, ServerUnavailable, SpecError
+
+NOWHERE = "unix:///nonexistent/beton-serve-test.sock"
+NO_RETRY = RetryPolicy(budget_s=0.0)
+
+
+def _fails_to_connect(**kwargs: object) -> Loader | None:
+    """Build a Loader that passes argument checks and then finds no daemon."""
+    with pytest.raises(ServerUnavailable):
+        return Loader("images_jpg", batch_size=8, **kwargs)  # type: ignore[arg-type]
+    return None
+
+
+def test_serve_options_reach_the_loader_without_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing deprecated on the new path
+        _fails_to_connect(serve=ServeOptions(server=NOWHERE, spawn=False, reconnect=NO_RETRY))
+
+
+def test_flat_keywords_still_work_and_warn_once_naming_them() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fails_to_connect(server=NOWHERE, spawn=False, reconnect=NO_RETRY)
+    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(deprecations) == 1
+    text = str(deprecations[0].message)
+    assert "reconnect=" in text and "server=" in text and "spawn=" in text
+    assert "ServeOptions(" in text
+    assert deprecations[0].filename == __file__  # points at the caller's line
+
+
+def test_a_keyword_and_the_same_option_in_serve_is_an_error() -> None:
+    with pytest.raises(SpecError, match="both"):
+        Loader(
+            "images_jpg",
+            batch_size=8,
+            serve=ServeOptions(server=NOWHERE, spawn=False),
+            server="unix:///elsewhere.sock",
+        )
+
+
+def test_a_keyword_adds_to_serve_when_serve_leaves_it_default() -> None:
+    with pytest.warns(DeprecationWarning):
+        _fails_to_connect(serve=ServeOptions(server=NOWHERE, reconnect=NO_RETRY), spawn=False)
+
+
+def test_unknown_keywords_and_wrong_serve_types_are_refused() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        Loader("images_jpg", batch_size=8, sever=NOWHERE)  # type: ignore[call-arg]
+    with pytest.raises(SpecError, match="ServeOptions"):
+        Loader("images_jpg", batch_size=8, serve={"server": NOWHERE})  # type: ignore[arg-type]
+
+
+def test_options_are_frozen_and_kept_on_the_loader() -> None:
+    opts = ServeOptions(server=NOWHERE, spawn=False)
+    with pytest.raises(AttributeError):
+        opts.server = "x"  # type: ignore[misc]
+    assert ServeOptions() == ServeOptions(transport="auto", spawn=True)
