@@ -5,8 +5,17 @@ never serve one address), sweep stale segments, open and validate every dataset 
 exits non-zero with the reader's error), start the engine and the grpc.aio control plane on
 uvloop, and log the addresses, the datasets with their sample counts and the workers.
 
+Addresses: the Unix socket (``--socket``, else ``BETON_SERVE_ADDRESS`` when it is a ``unix:``
+target, else the per-user default) and every ``--listen`` address. ``--listen`` *adds* TCP: a
+local Loader still finds this daemon on the per-user socket instead of spawning another one.
+``--no-socket`` serves the ``--listen`` addresses only. When the socket was not named
+explicitly and cannot be served (another daemon holds it, or its directory cannot be created),
+a daemon with ``--listen`` addresses logs a warning and serves TCP only.
+
 Shutdown: SIGTERM or SIGINT (or ``--idle-timeout`` seconds without a stream) drains the streams
-(each gets ``UNAVAILABLE``), frees every segment, removes the socket and exits 0.
+(each gets ``UNAVAILABLE``), frees every segment, removes the socket and its ``.lock`` and exits
+0. A daemon whose output goes to ``<socket>.log`` (an auto-spawned one, ``beton_client._spawn``)
+removes that log too after a clean stop; after a failure the log stays, for the user to read.
 """
 
 from __future__ import annotations
@@ -15,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
-import importlib
 import logging
 import os
 import signal
@@ -48,12 +56,32 @@ def register(subparsers: Any) -> None:
         metavar="NAME=GLOB",
         help="serve shards with one schema as one dataset (repeatable; GLOB may be a,b,c)",
     )
-    p.add_argument("--socket", default=None, metavar="PATH", help="Unix socket path")
-    p.add_argument("--listen", action="append", default=[], metavar="HOST:PORT", help="TCP address")
+    p.add_argument(
+        "--socket",
+        default=None,
+        metavar="PATH",
+        help="Unix socket path (default: $BETON_SERVE_ADDRESS, else the per-user socket)",
+    )
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="also serve on this TCP address (repeatable); the Unix socket is kept",
+    )
+    p.add_argument(
+        "--no-socket",
+        action="store_true",
+        help="serve the --listen addresses only, without the Unix socket",
+    )
     p.add_argument("--workers", type=int, default=None, help="worker threads (default: cores)")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML config (flags override)")
     p.add_argument(
-        "--plugin", action="append", default=[], metavar="MODULE", help="import custom ops/fields"
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE|FILE.py",
+        help="import a module or a .py file that registers custom ops/fields (repeatable)",
     )
     p.add_argument(
         "--idle-timeout",
@@ -121,6 +149,14 @@ def register(subparsers: Any) -> None:
         "later (default 4)",
     )
     share.add_argument(
+        "--decode-cache-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="bytes of decoded images share_decode=True streams may cache (default 1 GiB, "
+        "max 64 GiB, 0 = off)",
+    )
+    share.add_argument(
         "--no-share", action="store_true", help="decode every stream on its own, never shared"
     )
     p.add_argument(
@@ -153,6 +189,13 @@ def register(subparsers: Any) -> None:
         help="serve only the files named at start, refusing any other file a client names",
     )
     files.add_argument(
+        "--allow-op-imports",
+        action="store_true",
+        default=None,
+        help="let any client (not only the daemon's own user) make the daemon import the module "
+        "of a custom op from the daemon's own disk (docs/custom-ops.md)",
+    )
+    files.add_argument(
         "--idle-close",
         type=float,
         default=None,
@@ -165,13 +208,15 @@ def register(subparsers: Any) -> None:
 
 def resolve_socket(cfg: ServeConfig, environ: Mapping[str, str]) -> str | None:
     """The Unix socket to serve: the config/flag, else ``BETON_SERVE_ADDRESS`` if it is a unix
-    target, else the per-user default; ``None`` when only TCP was asked for."""
+    target, else the per-user default; ``None`` with ``unix_socket = false`` (``--no-socket``).
+
+    ``listen`` addresses never replace the socket: they are served as well."""
     from beton_wire.address import ENV_ADDRESS, default_socket_path, socket_path_of
 
+    if not cfg.unix_socket:
+        return None
     if cfg.socket:
         return cfg.socket
-    if cfg.listen:
-        return None
     env = environ.get(ENV_ADDRESS, "")
     if env:
         path = socket_path_of(env)
@@ -182,24 +227,30 @@ def resolve_socket(cfg: ServeConfig, environ: Mapping[str, str]) -> str | None:
 
 @contextlib.contextmanager
 def address_lock(socket_path: str) -> Iterator[None]:
-    """Hold ``<socket>.lock`` (flock, holding this daemon's pid) while serving.
+    """Hold ``<socket>.lock`` (flock, holding this daemon's pid) while serving; remove it after.
 
     The socket's directory is created 0700 if missing and must be this user's own: a directory
     another user created first (or may write) could hold their socket or a symbolic link in
     place of the lock, so it is refused (``beton_wire.private_dir``). The lock file is opened
     without following symbolic links, and created with ``O_EXCL`` when missing.
 
+    The holder unlinks the lock file before it lets go of the lock, so a clean stop leaves no
+    file behind. A daemon that got the lock on a file its previous holder had just unlinked
+    sees that the path no longer names its file and takes the lock again on the current one:
+    two daemons never hold "the" lock at once.
+
     Raises:
-        ConfigError: another live daemon holds the lock, or the directory or the lock file
-            cannot be trusted (the message says which, and to remove it or use ``--socket``).
+        AddressInUse: another live daemon holds the lock (exit status 75).
+        ConfigError: the directory or the lock file cannot be trusted or prepared (the message
+            says which, and to remove it or use ``--socket``).
     """
     from beton_wire.private_dir import UnsafePathError, ensure_private_dir, open_private_file
 
     d = os.path.dirname(os.path.abspath(socket_path))
+    lock_path = socket_path + ".lock"
     uid = os.getuid()
     try:
         ensure_private_dir(d, uid)
-        fd = open_private_file(socket_path + ".lock", os.O_RDWR, uid)
     except UnsafePathError as exc:
         raise ConfigError(
             f"refusing to serve {socket_path}: {exc}. Another user may have created it to "
@@ -208,18 +259,60 @@ def address_lock(socket_path: str) -> Iterator[None]:
         ) from None
     except OSError as exc:
         raise ConfigError(f"cannot prepare the socket directory {d}: {exc}") from None
-    try:
+    for _ in range(16):
+        try:
+            fd = open_private_file(lock_path, os.O_RDWR, uid)
+        except UnsafePathError as exc:
+            raise ConfigError(
+                f"refusing to serve {socket_path}: {exc}. Another user may have created it to "
+                "intercept this daemon or its clients: remove it, or use --socket PATH in a "
+                "directory of your own (mode 0700)"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"cannot open the address lock {lock_path}: {exc}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             raise AddressInUse(
-                f"another beton-serve daemon already serves {socket_path}; stop it or use --socket"
+                f"another beton-serve daemon already serves {socket_path}; stop it "
+                "(beton-serve stop --socket PATH) or use --socket"
             ) from None
+        if _names_file(lock_path, fd):
+            break
+        os.close(fd)  # its previous holder unlinked it on the way out: lock the current file
+    else:
+        raise ConfigError(f"the address lock {lock_path} keeps being replaced; is a loop running?")
+    try:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
+        if _names_file(lock_path, fd):
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
         os.close(fd)
+
+
+def _names_file(path: str, fd: int) -> bool:
+    """Whether ``path`` (not followed if a link) is the file open as ``fd``."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _remove_spawn_log(socket_path: str) -> None:
+    """Remove ``<socket>.log`` if it is this process's own stdout (an auto-spawned daemon's
+    log, ``beton_client._spawn``); called only after a clean stop, so a failure's log stays."""
+    log_path = socket_path + ".log"
+    try:
+        if _names_file(log_path, 1):
+            os.unlink(log_path)
+    except OSError:
+        pass
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -237,6 +330,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
                 if k and v
             },
             "socket": args.socket,
+            "unix_socket": False if getattr(args, "no_socket", False) else None,
             "listen": tuple(args.listen),
             "workers": args.workers,
             "plugins": tuple(args.plugin),
@@ -246,11 +340,13 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "share": False if getattr(args, "no_share", False) else None,
             "share_max_lag": getattr(args, "share_max_lag", None),
             "share_retain": getattr(args, "share_retain", None),
+            "decode_cache_bytes": getattr(args, "decode_cache_bytes", None),
             "bad_sample_budget": getattr(args, "bad_sample_budget", None),
             "verify_checksums": getattr(args, "verify_checksums", None),
             "data_roots": tuple(args.data_root) if getattr(args, "data_root", None) else None,
             "open_on_demand": False if getattr(args, "no_open_on_demand", False) else None,
             "idle_close": getattr(args, "idle_close", None),
+            "allow_op_imports": getattr(args, "allow_op_imports", None),
             "tls_cert": getattr(args, "tls_cert", None),
             "tls_key": getattr(args, "tls_key", None),
             "tls_client_ca": getattr(args, "tls_client_ca", None),
@@ -265,18 +361,45 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         if "=" not in a:
             raise ConfigError(f"--dataset {a!r}: expected NAME=GLOB (e.g. imagenet=train-*.beton)")
     configure_logging(cfg.log_format, cfg.log_level)
-    for module in cfg.plugins:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(f"--plugin {module}: cannot import it ({exc})") from None
+    from beton_serve.cli._plugins import load_plugins
+
+    specs = _plugin_specs(cfg.plugins, args.config if not args.plugin else None)
+    for spec, module in zip(specs, load_plugins(specs), strict=True):
+        log.info(
+            "plugin %s: imported as %s from %s",
+            spec,
+            module.__name__,
+            getattr(module, "__file__", None) or "?",
+        )
     security = _security(cfg)
     datasets = expand_dataset_args(cfg.files, cfg.dataset_args())
     socket_path = resolve_socket(cfg, env)
-    lock = address_lock(socket_path) if socket_path else contextlib.nullcontext()
-    with lock:
+    if socket_path is None and not cfg.listen:
+        raise ConfigError(
+            "no address to serve: --no-socket (unix_socket = false) needs a --listen HOST:PORT"
+        )
+    with contextlib.ExitStack() as lock:
+        if socket_path is not None:
+            try:
+                lock.enter_context(address_lock(socket_path))
+            except ConfigError as exc:  # AddressInUse included
+                if cfg.socket or not cfg.listen:
+                    raise
+                # The socket was not asked for by name: serve the TCP addresses that were.
+                log.warning(
+                    "not serving the Unix socket %s (%s); serving only %s. Local Loaders will "
+                    "not find this daemon there: pass --socket PATH, or --no-socket to silence "
+                    "this",
+                    socket_path,
+                    exc,
+                    ",".join(cfg.listen),
+                )
+                socket_path = None
         from beton_serve.daemon import Daemon
+        from beton_serve.fields.decode_cache import DecodeCache, set_default_decode_cache
 
+        # Before any stream: every share_decode stream of this daemon joins this cache.
+        set_default_decode_cache(DecodeCache(max_bytes=cfg.decode_cache_bytes))
         share_kw: dict[str, Any] = {
             "share": cfg.share,
             "share_max_lag": cfg.share_max_lag,
@@ -286,6 +409,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "open_on_demand": cfg.open_on_demand,
             "data_roots": cfg.data_roots,
             "idle_close_s": cfg.idle_close,
+            "allow_op_imports": cfg.allow_op_imports,
         }
         from beton_serve.transport.grpc_ring import GrpcFactory, parse_codecs
 
@@ -299,6 +423,10 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         from beton_serve.cli._reload import ConfigReloader
 
         daemon.reloader = ConfigReloader(daemon, cfg, args.config)
+        if cfg.precompile:  # [[precompile]] tables: compiled on the compile thread meanwhile
+            from beton_serve.daemon._precompile import start_precompile
+
+            start_precompile(daemon, cfg.precompile)
         try:
             _run_loop(_serve(daemon, cfg, socket_path, security))
         finally:
@@ -306,8 +434,23 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             if socket_path:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(socket_path)
-    log.info("stopped")
+        log.info("stopped")
+        if socket_path:
+            _remove_spawn_log(socket_path)  # still holding the lock: no new daemon writes it yet
     return 0
+
+
+def _plugin_specs(plugins: tuple[str, ...], config_file: str | None) -> list[str]:
+    """The plugins to import; relative paths from a config file are relative to its directory
+    (those from ``--plugin`` to the working directory)."""
+    from beton_serve.cli._plugins import is_plugin_path
+
+    if not config_file:
+        return list(plugins)
+    base = os.path.dirname(os.path.abspath(config_file))
+    return [
+        os.path.join(base, p) if is_plugin_path(p) and not os.path.isabs(p) else p for p in plugins
+    ]
 
 
 def _run_loop(coro: Any) -> None:

@@ -6,6 +6,7 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     files = ["/data/cifar.beton"]             # served by file stem
     datasets = { imagenet = "/data/train-*.beton" }   # NAME = GLOB (or a list of globs)
     socket = ""                               # "" = the per-user default
+    unix_socket = true                        # false: no Unix socket (TCP --listen only)
     listen = []                               # ["127.0.0.1:7070"]
     workers = 0                               # 0 = one per core
     plugins = []
@@ -15,11 +16,13 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     share = true                              # identical streams decode each batch once
     share_max_lag = 8                         # batches behind before a stream is detached
     share_retain = 4                          # batches a group keeps for late joiners
+    decode_cache_bytes = 1073741824           # decoded images share_decode groups may cache
     bad_sample_budget = 0                     # failing samples a stream may skip; 0 = fail
     verify_checksums = false                  # check samples against FILE.crc32c sidecars
     open_on_demand = true                     # open a .beton a client names (see data_roots)
     data_roots = []                           # where clients other than the owner may open files
     idle_close = 300.0                        # seconds before an idle on-demand file is closed
+    allow_op_imports = false                  # any peer may make the daemon import op modules
     tls_cert = ""                             # TLS on the TCP addresses (with tls_key)
     tls_key = ""
     tls_client_ca = ""                        # mutual TLS: client certificates signed by this CA
@@ -28,6 +31,8 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     grpc_compression = ["lz4", "zstd"]        # compressions grpc clients may ask for
     metrics_port = -1                         # Prometheus /metrics port; -1 = off, 0 = any free
     metrics_host = "127.0.0.1"                # its address; "0.0.0.0" to let Prometheus scrape a pod
+    precompile = []                           # [[precompile]] pipelines compiled at start
+                                              # (see beton_serve.daemon._precompile)
 
 Unknown keys and wrong types are errors (:class:`~beton_serve.errors.ConfigError`).
 """
@@ -39,9 +44,12 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from beton_serve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from beton_serve.daemon._precompile import PrecompileSpec
 
 __all__ = ["KEYS", "ServeConfig", "load_config", "merge_flags"]
 
@@ -54,15 +62,20 @@ class ServeConfig:
         files: dataset files served under their stem.
         datasets: ``NAME -> [GLOB, ...]`` served as one sharded dataset each.
         socket: Unix socket path; "" means the per-user default.
+        unix_socket: serve on the Unix socket (``socket``) too; ``False`` (``--no-socket``)
+            serves only the ``listen`` addresses. ``listen`` adds addresses, it never removes
+            the Unix socket.
         listen: TCP ``HOST:PORT`` addresses.
         workers: worker threads of the shared engine; 0 means one per core.
-        plugins: modules imported at start (custom ops and fields).
+        plugins: modules or ``.py`` file paths imported at start (custom ops and fields).
         idle_timeout: seconds with no open stream after which the daemon exits; 0 = never.
         log_format: "kv" or "json".
         log_level: "debug", "info", "warning" or "error".
         share: streams with identical specs share decoding (``--no-share`` turns it off).
         share_max_lag: a shared stream this many batches behind is detached (reloadable).
         share_retain: batches a sharing group keeps for late joiners (reloadable).
+        decode_cache_bytes: bytes of decoded images the decode groups of ``share_decode=True``
+            streams may cache (default 1 GiB, at most 64 GiB; 0 turns the cache off).
         bad_sample_budget: failing samples each stream may skip, counted in stats; 0 fails the
             stream with an error naming the sample (reloadable; new streams).
         verify_checksums: check every sample against its file's CRC32C sidecar (``beton-serve
@@ -74,6 +87,8 @@ class ServeConfig:
         data_roots: directories under which clients other than the daemon's own user on its
             Unix socket (TCP clients) may open files (realpath inside, no symlink escape).
         idle_close: seconds without streams after which a file opened on demand is closed.
+        allow_op_imports: any client, not only the daemon's own user, may make the daemon import
+            a custom op's module from the daemon's own disk (docs/custom-ops.md, route b).
         tls_cert: PEM certificate of the TCP listeners ("" = no TLS); needs ``tls_key``.
         tls_key: its PEM private key.
         tls_client_ca: PEM CA that client certificates must chain to (mutual TLS).
@@ -84,11 +99,15 @@ class ServeConfig:
         metrics_port: port of the Prometheus ``/metrics`` endpoint; -1 = off, 0 = any free port.
         metrics_host: address the metrics endpoint binds (loopback by default; the endpoint has
             no authentication, so expose it only where the network is trusted).
+        precompile: pipelines to compile when the daemon starts (``[[precompile]]`` tables,
+            parsed by ``daemon._precompile.parse_precompile``), so that their first clients,
+            and every client after a restart, find the kernels in the compile cache.
     """
 
     files: tuple[str, ...] = ()
     datasets: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     socket: str = ""
+    unix_socket: bool = True
     listen: tuple[str, ...] = ()
     workers: int = 0
     plugins: tuple[str, ...] = ()
@@ -98,11 +117,13 @@ class ServeConfig:
     share: bool = True
     share_max_lag: int = 8
     share_retain: int = 4
+    decode_cache_bytes: int = 1 << 30
     bad_sample_budget: int = 0
     verify_checksums: bool = False
     open_on_demand: bool = True
     data_roots: tuple[str, ...] = ()
     idle_close: float = 300.0
+    allow_op_imports: bool = False
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -111,6 +132,7 @@ class ServeConfig:
     grpc_compression: tuple[str, ...] = ("lz4", "zstd")
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
+    precompile: tuple[PrecompileSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -122,6 +144,11 @@ class ServeConfig:
         for key in ("share_max_lag", "share_retain", "bad_sample_budget"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.decode_cache_bytes <= 64 << 30:
+            raise ConfigError(
+                f"decode_cache_bytes must be in [0, {64 << 30}] (64 GiB), "
+                f"got {self.decode_cache_bytes}"
+            )
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be -1 (off) or 0..65535, got {self.metrics_port}")
         if self.log_format not in ("kv", "json"):
@@ -147,6 +174,10 @@ _SEQUENCES = {"files", "listen", "plugins", "grpc_compression", "data_roots"}
 
 def _coerce(key: str, value: Any, where: str) -> Any:
     default = KEYS[key]
+    if key == "precompile":
+        from beton_serve.daemon._precompile import parse_precompile
+
+        return parse_precompile(value, where)
     if key in _SEQUENCES:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: {key} must be a list of strings")

@@ -48,7 +48,14 @@ from beton_serve.daemon._messages import (
     StreamRequest,
     StreamStats,
 )
-from beton_serve.daemon._on_demand import FilePolicy
+from beton_serve.daemon._on_demand import (
+    CLIENT_OP,
+    IMPORT_OP,
+    FilePolicy,
+    OpImportPolicy,
+    resolve_field_classes,
+    resolve_ops,
+)
 from beton_serve.daemon._pump import NoticePump
 from beton_serve.daemon._stream import (
     BatchOut,
@@ -226,6 +233,8 @@ class Daemon:
     files: FilePolicy = field(default_factory=FilePolicy)
     #: ``--verify-checksums``: files opened on demand need a current sidecar too.
     verify_checksums: bool = False
+    #: Which peers may make the daemon import a user op's module (``_on_demand``).
+    op_imports: OpImportPolicy = field(default_factory=OpImportPolicy)
     #: Opens in progress, by real path (concurrent opens of one file share one).
     _opening: dict[str, asyncio.Future[Dataset]] = field(default_factory=dict)
 
@@ -247,6 +256,7 @@ class Daemon:
         open_on_demand: bool = True,
         data_roots: Sequence[str] = (),
         idle_close_s: float = 300.0,
+        allow_op_imports: bool = False,
     ) -> Daemon:
         """Sweep stale segments, open every dataset and start the engine.
 
@@ -254,6 +264,8 @@ class Daemon:
         (``beton-serve checksum FILE``); each sample is checked against it before decoding.
         ``open_on_demand``, ``data_roots``, ``idle_close_s``: which files a client may name that
         were not given here, and when they are closed again (``_on_demand``).
+        ``allow_op_imports``: any peer, not only the daemon's user, may make it import a user
+        op's module from its own disk (``_on_demand.OpImportPolicy``; docs/custom-ops.md).
 
         Raises:
             FormatError: a file is invalid (the reader's error), or ``verify_checksums`` and a
@@ -297,6 +309,7 @@ class Daemon:
                 enabled=open_on_demand, data_roots=data_roots, idle_close_s=idle_close_s
             ),
             verify_checksums=verify_checksums,
+            op_imports=OpImportPolicy(allow_any_peer=allow_op_imports),
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -320,8 +333,10 @@ class Daemon:
             now = time.monotonic()
             for s in list(self.streams.values()):
                 if s.client_pid and not pid_alive(s.client_pid):
-                    log.warning(
-                        "stream %s: client pid %d is gone; reclaiming its %d slot(s)",
+                    # A client process that exits without closing its Loader is a normal end
+                    # of a stream (INFO), not a fault: real failures are logged where they occur.
+                    log.info(
+                        "stream %s: client pid %d exited; reclaiming its %d slot(s)",
                         s.stream_id,
                         s.client_pid,
                         s.ring.leased(),
@@ -437,11 +452,6 @@ class Daemon:
                 f"device {short_repr(offer.device)} is not a CUDA device of the client (it "
                 f"reports {seen}); pick one of those, or ToDevice('cpu')"
             )
-        if req.custom_fields:
-            raise SpecError(
-                f"custom_fields {short_repr(list(req.custom_fields))} cannot travel to a daemon: "
-                "load the field classes into it with --plugin MODULE"
-            )
         names = {n for n, _ in ds.fields}
         seen_names = set()
         for p in req.pipelines:
@@ -472,19 +482,27 @@ class Daemon:
                 bad = ids[outside][:5].tolist()
                 raise SpecError(f"indices {bad} are outside the dataset's {ds.num_samples} samples")
 
-    @staticmethod
-    def _spec_key(req: StreamRequest, ds: Dataset) -> str:
+    def _import_refusal(self, req: StreamRequest) -> str | None:
+        """Why this request's peer may not make the daemon import op modules (or ``None``)."""
+        return self.op_imports.refusal(owner_peer=req.owner_peer, peer_uid=req.offer.identity.uid)
+
+    def _spec_key(self, req: StreamRequest, ds: Dataset) -> str:
         spec = [
             [p.name, p.field or p.name, p.skip, [[o.name, dict(o.params)] for o in p.ops]]
             for p in req.pipelines
         ]
+        # Whether the peer may make the daemon import op modules decides which ops the plan holds.
+        imports = any(o.name == IMPORT_OP for p in req.pipelines for o in p.ops)
+        allowed = imports and self._import_refusal(req) is None
         # The plan holds the dataset's reader: keyed by the dataset's identity, not only its schema
         # (train and val files share a schema; issue 11).
-        text = json.dumps([ds.key, ds.schema_key, req.batch_size, spec], sort_keys=True)
+        text = json.dumps([ds.key, ds.schema_key, req.batch_size, spec, allowed], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _compile_sync(self, req: StreamRequest, ds: Dataset) -> _PlanEntry:
         pipelines: dict[str, list[Any] | None] = {}
+        local: dict[str, tuple[str, dict[str, Any]] | None] = {}
+        refusal = self._import_refusal(req)
         for p in req.pipelines:
             if p.skip:
                 pipelines[p.name] = None
@@ -494,15 +512,30 @@ class Daemon:
                     f"pipeline {p.name!r} reads field {p.field!r}: renamed outputs are not "
                     "supported yet; name the pipeline after its field"
                 )
-            pipelines[p.name] = [self.backend.build_op(o.name, o.params) for o in p.ops]
+            # User ops: plugin, else imported here, else run by the client (_on_demand).
+            pipelines[p.name], local[p.name] = resolve_ops(
+                p.ops, build=self.backend.build_op, import_refusal=refusal
+            )
+            handed = local[p.name]
+            if handed is not None:
+                log.info(
+                    "dataset=%s pipeline=%s: ops from #%d run in the client (%s)",
+                    ds.name,
+                    short_repr(p.name),
+                    handed[1]["from"],
+                    "; ".join(handed[1]["why"]),
+                )
         check = {} if ds.checksums is None else {"sample_check": ds.checksums.check}
         plan = self.backend.compile(ds.reader, pipelines, req.batch_size, **check)
         tail = self.backend.client_tail(plan)
-        outputs = tuple(
-            dataclasses.replace(o, client_ops=tuple(tail.get(o.name, ())))
-            for o in self.backend.outputs(plan)
-        )
-        return _PlanEntry(plan=plan, outputs=outputs)
+        outputs = []
+        for o in self.backend.outputs(plan):
+            ops = [t for t in tail.get(o.name, ()) if t[0] != CLIENT_OP]
+            marker = local.get(o.name)
+            outputs.append(
+                dataclasses.replace(o, client_ops=tuple([marker, *ops] if marker else ops))
+            )
+        return _PlanEntry(plan=plan, outputs=tuple(outputs))
 
     async def _plan(self, req: StreamRequest, ds: Dataset) -> tuple[_PlanEntry, bool]:
         key = self._spec_key(req, ds)
@@ -524,6 +557,8 @@ class Daemon:
     async def _dataset_for(self, req: StreamRequest, same_host: bool) -> Dataset:
         """The dataset ``req`` names: served, or the file it names opened on demand when the
         peer may (``_on_demand``); never another file than the one named."""
+        if req.custom_fields:
+            return await self._custom_dataset_for(req, same_host)
         f = req.file
         if f is None:
             return self.datasets.resolve(req.dataset, None, same_host=same_host)
@@ -565,8 +600,73 @@ class Daemon:
             )
         return ds
 
-    def _open_file_sync(self, path: str) -> Dataset:
-        ds = self.datasets.open_file(path)
+    async def _custom_dataset_for(self, req: StreamRequest, same_host: bool) -> Dataset:
+        """The dataset ``req`` names, read with its ``custom_fields`` classes: a variant of the
+        file(s) opened with those classes (on demand, closed when idle like any on-demand file),
+        shared by every stream asking for the same files and classes.
+
+        The files are the served dataset's (by name or by identity), or the file the client
+        named when the peer may open it (``_on_demand.FilePolicy``). The classes come from the
+        daemon's plugins or are imported from its own disk (``resolve_field_classes``)."""
+        classes = resolve_field_classes(
+            req.custom_fields,
+            import_refusal=self._import_refusal(req),
+            is_field=self.backend.is_field_class,
+        )
+        custom = tuple(sorted(f"{k}={c.__module__}:{c.__qualname__}" for k, c in classes.items()))
+        f = req.file
+        if f is None:
+            paths = list(self.datasets.get(req.dataset).paths)
+        else:
+            served = self.datasets.find_file(f, same_host=same_host)
+            if served is not None:
+                paths = list(served.paths)
+            else:
+                why = self.files.refusal(f, owner_peer=req.owner_peer)
+                if why is not None:
+                    raise SpecError(
+                        f"this daemon does not serve {f.describe()} and does not open it for this "
+                        f"client ({why})"
+                    )
+                paths = [os.path.realpath(f.path)]
+        found = self.datasets.find_variant(paths, custom)
+        if found is None:
+            key = json.dumps([[os.path.realpath(p) for p in paths], list(custom)])
+            fut = self._opening.get(key)
+            if fut is None:
+                loop = asyncio.get_running_loop()
+                fut = loop.run_in_executor(self._compile_pool, self._open_file_sync, paths, classes)
+                self._opening[key] = fut
+                try:
+                    opened = await asyncio.shield(fut)
+                finally:
+                    if self._opening.get(key) is fut:
+                        del self._opening[key]
+                found = self.datasets.find_variant(paths, custom)
+                if found is None:
+                    found = self.datasets.adopt(opened)
+                    log.info(
+                        "dataset %s opened with custom fields %s: %s",
+                        found.name,
+                        ",".join(custom),
+                        ",".join(paths),
+                    )
+                elif found is not opened:
+                    self.datasets.remove(opened)
+            else:
+                opened = await asyncio.shield(fut)
+                found = self.datasets.find_variant(paths, custom) or opened
+        if f is not None and not any(i.same_file(f, same_host=same_host) for i in found.files):
+            raise SpecError(
+                f"this Loader names {f.describe()}, but the file at that path is now "
+                f"{found.files[0].describe()} (it was replaced); open it again"
+            )
+        return found
+
+    def _open_file_sync(
+        self, path: str | Sequence[str], custom_fields: Mapping[str, type] | None = None
+    ) -> Dataset:
+        ds = self.datasets.open_file(path, custom_fields)
         try:
             if self.verify_checksums:
                 ds.checksums = self.backend.open_checksums(ds.readers)
@@ -802,6 +902,11 @@ class Daemon:
     # -- stats -----------------------------------------------------------------------------
     def stats(self) -> DaemonStats:
         """A consistent snapshot (call on the event-loop thread)."""
+        import hashlib
+
+        from beton_serve.daemon._messages import DecodeGroupRow
+        from beton_serve.fields.decode_cache import default_decode_cache
+
         now = time.monotonic()
         streams = tuple(
             StreamStats(
@@ -835,6 +940,21 @@ class Daemon:
             workers_replaced=int(getattr(self.engine, "workers_replaced", 0)),
             bad_samples=tuple((d.name, d.bad_samples) for d in self.all_datasets()),
             op_seconds=self._op_seconds(),
+            decode_groups=tuple(
+                DecodeGroupRow(
+                    dataset=g.label or g.dataset[:12],
+                    field=g.field,
+                    order=hashlib.sha256(g.order.encode()).hexdigest()[:12],
+                    members=g.members,
+                    detached=g.detached,
+                    delivered=g.delivered,
+                    decoded=g.decoded,
+                    hits=g.hits,
+                    evicted=g.evicted,
+                    live_bytes=g.bytes,
+                )
+                for g in default_decode_cache().stats()
+            ),
         )
 
     def _utilisation(self, now: float) -> float:
