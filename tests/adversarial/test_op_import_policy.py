@@ -160,7 +160,8 @@ def test_bad_custom_field_entries_are_spec_errors(field_module, entry, words) ->
 
 @pytest.mark.timeout(30)
 def test_a_class_from_the_training_script_is_refused_before_sending() -> None:
-    from beton_client import Loader, SpecError as ClientSpecError
+    from beton_client import Loader
+    from beton_client import SpecError as ClientSpecError
     from beton_serve.fields import IntField
 
     local = type("Local", (IntField,), {"__module__": "__main__"})
