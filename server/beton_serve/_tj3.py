@@ -601,7 +601,9 @@ def _build_kernel(lib: ctypes.CDLL) -> object:
     get: Any = types.ExternalFunction("tj3Get", c_int(ptr, c_int))
     set_scale: Any = types.ExternalFunction("tj3SetScalingFactor", c_int(ptr, i64))
     set_crop: Any = types.ExternalFunction("tj3SetCroppingRegion", c_int(ptr, i64, i64))
-    decompress: Any = types.ExternalFunction("tj3Decompress8", c_int(ptr, ptr, ptr, ptr, c_int, c_int))
+    decompress: Any = types.ExternalFunction(
+        "tj3Decompress8", c_int(ptr, ptr, ptr, ptr, c_int, c_int)
+    )
     plan = Compiler.compile(_make_plan(Compiler.compile(_region)))
     sf_num, sf_den = _SF_NUM, _SF_DEN
     p_h, p_w, p_sub, p_cs = (
