@@ -197,7 +197,14 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
         field = name
         if hasattr(value, "decoder") and hasattr(value, "transforms"):
             source = getattr(value, "source", name)
-            field = source if isinstance(source, str) else name
+            if not isinstance(source, str):
+                raise SpecError(
+                    f"pipeline {name!r}: PipelineSpec(source=<{type(source).__name__} of another "
+                    "pipeline>) branches from that op's output; the served Loader does not carry "
+                    "branches yet (docs/migrating-from-ffcv.md). Decode the field again with "
+                    "PipelineSpec(source='<field>', ...), or use the in-process Loader"
+                )
+            field = source
             ops = (
                 [value.decoder, *value.transforms]
                 if value.decoder is not None

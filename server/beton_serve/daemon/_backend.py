@@ -120,6 +120,10 @@ class Backend(Protocol):
         """Whether ``cls`` is a ``Field`` subclass (a ``custom_fields`` value)."""
         ...
 
+    def field_output(self, field: str, ops: list[Any]) -> Any:
+        """An output named other than its field: ``PipelineSpec(field, transforms=ops)``."""
+        ...
+
     def fields(self, reader: Any) -> list[tuple[str, str]]:
         """``(field name, field class name)`` in file order."""
         ...
@@ -141,7 +145,7 @@ class Backend(Protocol):
     def compile(
         self,
         reader: Any,
-        pipelines: Mapping[str, list[Any] | None],
+        pipelines: Mapping[str, Any],
         batch_size: int,
         *,
         sample_check: Any = None,
@@ -184,6 +188,13 @@ class EngineBackend:
 
         return issubclass(cls, Field)
 
+    def field_output(self, field: str, ops: list[Any]) -> Any:
+        from beton_serve.pipeline import PipelineSpec
+
+        # decoder=None: the planner takes ops[0] as the decoder when it fits the field, exactly
+        # as for PipelineSpec(field, decoder=ops[0], transforms=ops[1:]) in process.
+        return PipelineSpec(field, transforms=list(ops))
+
     def fields(self, reader: Any) -> list[tuple[str, str]]:
         return [(n, type(reader.handlers[n]).__name__) for n in reader.field_names]
 
@@ -211,7 +222,7 @@ class EngineBackend:
     def compile(
         self,
         reader: Any,
-        pipelines: Mapping[str, list[Any] | None],
+        pipelines: Mapping[str, Any],
         batch_size: int,
         *,
         sample_check: Any = None,

@@ -500,22 +500,20 @@ class Daemon:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _compile_sync(self, req: StreamRequest, ds: Dataset) -> _PlanEntry:
-        pipelines: dict[str, list[Any] | None] = {}
+        pipelines: dict[str, Any] = {}  # ops, a PipelineSpec (another output), or None
         local: dict[str, tuple[str, dict[str, Any]] | None] = {}
         refusal = self._import_refusal(req)
         for p in req.pipelines:
             if p.skip:
                 pipelines[p.name] = None
                 continue
-            if p.field and p.field != p.name:
-                raise SpecError(
-                    f"pipeline {p.name!r} reads field {p.field!r}: renamed outputs are not "
-                    "supported yet; name the pipeline after its field"
-                )
             # User ops: plugin, else imported here, else run by the client (_on_demand).
-            pipelines[p.name], local[p.name] = resolve_ops(
+            ops, local[p.name] = resolve_ops(
                 p.ops, build=self.backend.build_op, import_refusal=refusal
             )
+            # Another output of a field (FFCV's PipelineSpec(source=field)) keeps its name.
+            renamed = bool(p.field) and p.field != p.name
+            pipelines[p.name] = self.backend.field_output(p.field, ops) if renamed else ops
             handed = local[p.name]
             if handed is not None:
                 log.info(
