@@ -1,7 +1,7 @@
 """Served (shm) against in-process throughput, client CPU per batch, and 4 clients on one daemon.
 
     python benchmarks/bench_served.py [--imagenet-n 500] [--cifar-n 5000] [--epochs 2] [--rounds 3]
-                                      [--clients 4]
+                                      [--clients 4 (0: skip part 3)]
 
 Uses the issue-3 datasets and pipelines of ``bench_loader.py`` (ImageNet-like JPEG with
 RandomResizedCrop 224 + flip, batch 256; CIFAR-like raw 32x32 + flip, batch 512), order RANDOM.
@@ -10,8 +10,11 @@ RandomResizedCrop 224 + flip, batch 256; CIFAR-like raw 32x32 + flip, batch 512)
    ``beton_client.Loader`` against a daemon subprocess (``--workers 2``), taking turns for
    ``--rounds`` rounds: each turn is a warm-up epoch, then ``--epochs`` timed epochs back to back
    (see :func:`time_blocks`); the median epoch of each; the ratio served / in-process.
+   Also the ratio of each round's two blocks and their median (less exposed to the load's
+   drift), and the daemon's CPU per batch (from /proc around each served block).
 2. Client-side CPU per batch: the trainer process's own CPU time (user + system) for a served
-   epoch divided by its batches: the cost of receiving a batch (control messages + tensor views).
+   epoch divided by its batches: the cost of receiving a batch (control messages + tensor views);
+   with the daemon's, ``cpu_ratio`` = served (client + daemon) CPU / in-process CPU per batch.
 3. ``--clients`` processes sharing one daemon against as many processes each running an
    in-process Loader, all started together, one epoch each after a warm-up epoch (compilation):
    total images/s (all images over the wall time until the last finishes) and total CPU seconds
@@ -46,7 +49,9 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / CLK
 
 
-def time_blocks(loaders: list, epochs: int, rounds: int) -> list[tuple[float, float, int]]:
+def time_blocks(
+    loaders: list, epochs: int, rounds: int, pids: list[int | None] | None = None
+) -> list[dict]:
     """Time each loader in blocks of back-to-back epochs, the loaders taking turns.
 
     A block is one untimed epoch, then ``epochs`` timed epochs run back to back, as a training
@@ -55,28 +60,52 @@ def time_blocks(loaders: list, epochs: int, rounds: int) -> list[tuple[float, fl
     After every block the machine is left idle for a moment, so that work a loader started for
     an epoch nobody will read (the look-ahead after its last block) never runs inside another
     loader's timed block. The machine is shared and its load drifts, hence the turns and the
-    ``rounds``. Returns, per loader, the median wall time of an epoch, the mean CPU time of this
-    process per epoch and the samples of an epoch.
+    ``rounds``.
+
+    ``pids[i]``: another process whose CPU time the timed epochs of loader ``i`` also cost (the
+    daemon, for a served loader), read from /proc around each block.
+
+    Returns, per loader: ``wall`` (the median wall time of an epoch), ``cpu`` (the mean CPU time
+    of this process per epoch), ``other_cpu`` (the mean CPU time of ``pids[i]`` per epoch, 0
+    without one), ``n`` (the samples of an epoch) and ``block_walls`` (the median epoch of each
+    round's block, in round order: blocks of one round ran minutes apart at most, so the ratio
+    of two loaders' blocks in the same round is less exposed to the load's drift than the ratio
+    of the overall medians).
     """
+    pids = pids or [None] * len(loaders)
     walls: list[list[float]] = [[] for _ in loaders]
+    blocks: list[list[float]] = [[] for _ in loaders]
     cpus: list[list[float]] = [[] for _ in loaders]
+    others: list[list[float]] = [[] for _ in loaders]
     counts = [0] * len(loaders)
     for _ in range(rounds):
         for i, ld in enumerate(loaders):
             for _ in ld:  # untimed: compilation (first round), then the steady state's start
                 pass
+            pid = pids[i]
+            o0 = proc_cpu(pid) if pid else 0.0
+            block: list[float] = []
             for _ in range(epochs):
                 c0, t0 = time.process_time(), time.perf_counter()
                 n = 0
                 for b in ld:
                     n += len(b[0])
-                walls[i].append(time.perf_counter() - t0)
+                block.append(time.perf_counter() - t0)
                 cpus[i].append(time.process_time() - c0)
                 counts[i] = n
+            others[i].append(((proc_cpu(pid) if pid else 0.0) - o0) / epochs)
+            walls[i] += block
+            blocks[i].append(statistics.median(block))
             time.sleep(0.3)
     return [
-        (statistics.median(w), statistics.mean(c), n)
-        for w, c, n in zip(walls, cpus, counts, strict=True)
+        {
+            "wall": statistics.median(w),
+            "cpu": statistics.mean(c),
+            "other_cpu": statistics.mean(o),
+            "n": n,
+            "block_walls": bl,
+        }
+        for w, c, o, n, bl in zip(walls, cpus, others, counts, blocks, strict=True)
     ]
 
 
@@ -189,19 +218,34 @@ def main() -> None:
                     pipelines=pipelines(kind),
                     server=d.address,
                 )
-                (lw, lc, n), (sw, sc, n2) = time_blocks([local, served], args.epochs, args.rounds)
+                loc, srv = time_blocks([local, served], args.epochs, args.rounds, [None, d.pid])
                 batches = len(served)
                 local.close()
                 served.close()
+                n, n2 = loc["n"], srv["n"]
+                per_round = [
+                    lw / sw for lw, sw in zip(loc["block_walls"], srv["block_walls"], strict=True)
+                ]
+                served_cpu = srv["cpu"] + srv["other_cpu"]
                 report[kind] = {
                     "samples": n,
-                    "in_process_img_s": n / lw,
-                    "served_img_s": n2 / sw,
-                    "ratio": (n2 / sw) / (n / lw),
-                    "client_cpu_ms_per_batch": 1000 * sc / batches,
-                    "in_process_cpu_ms_per_batch": 1000 * lc / batches,
+                    "in_process_img_s": n / loc["wall"],
+                    "served_img_s": n2 / srv["wall"],
+                    "ratio": (n2 / srv["wall"]) / (n / loc["wall"]),
+                    # served / in-process of the two blocks of each round (same samples per
+                    # epoch: the ratio of epoch times), and their median
+                    "ratio_per_round": per_round,
+                    "ratio_median_of_rounds": statistics.median(per_round),
+                    "client_cpu_ms_per_batch": 1000 * srv["cpu"] / batches,
+                    "daemon_cpu_ms_per_batch": 1000 * srv["other_cpu"] / batches,
+                    "in_process_cpu_ms_per_batch": 1000 * loc["cpu"] / batches,
+                    # CPU time per batch, served (client + daemon) / in-process: the share of
+                    # the cost that a loaded machine's noise moves least
+                    "cpu_ratio": served_cpu / loc["cpu"] if loc["cpu"] else float("nan"),
                 }
                 print(kind, json.dumps(report[kind]), flush=True)
+                if args.clients < 1:  # --clients 0: the throughput part only
+                    continue
                 served_many = many_clients("served", path, kind, args.clients, d.address, d.pid)
                 local_many = many_clients("local", path, kind, args.clients, d.address, None)
                 report[kind]["many_served"] = served_many

@@ -511,13 +511,20 @@ class Stream:
         once per batch it publishes.
         """
         self._count_bad()
-        # The ids the batch holds (a skipped sample is replaced: engine._source.delivered_ids).
-        ids = np.asarray(ids_or(cfut, self.source.batch_ids(epoch, b)), dtype=np.uint64)
+        # The ids the batch holds (a skipped sample is replaced: engine._source.delivered_ids);
+        # the order's only when the future does not carry them (looked up only then: this runs
+        # once per batch, on the worker that publishes).
+        batch = cfut if isinstance(cfut, BatchFuture) else None
+        held = None if batch is None else batch.sample_ids
+        ids = ids_or(cfut, self.source.batch_ids(epoch, b)) if held is None else held
+        if type(ids) is not np.ndarray or ids.dtype != np.uint64:
+            ids = np.asarray(ids, dtype=np.uint64)
         length = len(ids) if arrays is None or not len(arrays) else len(arrays[0])
-        self.counters.batches_sent += 1
-        self.counters.samples_sent += length
+        counters = self.counters
+        counters.batches_sent += 1
+        counters.samples_sent += length
         # A shared source marks batches another identical stream decoded (issue 6).
-        if not isinstance(cfut, BatchFuture) or cfut.decoded_here:
+        if batch is None or batch.decoded_here:
             self.dataset.count(batches=1, samples=length)
         return ids, length
 
