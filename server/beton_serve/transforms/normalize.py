@@ -85,11 +85,14 @@ class NormalizeImage(Operation):
 
             tab = torch.from_numpy(table.view(np.float16) if ttype == np.float16 else table)
             tab = tab.to(images.device)
-            dst = dst[: images.shape[0]]
-            idx = images.long()
-            for c in range(3):
-                dst[:, c] = tab[:, c][idx[:, c]]
-            return dst
+            n, c, h, w = images.shape
+            # As FFCV: the result is written channels-last and returned as an NCHW view of it
+            # (channels_last strides), the layout channels_last models read without a copy.
+            nhwc = dst[:n].reshape(-1)[: n * c * h * w].view(n, h, w, c)
+            idx = images.permute(0, 2, 3, 1).long()
+            for k in range(3):
+                nhwc[..., k] = tab[:, k][idx[..., k]]
+            return nhwc.permute(0, 3, 1, 2)
 
         return normalize if self._jit_input else normalize_torch
 
