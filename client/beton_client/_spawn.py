@@ -32,7 +32,12 @@ import time
 
 import grpc
 from beton_wire.address import ADDRESS_IN_USE_STATUS
-from beton_wire.private_dir import UnsafePathError, ensure_private_dir, open_private_file
+from beton_wire.private_dir import (
+    UnsafePathError,
+    ensure_private_dir,
+    names_file,
+    open_private_file,
+)
 
 from beton_client.errors import ServerUnavailable, UntrustedSocketError
 
@@ -141,7 +146,7 @@ def ensure_daemon(
             f"(its log: {log_path}): {_tail(log_path)}"
         )
     finally:
-        if _names_file(lock_path, fd):
+        if names_file(lock_path, fd):
             with contextlib.suppress(OSError):
                 os.unlink(lock_path)
         os.close(fd)
@@ -174,16 +179,6 @@ def _lock_holder_alive(socket_path: str) -> bool:
     return True
 
 
-def _names_file(path: str, fd: int) -> bool:
-    """Whether ``path`` (not followed if a link) is the file open as ``fd``."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
-
-
 def _lock(path: str, deadline: float, socket_path: str) -> int:
     """An exclusive ``flock`` on ``path``, polled until ``deadline``; returns its descriptor.
 
@@ -202,7 +197,7 @@ def _lock(path: str, deadline: float, socket_path: str) -> int:
                 ) from None
             time.sleep(0.05)
             continue
-        if _names_file(path, fd):
+        if names_file(path, fd):
             return fd
         # Its holder unlinked it on the way out: lock the file that is there now.
         os.close(fd)

@@ -26,6 +26,7 @@ import os
 import stat
 
 __all__ = [
+    "names_file",
     "UnsafePathError",
     "check_private_dir",
     "check_socket",
@@ -166,3 +167,14 @@ def check_socket(path: str, uid: int) -> bool:
     if st.st_uid != uid:
         raise UnsafePathError(path, f"is a socket owned by uid {st.st_uid}, not by uid {uid}")
     return True
+
+
+def names_file(path: str, fd: int) -> bool:
+    """Whether ``path`` (not followed if a link) is the file open as ``fd``: a lock or log file
+    is removed on a clean stop only while it is still the one this process opened."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)

@@ -32,6 +32,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from beton_wire.private_dir import names_file
+
 from beton_serve.cli._logging import add_logging_args, configure_logging
 from beton_serve.cli.config import ServeConfig, load_config, merge_flags
 from beton_serve.errors import AddressInUse, ConfigError
@@ -278,7 +280,7 @@ def address_lock(socket_path: str) -> Iterator[None]:
                 f"another beton-serve daemon already serves {socket_path}; stop it "
                 "(beton-serve stop --socket PATH) or use --socket"
             ) from None
-        if _names_file(lock_path, fd):
+        if names_file(lock_path, fd):
             break
         os.close(fd)  # its previous holder unlinked it on the way out: lock the current file
     else:
@@ -288,20 +290,10 @@ def address_lock(socket_path: str) -> Iterator[None]:
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
-        if _names_file(lock_path, fd):
+        if names_file(lock_path, fd):
             with contextlib.suppress(OSError):
                 os.unlink(lock_path)
         os.close(fd)
-
-
-def _names_file(path: str, fd: int) -> bool:
-    """Whether ``path`` (not followed if a link) is the file open as ``fd``."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _remove_spawn_log(socket_path: str) -> None:
@@ -309,7 +301,7 @@ def _remove_spawn_log(socket_path: str) -> None:
     log, ``beton_client._spawn``); called only after a clean stop, so a failure's log stays."""
     log_path = socket_path + ".log"
     try:
-        if _names_file(log_path, 1):
+        if names_file(log_path, 1):
             os.unlink(log_path)
     except OSError:
         pass
