@@ -13,7 +13,7 @@ thread, except that ``BatchSource.submit``'s work runs on the engine's own worke
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,7 +23,15 @@ import numpy as np
 if TYPE_CHECKING:
     from beton_serve.engine import SourceCaps
 
-__all__ = ["Backend", "BatchSourceLike", "EngineBackend", "OutputInfo", "PlanLike", "SourceParams"]
+__all__ = [
+    "Backend",
+    "BatchSourceLike",
+    "EngineBackend",
+    "EngineLike",
+    "OutputInfo",
+    "PlanLike",
+    "SourceParams",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +52,24 @@ class PlanLike(Protocol):
     def outputs(self) -> Sequence[Any]:
         """``OutputSpec(name, shape, dtype)`` of each daemon-side output."""
         ...
+
+    def op_times(self) -> Mapping[str, tuple[float, int]]:
+        """``op -> (seconds, runs)`` summed over every run of the plan (for stats)."""
+        ...
+
+
+class EngineLike(Protocol):
+    """The shared worker pool (``beton_serve.engine.Engine``), as the daemon's stats read it."""
+
+    @property
+    def queue_depth(self) -> int:
+        """Batches queued, not yet started (approximate)."""
+        ...
+
+    #: Workers that died and were replaced.
+    workers_replaced: int
+    #: Seconds the workers spent running tasks, summed.
+    busy_s: float
 
 
 class BatchSourceLike(Protocol):
@@ -104,6 +130,8 @@ class SourceParams:
     slices: int = 1
     #: Failing samples a stream may skip (0: the first one fails the stream, naming it).
     bad_sample_budget: int = 0
+    #: Run by a worker right before it reads the files (the daemon re-checks their size).
+    pre_run: Callable[[], None] | None = None
 
 
 class Backend(Protocol):
@@ -161,7 +189,7 @@ class Backend(Protocol):
 
     def outputs(self, plan: PlanLike) -> list[OutputInfo]: ...
 
-    def make_engine(self, num_workers: int | None) -> Any: ...
+    def make_engine(self, num_workers: int | None) -> EngineLike: ...
 
     def make_source(self, engine: Any, plan: PlanLike, params: SourceParams) -> BatchSourceLike: ...
 
@@ -245,7 +273,7 @@ class EngineBackend:
             out.append(OutputInfo(str(spec.name), shape, np.dtype(spec.dtype).name))
         return out
 
-    def make_engine(self, num_workers: int | None) -> Any:
+    def make_engine(self, num_workers: int | None) -> EngineLike:
         from beton_serve.engine import Engine  # type: ignore[attr-defined]
 
         # The daemon's worker threads are its parallelism: OpenCV's own thread pool (used by
@@ -262,7 +290,7 @@ class EngineBackend:
     def make_source(self, engine: Any, plan: PlanLike, params: SourceParams) -> BatchSourceLike:
         from beton_serve.engine import BatchSource, OrderOption  # type: ignore[attr-defined]
 
-        return BatchSource(  # type: ignore[no-any-return]
+        source = BatchSource(
             engine=engine,
             plan=plan,  # type: ignore[arg-type]
             order=OrderOption[params.order],
@@ -277,6 +305,8 @@ class EngineBackend:
             slices=params.slices,
             bad_sample_budget=params.bad_sample_budget,
         )
+        source.pre_run = params.pre_run
+        return source  # type: ignore[no-any-return]
 
     def close_engine(self, engine: Any) -> None:
         engine.close()

@@ -38,7 +38,14 @@ from beton_wire.limits import (
 )
 from beton_wire.slots import slot_layout
 
-from beton_serve.daemon._backend import Backend, EngineBackend, OutputInfo, PlanLike, SourceParams
+from beton_serve.daemon._backend import (
+    Backend,
+    EngineBackend,
+    EngineLike,
+    OutputInfo,
+    PlanLike,
+    SourceParams,
+)
 from beton_serve.daemon._datasets import Dataset, DatasetTable
 from beton_serve.daemon._messages import (
     DaemonStats,
@@ -200,7 +207,7 @@ class Daemon:
 
     datasets: DatasetTable
     backend: Backend
-    engine: Any
+    engine: EngineLike | None
     workers: int
     facts: DaemonFacts
     factories: dict[str, TransportFactory]
@@ -762,10 +769,9 @@ class Daemon:
             # anyway and the split costs little (BatchSource splits only sliceable plans).
             slices=self.workers,
             bad_sample_budget=self.bad_sample_budget,
+            pre_run=ds.check_files,  # workers re-check the files right before reading
         )
         source = self.backend.make_source(self.engine, entry.plan, params)
-        if hasattr(source, "pre_run"):  # workers re-check the files right before reading
-            source.pre_run = ds.check_files
         slot_count = ring_size(req.batches_ahead, layout.slot_bytes)
         if self.sharing is not None:
             make_arena = (
@@ -933,9 +939,9 @@ class Daemon:
             shm_bytes=sum(s.ring.nbytes() for s in self.streams.values()),
             compiled_plans=sum(1 for f in self._plans.values() if f.done() and not f.exception()),
             streams_opened=self.streams_opened,
-            queue_depth=int(getattr(self.engine, "queue_depth", 0)),
+            queue_depth=0 if self.engine is None else int(self.engine.queue_depth),
             worker_utilisation=self._utilisation(now),
-            workers_replaced=int(getattr(self.engine, "workers_replaced", 0)),
+            workers_replaced=0 if self.engine is None else int(self.engine.workers_replaced),
             bad_samples=tuple((d.name, d.bad_samples) for d in self.all_datasets()),
             op_seconds=self._op_seconds(),
             decode_groups=tuple(
@@ -957,7 +963,7 @@ class Daemon:
 
     def _utilisation(self, now: float) -> float:
         """Busy share of the pool since the previous call (kept for 0.5 s between calls)."""
-        busy = float(getattr(self.engine, "busy_s", 0.0))
+        busy = 0.0 if self.engine is None else float(self.engine.busy_s)
         t0, b0 = self._util_prev
         if now - t0 >= 0.5:
             if t0 > 0:
@@ -970,8 +976,7 @@ class Daemon:
         for f in self._plans.values():
             if not f.done() or f.cancelled() or f.exception() is not None:
                 continue
-            times = getattr(f.result().plan, "op_times", None)
-            for op, (sec, n) in (times() if callable(times) else {}).items():
+            for op, (sec, n) in f.result().plan.op_times().items():
                 acc = total.setdefault(op, [0.0, 0])
                 acc[0] += sec
                 acc[1] += n
