@@ -12,7 +12,6 @@ So a stream gives the same batches alone as in a group, and the same pixels as t
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -33,7 +32,13 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
     the sample, as the decoder's own loop does.
     """
     from beton_serve._kernels import resize as rz
-    from beton_serve.fields.decoders import _RGB_MEMBERS, _corrupt, _ImageColumns, _require_metadata
+    from beton_serve.fields.decoders import (
+        _RGB_MEMBERS,
+        _corrupt,
+        _ImageColumns,
+        _require_metadata,
+        _WorkerBuffers,
+    )
     from beton_serve.jpeg import CorruptJPEGError, check_size, decode_into
 
     if decoder._cols is None:
@@ -44,20 +49,8 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
     fast_up = decoder.fast_upsample
     name = type(decoder).__name__
     crops_of = decoder._crops
-    local = threading.local()
-
-    def scratch(ow: int) -> np.ndarray:
-        need = rz.scratch_size(max(cols.max_w, 1), ow)
-        rbuf = getattr(local, "rbuf", None)
-        if rbuf is None or rbuf.shape[0] < need:
-            rbuf = local.rbuf = np.empty(need, np.float32)
-        return rbuf  # type: ignore[no-any-return]
-
-    def solo_buffer(nbytes: int) -> np.ndarray:
-        jbuf = getattr(local, "jbuf", None)
-        if jbuf is None or jbuf.shape[0] < nbytes:
-            jbuf = local.jbuf = np.empty(nbytes, np.uint8)
-        return jbuf  # type: ignore[no-any-return]
+    bufs = _WorkerBuffers(cols)
+    scratch, solo_buffer = bufs.resize_scratch, bufs.jpeg
 
     def full_decode(
         data: np.ndarray, sid: int, height: int, width: int, buf: np.ndarray | None = None

@@ -221,6 +221,37 @@ class _ImageColumns:
 MAX_ODD_IMAGES = 16
 
 
+class _WorkerBuffers(threading.local):
+    """Per worker thread scratch of a crop decoder, reused across batches and grown on demand.
+
+    ``jpeg`` is sized by images whose header matched their metadata, never by the metadata's
+    maximum: one lying sample must not make every worker map 12 GiB.
+    """
+
+    def __init__(self, cols: _ImageColumns) -> None:
+        self.cols = cols
+        self.rbuf: np.ndarray | None = None
+        self.jbuf: np.ndarray | None = None
+
+    def resize_scratch(self, ow: int) -> np.ndarray:
+        """The area resize's float32 scratch for outputs ``ow`` wide."""
+        from beton_serve._kernels import resize as rz
+
+        need = rz.scratch_size(max(self.cols.max_w, 1), ow)
+        if self.rbuf is None or self.rbuf.shape[0] < need:
+            self.rbuf = np.empty(need, np.float32)
+        return self.rbuf
+
+    def jpeg(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of at least ``nbytes`` (decoded pixels, or a decoded region)."""
+        jbuf = self.jbuf
+        if jbuf is None or jbuf.shape[0] < nbytes:
+            cols = self.cols
+            grown = 0 if jbuf is None else min(2 * jbuf.shape[0], cols.max_h * cols.max_w * 3)
+            jbuf = self.jbuf = np.empty(max(nbytes, grown, 1), np.uint8)
+        return jbuf
+
+
 def _common_size(cols: _ImageColumns) -> tuple[int, int]:
     """The ``(height, width)`` every image of a SimpleRGBImageDecoder's file must have.
 
@@ -449,27 +480,17 @@ class _CropDecoder(SimpleRGBImageDecoder):
         dct = self.dct_scale
         fast_up = self.fast_upsample
         name = type(self).__name__
-        local = threading.local()
+        local = threading.local()  # the TurboJPEG handle of each worker thread
+        bufs = _WorkerBuffers(cols)
         crops_of = self._crops
 
         def worker_state(ow: int) -> tuple[_tj3.Decompressor, np.ndarray]:
             tj = getattr(local, "tj", None)
             if tj is None:
                 tj = local.tj = _tj3.Decompressor(lib, fast_upsample=fast_up)
-            need = rz.scratch_size(max(cols.max_w, 1), ow)
-            rbuf = getattr(local, "rbuf", None)
-            if rbuf is None or rbuf.shape[0] < need:
-                rbuf = local.rbuf = np.empty(need, np.float32)
-            return tj, rbuf
+            return tj, bufs.resize_scratch(ow)
 
-        def region_buffer(nbytes: int) -> np.ndarray:
-            # sized by regions of images whose header matched their metadata (never by the
-            # metadata's maximum: one lying sample must not make every worker map 12 GiB)
-            jbuf = getattr(local, "jbuf", None)
-            if jbuf is None or jbuf.shape[0] < nbytes:
-                grown = 0 if jbuf is None else min(2 * jbuf.shape[0], cols.max_h * cols.max_w * 3)
-                jbuf = local.jbuf = np.empty(max(nbytes, grown, 1), np.uint8)
-            return jbuf  # type: ignore[no-any-return]
+        region_buffer = bufs.jpeg
 
         def one(
             tj: _tj3.Decompressor,
@@ -609,24 +630,9 @@ class _CropDecoder(SimpleRGBImageDecoder):
         dct = self.dct_scale
         fast_up = self.fast_upsample
         name = type(self).__name__
-        local = threading.local()  # per worker thread scratch, reused across batches
+        bufs = _WorkerBuffers(cols)  # per worker thread scratch, reused across batches
         crops_of = self._crops
-
-        def scratch(ow: int) -> np.ndarray:
-            need = rz.scratch_size(max(cols.max_w, 1), ow)
-            rbuf = getattr(local, "rbuf", None)
-            if rbuf is None or rbuf.shape[0] < need:
-                rbuf = local.rbuf = np.empty(need, np.float32)
-            return rbuf  # type: ignore[no-any-return]
-
-        def jpeg_buffer(nbytes: int) -> np.ndarray:
-            # Sized by images whose header matched their metadata, never by the metadata's
-            # maximum: one lying sample must not make every worker map 12 GiB.
-            jbuf = getattr(local, "jbuf", None)
-            if jbuf is None or jbuf.shape[0] < nbytes:
-                grown = 0 if jbuf is None else min(2 * jbuf.shape[0], cols.max_h * cols.max_w * 3)
-                jbuf = local.jbuf = np.empty(max(nbytes, grown, 1), np.uint8)
-            return jbuf  # type: ignore[no-any-return]
+        scratch, jpeg_buffer = bufs.resize_scratch, bufs.jpeg
 
         def run(batch_indices, dst, metadata, storage_state, seed_key=None):
             oh, ow = dst.shape[1], dst.shape[2]
