@@ -69,16 +69,7 @@ def pipes() -> dict[str, Any]:
     return {"vec": [NDArrayDecoder(), ToTensor()], "label": [IntDecoder(), ToTensor()]}
 
 
-def _params() -> list[Any]:
-    out = []
-    for b in BACKENDS:
-        name = b if isinstance(b, str) else b.values[0]
-        marks = [] if isinstance(b, str) else list(b.marks)
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-@pytest.mark.parametrize("backend", _params())
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_field_class_reads_alike(
     files: tuple[Path, Path], daemon: DaemonProcess, backend: str
 ) -> None:

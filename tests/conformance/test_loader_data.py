@@ -324,16 +324,7 @@ def test_pipeline_forms(data: Path, daemon: DaemonProcess, backend: str, form: s
     assert_same_epochs(runs[backend], runs["inproc"], f"{backend} vs in-process, {form}")
 
 
-def _last_ids_params() -> list[Any]:
-    out = []
-    for b in BACKENDS:
-        name = b if isinstance(b, str) else b.values[0]
-        marks = [] if isinstance(b, str) else list(b.marks)
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-@pytest.mark.parametrize("backend", _last_ids_params())
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_last_sample_ids_name_the_batch(data: Path, daemon: DaemonProcess, backend: str) -> None:
     case = Case(data, daemon, order="QUASI_RANDOM", seed=6, indices=DUPLICATES, drop_last=False)
     with case.loader(backend) as ld:
@@ -366,16 +357,7 @@ def test_distributed_random_without_a_seed_draws_one_order_on_every_rank(
     assert set(seen[0]) | set(seen[1]) == set(range(N))
 
 
-def _int_order_params() -> list[Any]:
-    out = []
-    for b in BACKENDS:
-        name = b if isinstance(b, str) else b.values[0]
-        marks = [] if isinstance(b, str) else list(b.marks)
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-@pytest.mark.parametrize("backend", _int_order_params())
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_order_given_by_its_value(data: Path, daemon: DaemonProcess, backend: str) -> None:
     from beton_client import Loader as ClientLoader
     from beton_serve.loader import Loader as InProcessLoader
