@@ -9,6 +9,9 @@ machines that only run the client.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from beton_serve import _field_types
 from beton_serve.errors import (
     BetonError,
     ConfigError,
@@ -19,6 +22,21 @@ from beton_serve.errors import (
 )
 
 __version__ = "0.1.0"
+
+
+def _builtin_field_types() -> Mapping[int, type]:
+    """The built-in Field classes by type id, for readers opened without a table.
+
+    The root supplies them because it sits above both layers: ``beton_serve.format`` must not
+    import ``beton_serve.fields`` (``beton_serve._field_types`` explains the seam). The import is
+    here, on first use, so that ``import beton_serve`` loads neither numpy nor the fields.
+    """
+    from beton_serve.fields import CLASS_BY_TYPE_ID
+
+    return CLASS_BY_TYPE_ID
+
+
+_field_types.set_default_provider(_builtin_field_types)
 
 __all__ = [
     "BetonError",

@@ -46,8 +46,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from beton_serve.errors import WriterError
-from beton_serve.fields._registry import type_id_of
-from beton_serve.format._layout import (
+from beton_serve.fields import type_id_of
+from beton_serve.format import (
     ALLOC_ENTRY_DTYPE,
     ARGS_SIZE,
     FIELD_DESC_DTYPE,

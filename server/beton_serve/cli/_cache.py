@@ -1,7 +1,7 @@
 """``beton-serve cache info`` / ``beton-serve cache clear``: the persistent compile cache.
 
 The cache directory is ``$BETON_SERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/beton-serve``, else
-``~/.cache/beton-serve`` (see :mod:`beton_serve.pipeline._compile_cache`); ``--dir`` overrides
+``~/.cache/beton-serve`` (see :mod:`beton_serve.pipeline.compile_cache`); ``--dir`` overrides
 it. ``info`` never creates the directory; ``clear`` removes every entry, and is safe while
 trainers or a daemon run (they recompile what they miss).
 """
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _store(args: argparse.Namespace) -> object:
-    from beton_serve.pipeline._compile_cache import DiskStore, default_store
+    from beton_serve.pipeline.compile_cache import DiskStore, default_store
 
     if args.dir is not None:
         return DiskStore(args.dir)
@@ -51,7 +51,7 @@ def _mib(n: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``cache info`` or ``cache clear``; returns the exit status."""
-    from beton_serve.pipeline._compile_cache import DiskStore
+    from beton_serve.pipeline.compile_cache import DiskStore
 
     action = getattr(args, "action", None)
     if action not in ("info", "clear"):

@@ -27,7 +27,7 @@ def describe_file(path: str) -> dict[str, Any]:
     import numpy as np
 
     from beton_serve.errors import FormatError
-    from beton_serve.fields._registry import TYPE_NAMES
+    from beton_serve.fields import TYPE_NAMES
     from beton_serve.format import BetonReader
 
     try:

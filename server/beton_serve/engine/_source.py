@@ -48,7 +48,7 @@ from beton_serve.engine.orders import (
 )
 from beton_serve.errors import PipelineError, SpecError
 from beton_serve.fields.decode_cache import decode_scope
-from beton_serve.pipeline._plan import OpFailure, Plan
+from beton_serve.pipeline import OpFailure, Plan
 
 __all__ = ["BatchSource", "BadSample", "delivered_ids"]
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from beton_serve.format._layout import ARGS_SIZE
+from beton_serve.format import ARGS_SIZE
 
 __all__ = ["AllocationCheck", "Field", "Malloc", "zero_args"]
 

@@ -17,7 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from beton_serve.fields.base import AllocationCheck, Field, Malloc, lazy_decoders, zero_args
-from beton_serve.format._layout import BYTES_META_DTYPE
+from beton_serve.format import BYTES_META_DTYPE
 
 __all__ = ["BytesField"]
 

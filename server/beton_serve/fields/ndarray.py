@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from beton_serve.fields.base import AllocationCheck, Field, Malloc, lazy_decoders
-from beton_serve.format._layout import ARGS_SIZE, NDARRAY_ARGS_DTYPE
+from beton_serve.format import ARGS_SIZE, NDARRAY_ARGS_DTYPE
 
 __all__ = ["NDArrayField"]
 

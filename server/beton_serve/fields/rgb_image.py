@@ -32,7 +32,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from beton_serve.fields.base import AllocationCheck, Field, Malloc, lazy_decoders, zero_args
-from beton_serve.format._layout import RGB_META_DTYPE
+from beton_serve.format import RGB_META_DTYPE
 
 __all__ = ["RGBImageField", "encode_jpeg", "resize_to_max", "to_rgb_array"]
 

@@ -10,11 +10,11 @@ offset and what was expected; never another exception type):
 
 1. header: at least 24 bytes, ``version == 2``, ``num_fields >= 1``, ``page_size`` a power of two
    in ``[4 KiB, 2 GiB]``;
-2. descriptors: they fit in the file; type ids in ``{0..6, 255}``; 255 only with a custom field
-   class; names ASCII, non-empty, zero-padded after the first NUL, unique. Names are stored in 16
-   bytes: a name of exactly 16 bytes has no NUL and may be a truncated longer name; two names
-   that agree on their first 16 bytes collide and are rejected (FFCV silently misparses them);
-   the argument blob is valid for its field class;
+2. descriptors: they fit in the file; type ids in the field type table (built-ins: 0..6) or 255,
+   which needs a custom field class; names ASCII, non-empty, zero-padded after the first NUL,
+   unique. Names are stored in 16 bytes: a name of exactly 16 bytes has no NUL and may be a
+   truncated longer name; two names that agree on their first 16 bytes collide and are rejected
+   (FFCV silently misparses them); the argument blob is valid for its field class;
 3. metadata: ``M + N*R`` bytes fit before ``alloc_table_ptr``;
 4. allocation table: ``alloc_table_ptr`` between the end of the metadata and EOF, its length a
    multiple of 24; if it has entries, the data region starts page-aligned and holds whole pages;
@@ -24,6 +24,11 @@ offset and what was expected; never another exception type):
 5. per field: metadata values are valid (e.g. RGB mode 0 or 1) and every pointer they reference
    is a table entry of that sample with the size the field implies (raw RGB ``w*h*3``, NDArray
    ``element_size``, Bytes/JSON the metadata size).
+
+The reader never imports ``beton_serve.fields``, which sits above this layer: the Field class of
+each type id comes from the ``field_types`` table it is given, or from
+:func:`default_field_types` (the built-in classes, supplied by the package root; see
+``beton_serve._field_types``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from beton_serve._field_types import FieldTypes, default_field_types
 from beton_serve.errors import FormatError
 from beton_serve.format._guard import Region, guard
 from beton_serve.format._layout import (
@@ -55,11 +61,22 @@ from beton_serve.format._layout import (
     record_dtype,
 )
 
-__all__ = ["BetonReader", "Header"]
+__all__ = ["BetonReader", "Header", "default_field_types"]
 
 _MAX_READ_PAGE_SIZE = 1 << 31
 _NAME_OFFSET = 1
 _ARGS_OFFSET = 1 + MAX_NAME_BYTES
+
+
+def _id_ranges(ids: list[int]) -> list[str]:
+    """Sorted ``[0, 1, 2, 4]`` -> ``["0-2", "4"]``: the known type ids, for an error message."""
+    runs: list[list[int]] = []
+    for tid in ids:
+        if runs and runs[-1][-1] == tid - 1:
+            runs[-1].append(tid)
+        else:
+            runs.append([tid])
+    return [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
 
 
 class Header(NamedTuple):
@@ -79,12 +96,17 @@ class BetonReader:
         path: the file.
         custom_fields: field classes by field name. Required for type-255 fields; for a built-in
             type it replaces the built-in class (FFCV's rule).
+        field_types: the Field class of each type id the file may use (type id 255 is never
+            looked up in it). ``None``: :func:`default_field_types`, the built-in classes
+            (``beton_serve.fields.CLASS_BY_TYPE_ID``). A type id absent from the table is
+            refused as unknown.
 
     Raises:
         FormatError: the file is missing, truncated, malformed or inconsistent.
 
     Attributes:
         path: the file path (``str``).
+        field_types: the type id table the file was read with.
         header: the :class:`Header`.
         num_samples, page_size: from the header.
         field_names: field names in file order.
@@ -99,9 +121,14 @@ class BetonReader:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], custom_fields: Mapping[str, type] | None = None
+        self,
+        path: str | os.PathLike[str],
+        custom_fields: Mapping[str, type] | None = None,
+        *,
+        field_types: FieldTypes | None = None,
     ) -> None:
         self.path = os.fspath(path)
+        self.field_types: FieldTypes = default_field_types() if field_types is None else field_types
         self._mm: mmap.mmap | None = None
         self._guard: Region | None = None
         try:
@@ -155,8 +182,8 @@ class BetonReader:
         self._page_shift = page_size.bit_length() - 1
 
     def _read_descriptors(self, custom_fields: dict[str, type]) -> None:
-        from beton_serve.fields._registry import CLASS_BY_TYPE_ID, TYPE_NAMES
-
+        table = self.field_types
+        known = ", ".join([*_id_ranges(sorted(t for t in table if t != TYPE_CUSTOM)), "255"])
         nf = self.header.num_fields
         end = metadata_offset(nf)
         if end > self.file_size:
@@ -183,9 +210,10 @@ class BetonReader:
                     "one when writing",
                 )
             seen[name] = i
-            if tid not in CLASS_BY_TYPE_ID and tid != TYPE_CUSTOM:
-                raise self._fail(at, f"field {name!r} has unknown type id {tid} (known: 0-6, 255)")
-            cls: Any = custom_fields.get(name) or CLASS_BY_TYPE_ID.get(tid)
+            builtin: Any = None if tid == TYPE_CUSTOM else table.get(tid)
+            if builtin is None and tid != TYPE_CUSTOM:
+                raise self._fail(at, f"field {name!r} has unknown type id {tid} (known: {known})")
+            cls: Any = custom_fields.get(name) or builtin
             if cls is None:
                 raise self._fail(
                     at,
@@ -194,14 +222,14 @@ class BetonReader:
                 )
             blob = np.array(descs[i]["arguments"], dtype=np.uint8)
             blob.flags.writeable = False
+            kind = "custom" if builtin is None else builtin.__name__
             try:
                 handler = cls.from_binary(blob)
                 meta_dtype = np.dtype(handler.metadata_type)
             except Exception as exc:  # a custom field may raise anything: report it as format
                 raise self._fail(
                     at + _ARGS_OFFSET,
-                    f"arguments of field {name!r} ({TYPE_NAMES.get(tid, cls.__name__)}) are "
-                    f"invalid: {exc}",
+                    f"arguments of field {name!r} ({kind}) are invalid: {exc}",
                 ) from None
             self.field_names.append(name)
             self.type_ids.append(tid)

@@ -1,11 +1,17 @@
 """Pipelines: ``Operation``, ``State``, ``AllocationQuery`` and the planner/compiler.
 
+Also the boundary the planner splits a pipeline at, which ``beton_serve.transforms`` re-exports
+for users: ``ToTensor`` (the end of the jit prefix), ``ModuleWrapper`` (a torch module as an op)
+and ``torch_dtype``; and ``OpFailure``, what ``Plan.run`` raises when an op fails on a sample.
+The persistent compile cache is ``beton_serve.pipeline.compile_cache`` (not imported here).
+
 Importing this package does not import numba.
 """
 
 from __future__ import annotations
 
-from beton_serve.pipeline._plan import OutputSpec, Plan, PlanCache, compile_pipelines
+from beton_serve.pipeline._boundary import ModuleWrapper, ToTensor, torch_dtype
+from beton_serve.pipeline._plan import OpFailure, OutputSpec, Plan, PlanCache, compile_pipelines
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.compiler import Compiler
 from beton_serve.pipeline.operation import Operation
@@ -15,11 +21,15 @@ from beton_serve.pipeline.state import State
 __all__ = [
     "AllocationQuery",
     "Compiler",
+    "ModuleWrapper",
+    "OpFailure",
     "Operation",
     "OutputSpec",
     "PipelineSpec",
     "Plan",
     "PlanCache",
     "State",
+    "ToTensor",
     "compile_pipelines",
+    "torch_dtype",
 ]

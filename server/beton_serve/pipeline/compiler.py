@@ -44,7 +44,7 @@ class Compiler:
             signature: compile eagerly for this signature; ``None`` compiles on the first call.
             cache: ``True`` uses the per-user compile cache the environment selects
                 (``BETON_SERVE_CACHE_DIR``, read on the first compile), a
-                ``_compile_cache.DiskStore`` uses that one, ``False`` compiles without a cache.
+                ``compile_cache.DiskStore`` uses that one, ``False`` compiles without a cache.
         """
         import numba
 

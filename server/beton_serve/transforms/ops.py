@@ -15,7 +15,7 @@ import numpy as np
 from beton_wire.limits import short_repr
 
 from beton_serve.errors import SpecError
-from beton_serve.pipeline._boundary import ToTensor, torch_dtype
+from beton_serve.pipeline import ToTensor, torch_dtype
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State, is_torch_dtype
