@@ -7,7 +7,8 @@ pipeline has client-side ops).
 
 from __future__ import annotations
 
-from beton_client._loader import Loader, OrderOption
+from typing import TYPE_CHECKING, Any
+
 from beton_client._options import ServeOptions
 from beton_client._resume import RetryPolicy
 from beton_client.errors import (
@@ -21,6 +22,20 @@ from beton_client.errors import (
     TransportError,
     UntrustedSocketError,
 )
+
+if TYPE_CHECKING:
+    from beton_client._loader import Loader, OrderOption
+
+
+def __getattr__(name: str) -> Any:
+    # The served Loader (and grpc) load on first use: the in-process Loader imports the front
+    # end (beton_client.frontend) without them.
+    if name in ("Loader", "OrderOption"):
+        from beton_client import _loader
+
+        return getattr(_loader, name)
+    raise AttributeError(f"module 'beton_client' has no attribute {name!r}")
+
 
 __all__ = [
     "AuthError",

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import numbers
 import os
 import sys
 import weakref
@@ -35,12 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 from beton_wire.address import ENV_ADDRESS, default_socket_path, socket_path_of, unix_target
 from beton_wire.file_identity import FileIdentity
 from beton_wire.limits import (
-    MAX_BATCH_SIZE,
-    MAX_BATCHES_AHEAD,
     MAX_INDICES,
     MAX_NAME_CHARS,
     MAX_OPS,
@@ -48,36 +44,35 @@ from beton_wire.limits import (
     MAX_PIPELINES,
     MAX_REQUEST_BYTES,
     MAX_SPEC_BYTES,
-    MAX_WORLD_SIZE,
     parse_params,
     short_repr,
-)
-from beton_wire.loader_state import (
-    StateError,
-    StateIdentity,
-    check_state,
-    indices_digest,
-    make_state,
 )
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-from beton_client._ops import PipelinePlan, device_of, split_pipelines
+from beton_client._ops import PipelinePlan, device_of
 from beton_client._options import ServeOptions, merge_serve_keywords
 from beton_client._resume import RetryPolicy, retriable, retry
-from beton_client._stream import _EpochIterator, _Stream
+from beton_client._stream import _Stream
 from beton_client._transport import Receiver, ShmReceiver
 from beton_client._transport.cuda_ipc import TransportUnavailable
 from beton_client._transport.cuda_ipc_slots import make_cuda_ipc_receiver
 from beton_client._transport.grpc_receiver import make_grpc_receiver
 from beton_client.errors import (
-    BetonClientError,
     ServerError,
-    ServerUnavailable,
     SpecError,
     TransportError,
     from_rpc_error,
 )
+from beton_client.frontend import (
+    CLIENT_ERRORS,
+    Feed,
+    FrontEnd,
+    LoaderArgs,
+    check_args,
+    pipelines_key,
+)
+from beton_client.frontend import is_int as _is_int
 
 __all__ = ["Loader", "OrderOption", "RetryPolicy", "ServeOptions"]
 
@@ -105,11 +100,6 @@ def _shm_receiver(setup: Any) -> Receiver:
 #: Receivers by transport kind: ``make(TransportSetup message) -> Receiver``. The seam for the
 #: cuda_ipc and grpc transports (issue 5): register their factory here; the kinds listed are
 #: also what the client announces in ``Capabilities.transports``.
-def _is_int(value: object) -> bool:
-    """True for Python and numpy integers (not bools)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 RECEIVERS: dict[str, Callable[[Any], Receiver]] = {"shm": _shm_receiver}
 RECEIVERS["grpc"] = make_grpc_receiver  # type: ignore[assignment] # read through _multi_loader, not slot by slot
 RECEIVERS["cuda_ipc"] = make_cuda_ipc_receiver
@@ -132,21 +122,6 @@ _ORDER_PB = {
     "RANDOM": pb.ORDER_RANDOM,
     "QUASI_RANDOM": pb.ORDER_QUASI_RANDOM,
 }
-
-
-def _check_indices(indices: Sequence[int] | np.ndarray) -> list[int]:
-    """``indices`` as a list of sample ids, within the daemon's limits (SpecError otherwise)."""
-    arr = np.asarray(indices).reshape(-1)
-    if arr.size > MAX_INDICES:
-        raise SpecError(f"{arr.size} indices are too many: a daemon accepts at most {MAX_INDICES}")
-    if arr.size == 0:
-        raise SpecError("indices=[] selects no samples; pass indices=None for every sample")
-    if arr.dtype.kind not in "iu" and not all(_is_int(i) for i in arr.tolist()):
-        raise SpecError(f"indices must be integers, not {arr.dtype}")
-    out = [int(i) for i in arr.tolist()]
-    if min(out) < 0 or max(out) >= 2**64:
-        raise SpecError("indices must be non-negative sample ids")
-    return out
 
 
 def _check_request(req: pb.OpenStreamRequest, facts: Mapping[str, Any]) -> None:
@@ -221,20 +196,6 @@ def _client_name() -> str:
     return name[:MAX_NAME_CHARS]
 
 
-def _rank_world(environ: Mapping[str, str]) -> tuple[int, int]:
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None:
-        try:
-            if dist.is_available() and dist.is_initialized():
-                return int(dist.get_rank()), int(dist.get_world_size())
-        except Exception:
-            pass
-    try:
-        return int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise SpecError("RANK and WORLD_SIZE must be integers") from None
-
-
 def _server_list(server: str | Sequence[str], transport: str) -> tuple[list[str], str]:
     """``(every address, the first one)``; several addresses need the grpc transport."""
     if isinstance(server, str):
@@ -250,8 +211,273 @@ def _server_list(server: str | Sequence[str], transport: str) -> tuple[list[str]
     return servers, servers[0]
 
 
-class Loader:
+class DaemonBackend:
+    """The served backend (``beton_client.frontend.Backend``): a daemon reached over gRPC.
+
+    Opens one stream per feed: the daemon validates the request (a bad spec raises
+    :class:`~beton_client.errors.SpecError`), compiles the prefix, negotiates the transport and
+    answers with the output specs and the ring to map. The feed is a :class:`_Stream` (shm,
+    cuda_ipc) or a remote stream over one or several daemons (grpc).
+
+    Attributes:
+        server: the first daemon's address.
+        transport: the transport asked for (``"shm"`` for good once cuda_ipc failed here).
+        transport_rejections: ``(transport, code, reason)`` for every better transport the
+            daemon (or this process) rejected, from the latest stream.
+        chosen_transport: the transport of the latest stream.
+    """
+
+    errors = CLIENT_ERRORS
+
+    def __init__(
+        self,
+        *,
+        dataset: str,
+        file: FileIdentity | None,
+        servers: Sequence[str],
+        transport: str,
+        compression: str,
+        token: str | None,
+        tls: tuple[str | None, str | None, str | None],
+        socket_owner: int | None,
+        reconnect: RetryPolicy,
+        spawn_args: tuple[str, str] | None,
+        custom_fields: Sequence[str],
+        owner: object,
+    ) -> None:
+        self.dataset = dataset
+        self._file = file
+        self._servers = list(servers)
+        self.server = self._servers[0]
+        self.transport = transport
+        self.compression = compression
+        self.token = token
+        self._tls = tls
+        self.socket_owner = socket_owner
+        self.reconnect_policy = reconnect
+        #: ``(socket, file)`` when this Loader may (re)spawn its daemon (also on reconnect).
+        self._spawn_args = spawn_args
+        self._custom_fields = list(custom_fields)
+        #: The Loader (weakly: it owns this backend, and must be freed by reference counting).
+        self._owner = weakref.ref(owner)
+        self.transport_rejections: list[tuple[str, str, str]] = []
+        self.chosen_transport = ""
+        self._finalizer: weakref.finalize | None = None
+        self._ensure_daemon()
+        self._connect()
+
+    # -- channel and daemon ----------------------------------------------------------------
+    def _connect(self) -> None:
+        """(Re)create the channel and stub (a fresh channel skips gRPC's own reconnect backoff)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._channel = self._make_channel(self.server)
+        self._stub = pb_grpc.BetonServeStub(self._channel)
+        # On the Loader: its remote streams register their own finalizers on it, which then run
+        # first (newest first) and end their calls before this closes the channel.
+        self._finalizer = weakref.finalize(self._owner_or_self(), self._channel.close)
+
+    def _owner_or_self(self) -> object:
+        owner = self._owner()
+        return self if owner is None else owner
+
+    def _ensure_daemon(self) -> None:
+        if self._spawn_args is not None:
+            from beton_client._spawn import ensure_daemon
+
+            sock, path = self._spawn_args
+            ensure_daemon(sock, path, idle_timeout=SPAWN_IDLE_TIMEOUT_S, owner=self.socket_owner)
+
+    def _make_channel(self, target: str) -> grpc.Channel:
+        """A channel to ``target`` with this Loader's TLS files and token (``_security``), once a
+        Unix socket's owner is checked (``check_unix_target``: raises UntrustedSocketError)."""
+        from beton_client._security import check_unix_target, secure_or_plain_channel
+
+        check_unix_target(target, self.socket_owner)
+        ca, cert, key = self._tls
+        return secure_or_plain_channel(
+            target,
+            ca_file=ca,
+            cert_file=cert,
+            key_file=key,
+            token=self.token,
+            options=_CHANNEL_OPTIONS,
+        )
+
+    # -- the Backend protocol ----------------------------------------------------------------
+    def retriable(self, err: BaseException) -> bool:
+        return retriable(err, self.reconnect_policy)
+
+    def reconnect(
+        self,
+        err: BaseException,
+        args: LoaderArgs,
+        plans: Sequence[PipelinePlan],
+        num_batches: int | None,
+    ) -> Feed:
+        """Re-open the stream on a new channel under the reconnection policy (``_resume``).
+
+        Raises:
+            ServerUnavailable: the retry budget ran out.
+            ServerError: the new daemon's stream has another length (the dataset changed).
+        """
+
+        def attempt() -> Feed:
+            self._ensure_daemon()  # an auto-spawned daemon that died is spawned again
+            self._connect()
+            return self.open(args, plans)
+
+        feed = retry(
+            attempt, self.reconnect_policy, what=f"reconnect to {self.server}", first_error=err
+        )
+        if num_batches is not None and feed.num_batches != num_batches:
+            feed.close()
+            raise ServerError(
+                f"the daemon at {self.server} came back with {feed.num_batches} batches per "
+                f"epoch instead of {num_batches}: the dataset changed, so the position cannot "
+                "be resumed"
+            )
+        return feed
+
+    def open(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> Feed:
+        req = self._request(args, plans)
+        try:
+            reply = self._stub.OpenStream(req, timeout=300.0)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, target=self.server) from None
+        self.transport_rejections = [(r.transport, r.code, r.reason) for r in reply.rejected]
+        self.chosen_transport = reply.transport.kind
+        key = pipelines_key(plans)
+        if reply.transport.kind == "grpc":
+            from beton_client._multi_loader import open_remote
+
+            return open_remote(
+                request=req,
+                first_reply=reply,
+                first_channel=self._channel,
+                targets=self._servers,
+                make_channel=self._make_channel,
+                key=key,
+                owner=self._owner_or_self(),
+            )
+        try:
+            receiver = self._receiver(reply)
+        except TransportUnavailable as exc:
+            return self._fall_back_to_shm(exc, args, plans)
+        return _Stream(self._channel, self._stub, reply, receiver, key, self.server)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+    # -- the request ---------------------------------------------------------------------------
+    def _request(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> pb.OpenStreamRequest:
+        from beton_client._transport.identity import gather_facts
+
+        if any(p.branch for p in plans):
+            name = next(p.name for p in plans if p.branch)
+            raise SpecError(
+                f"pipeline {name!r}: PipelineSpec(source=<op of another pipeline>) branches from "
+                "that op's output; the served Loader does not carry branches yet "
+                "(docs/migrating-from-ffcv.md). Decode the field again with "
+                "PipelineSpec(source='<field>', ...), or use the in-process Loader"
+            )
+        if args.indices is not None and args.indices.size > MAX_INDICES:
+            raise SpecError(
+                f"{args.indices.size} indices are too many: a daemon accepts at most {MAX_INDICES}"
+            )
+        device = device_of(plans)
+        facts = gather_facts(device, self.transport).to_dict()
+        ident = facts["identity"]
+        req = pb.OpenStreamRequest(
+            dataset=self.dataset,
+            pipelines=[
+                pb.PipelineSpec(
+                    name=p.name,
+                    field=p.field,
+                    skip=p.skip,
+                    ops=[pb.OpSpec(name=n, params_json=j) for n, j in p.ops],
+                )
+                for p in plans
+            ],
+            batch_size=args.batch_size,
+            order=_ORDER_PB[args.order_name],
+            seed=args.seed,
+            drop_last=args.drop_last,
+            indices=[] if args.indices is None else args.indices.tolist(),
+            has_indices=args.indices is not None,
+            distributed=args.distributed,
+            rank=args.rank,
+            world_size=args.world_size,
+            batches_ahead=args.batches_ahead,
+            transport=self.transport,
+            compression=self.compression,
+            device=device,
+            host=pb.HostIdentity(
+                boot_id=ident["boot_id"],
+                hostname=ident["hostname"],
+                uid=ident["uid"],
+                pid=ident["pid"],
+                ipc_ns=ident["ipc_ns"] or 0,
+                has_ipc_ns=ident["ipc_ns"] is not None,
+            ),
+            capabilities=pb.Capabilities(
+                torch=facts["has_torch"],
+                cuda=facts["has_cuda"],
+                cupy=facts["has_cupy"],
+                transports=sorted(RECEIVERS),
+                cuda_devices=[
+                    pb.CudaDevice(index=d["index"], uuid=d["uuid"]) for d in facts["cuda_devices"]
+                ],
+            ),
+            client_name=_client_name(),
+            custom_fields=self._custom_fields,
+        )
+        f = self._file
+        if f is not None:
+            req.file.CopyFrom(
+                pb.FileIdentity(
+                    path=f.path,
+                    device=f.device,
+                    inode=f.inode,
+                    size=f.size,
+                    mtime_ns=f.mtime_ns,
+                    fingerprint=f.fingerprint,
+                )
+            )
+        _check_request(req, facts)
+        return req
+
+    def _fall_back_to_shm(
+        self, exc: TransportUnavailable, args: LoaderArgs, plans: Sequence[PipelinePlan]
+    ) -> Feed:
+        """The daemon chose cuda_ipc but this process cannot open it: re-open over shm."""
+        log.warning("cuda_ipc cannot be used in this client (%s); falling back to shm", exc)
+        rejections = [*self.transport_rejections, ("cuda_ipc", exc.code, str(exc))]
+        self.transport = "shm"  # for good: this process cannot open CUDA IPC handles
+        feed = self.open(args, plans)
+        self.transport_rejections = rejections + [
+            r for r in self.transport_rejections if r not in rejections
+        ]
+        return feed
+
+    def _receiver(self, reply: Any) -> Receiver:
+        setup = reply.transport
+        make = RECEIVERS.get(setup.kind)
+        if make is None:
+            raise TransportError(
+                f"the daemon chose the {setup.kind!r} transport, which this client cannot "
+                f"receive (it supports {sorted(RECEIVERS)}); pass transport='shm' on the "
+                "daemon's host"
+            )
+        return make(setup)
+
+
+class Loader(FrontEnd):
     """FFCV's ``Loader``, served by a beton-serve daemon (see the module docstring).
+
+    The front end (``beton_client.frontend.FrontEnd``) is the in-process Loader's; this class adds the
+    served backend (:class:`DaemonBackend`) and its options.
 
     Args:
         fname_or_dataset: a ``.beton`` path or the name of a dataset the daemon serves. A path
@@ -289,6 +515,8 @@ class Loader:
         UntrustedSocketError: the Unix socket or its directory is not ``socket_owner``'s.
     """
 
+    _backend: DaemonBackend
+
     def __init__(
         self,
         fname_or_dataset: str | os.PathLike[str],
@@ -312,38 +540,24 @@ class Loader:
         environ = os.environ
         #: How this Loader reaches its daemon (the deprecated keywords folded in).
         self.serve = opts = merge_serve_keywords(serve, serving)
-        server, transport, spawn, reconnect = (
-            opts.server,
-            opts.transport,
-            opts.spawn,
-            opts.reconnect,
-        )
-        compression, token, socket_owner = opts.compression, opts.token, opts.socket_owner
-        tls_ca, tls_cert, tls_key = opts.tls_ca, opts.tls_cert, opts.tls_key
-        # The daemon's request limits (beton_wire.limits), checked before anything is sent.
+        transport = opts.transport
         if transport not in _TRANSPORTS:
             raise SpecError(f"transport must be one of {_TRANSPORTS}, not {short_repr(transport)}")
-        if not _is_int(batch_size) or not 1 <= batch_size <= MAX_BATCH_SIZE:
-            raise SpecError(
-                f"batch_size {short_repr(batch_size)} is out of range: use an int in "
-                f"1..{MAX_BATCH_SIZE} (the daemon also refuses batches larger than its slot "
-                "memory allows)"
-            )
-        if not _is_int(batches_ahead) or not 1 <= batches_ahead <= MAX_BATCHES_AHEAD:
-            raise SpecError(
-                f"batches_ahead {short_repr(batches_ahead)} is out of range: use an int in "
-                f"1..{MAX_BATCHES_AHEAD}"
-            )
-        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
-            raise SpecError(f"seed must be an int in [0, 2**64), not {short_repr(seed)}")
-        if _is_int(order) and not hasattr(order, "name"):
-            order = OrderOption(order)  # FFCV's values; ValueError as in-process for others
-        order_name = getattr(order, "name", str(order))
-        if order_name not in _ORDER_PB:
-            raise SpecError(
-                f"order must be OrderOption.SEQUENTIAL, RANDOM or QUASI_RANDOM, not {order!r} "
-                "(custom TraversalOrder classes cannot travel to a daemon)"
-            )
+        args = check_args(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            order=order,
+            distributed=distributed,
+            seed=seed,
+            indices=indices,
+            custom_fields=custom_fields,
+            drop_last=drop_last,
+            batches_ahead=batches_ahead,
+            recompile=recompile,
+            copy=copy,
+            errors=CLIENT_ERRORS,
+            environ=environ,
+        )
         text = os.fspath(fname_or_dataset)
         if len(text) > MAX_PATH_CHARS:
             raise SpecError(
@@ -355,362 +569,93 @@ class Loader:
         self.dataset = Path(text).stem if is_file else text
         #: The file named, resolved by the daemon by identity, never by stem (issue 11); ``None``
         #: for a dataset name, or a path that does not exist here (a remote daemon's file).
-        self._file: FileIdentity | None = None
+        file: FileIdentity | None = None
         if is_file and os.path.isfile(text):
             try:
-                self._file = FileIdentity.of(text)
+                file = FileIdentity.of(text)
             except OSError as exc:
                 raise SpecError(f"dataset file {text} cannot be read: {exc}") from None
-        self.batch_size = int(batch_size)
-        self.num_workers = num_workers
         self.os_cache = os_cache
-        self.order = order
-        self.distributed = bool(distributed)
-        if seed is None:
-            # As the in-process Loader: a fresh seed, except for distributed RANDOM, where every
-            # rank must draw the same permutation.
-            random_order = order_name == "RANDOM"
-            seed = (
-                0 if (self.distributed and random_order) else int(np.random.randint(0, 2**31 - 1))
-            )
-        self.seed = int(seed)
-        self.indices = None if indices is None else _check_indices(indices)
-        self.pipelines: dict[str, Any] = dict(pipelines or {})
-        self.custom_fields = dict(custom_fields or {})
-        self.drop_last = bool(drop_last)
-        self.batches_ahead = int(batches_ahead)
-        self.recompile = recompile
-        self.transport = transport
-        self.copy = bool(copy)
-        self.rank, self.world_size = _rank_world(environ) if self.distributed else (0, 1)
-        if not 1 <= self.world_size <= MAX_WORLD_SIZE or not 0 <= self.rank < self.world_size:
-            raise SpecError(
-                f"rank {self.rank} / world_size {self.world_size} (from torch.distributed or "
-                f"RANK/WORLD_SIZE): need 1 <= world_size <= {MAX_WORLD_SIZE} and "
-                "0 <= rank < world_size"
-            )
+        #: The sample ids given (``None``: every sample).
+        self.indices = None if args.indices is None else args.indices.tolist()
+        reconnect = opts.reconnect
         if isinstance(reconnect, RetryPolicy):
-            self.reconnect = reconnect
+            policy = reconnect
         else:
-            self.reconnect = RetryPolicy() if reconnect else RetryPolicy(budget_s=0.0)
-        self.next_epoch = 0
-        self._resume_batch = 0
-        self._position: tuple[int, int] | None = None
-        self._num_samples = 0
-        self._indices_digest = indices_digest(self.indices)  # once: it hashes every id
-        self.last_sample_ids: np.ndarray = np.empty(0, np.uint64)
-        self._current: _EpochIterator | None = None
-        self._stream: _Stream | None = None
+            policy = RetryPolicy() if reconnect else RetryPolicy(budget_s=0.0)
+        server = opts.server
         if server is None:
             server = environ.get(ENV_ADDRESS) or unix_target(default_socket_path(environ))
-        self._servers, first = _server_list(server, transport)
-        server = first
-        if len(self._servers) > 1:
-            transport = self.transport = "grpc"
-        self.compression = compression or ""
-        self.token = token if token is not None else (environ.get(ENV_TOKEN) or None)
-        self._tls = (tls_ca, tls_cert, tls_key)
+        servers, first = _server_list(server, transport)
+        if len(servers) > 1:
+            transport = "grpc"
+        socket_owner = opts.socket_owner
         if socket_owner is not None and (not _is_int(socket_owner) or socket_owner < 0):
             raise SpecError(f"socket_owner must be a uid (an int >= 0), not {socket_owner!r}")
-        self.socket_owner = None if socket_owner is None else int(socket_owner)
-        self.server = server
-        sock = socket_path_of(server)
-        #: ``(socket, file)`` when this Loader may (re)spawn its daemon (also on reconnect).
-        self._spawn_args: tuple[str, str] | None = None
-        if spawn and sock is not None and is_file:
+        sock = socket_path_of(first)
+        spawn_args = None
+        if opts.spawn and sock is not None and is_file:
             if not os.path.isfile(text):
                 raise SpecError(f"dataset file {text} does not exist")
-            self._spawn_args = (sock, text)
-            self._ensure_daemon()
-        self._connect()
-        try:
-            self._stream = self._open()
-        except BaseException:
-            self.close()
-            raise
-
-    # -- the stream ------------------------------------------------------------------------
-    def _connect(self) -> None:
-        """(Re)create the channel and stub (a fresh channel skips gRPC's own reconnect backoff)."""
-        old = getattr(self, "_finalizer", None)
-        if old is not None:
-            old()
-        self._channel = self._make_channel(self.server)
-        self._stub = pb_grpc.BetonServeStub(self._channel)
-        self._finalizer = weakref.finalize(self, self._channel.close)
-
-    def _ensure_daemon(self) -> None:
-        if self._spawn_args is not None:
-            from beton_client._spawn import ensure_daemon
-
-            sock, path = self._spawn_args
-            ensure_daemon(sock, path, idle_timeout=SPAWN_IDLE_TIMEOUT_S, owner=self.socket_owner)
-
-    def _reconnect(self, err: BaseException) -> _Stream:
-        """Re-open the stream on a new channel under :attr:`reconnect` (see ``_resume``).
-
-        Raises:
-            ServerUnavailable: the retry budget ran out.
-            ServerError: the new daemon's stream has another length (the dataset changed).
-        """
-        old = self._stream
-        want = old.num_batches if old is not None else None
-        if old is not None:
-            old.close()
-        self._stream = None
-
-        def attempt() -> _Stream:
-            self._ensure_daemon()  # an auto-spawned daemon that died is spawned again
-            self._connect()
-            return self._open()
-
-        stream = retry(attempt, self.reconnect, what=f"reconnect to {self.server}", first_error=err)
-        if want is not None and stream.num_batches != want:
-            stream.close()
-            raise ServerError(
-                f"the daemon at {self.server} came back with {stream.num_batches} batches per "
-                f"epoch instead of {want}: the dataset changed, so the position cannot be resumed"
-            )
-        self._stream = stream
-        return stream
-
-    def _request(self) -> tuple[pb.OpenStreamRequest, list[PipelinePlan]]:
-        from beton_client._transport.identity import gather_facts
-
-        plans = split_pipelines(self.pipelines)
-        device = device_of(plans)
-        facts = gather_facts(device, self.transport).to_dict()
-        ident = facts["identity"]
-        req = pb.OpenStreamRequest(
+            spawn_args = (sock, text)
+        backend = DaemonBackend(
             dataset=self.dataset,
-            pipelines=[
-                pb.PipelineSpec(
-                    name=p.name,
-                    field=p.field,
-                    skip=p.skip,
-                    ops=[pb.OpSpec(name=n, params_json=j) for n, j in p.ops],
-                )
-                for p in plans
-            ],
-            batch_size=self.batch_size,
-            order=_ORDER_PB[getattr(self.order, "name", str(self.order))],
-            seed=self.seed,
-            drop_last=self.drop_last,
-            indices=self.indices or [],
-            has_indices=self.indices is not None,
-            distributed=self.distributed,
-            rank=self.rank,
-            world_size=self.world_size,
-            batches_ahead=self.batches_ahead,
-            transport=self.transport,
-            compression=self.compression,
-            device=device,
-            host=pb.HostIdentity(
-                boot_id=ident["boot_id"],
-                hostname=ident["hostname"],
-                uid=ident["uid"],
-                pid=ident["pid"],
-                ipc_ns=ident["ipc_ns"] or 0,
-                has_ipc_ns=ident["ipc_ns"] is not None,
-            ),
-            capabilities=pb.Capabilities(
-                torch=facts["has_torch"],
-                cuda=facts["has_cuda"],
-                cupy=facts["has_cupy"],
-                transports=sorted(RECEIVERS),
-                cuda_devices=[
-                    pb.CudaDevice(index=d["index"], uuid=d["uuid"]) for d in facts["cuda_devices"]
-                ],
-            ),
-            client_name=_client_name(),
-            custom_fields=_custom_field_specs(self.custom_fields),
+            file=file,
+            servers=servers,
+            transport=transport,
+            compression=opts.compression or "",
+            token=opts.token if opts.token is not None else (environ.get(ENV_TOKEN) or None),
+            tls=(opts.tls_ca, opts.tls_cert, opts.tls_key),
+            socket_owner=None if socket_owner is None else int(socket_owner),
+            reconnect=policy,
+            spawn_args=spawn_args,
+            custom_fields=_custom_field_specs(args.custom_fields),
+            owner=self,
         )
-        f = self._file
-        if f is not None:
-            req.file.CopyFrom(
-                pb.FileIdentity(
-                    path=f.path,
-                    device=f.device,
-                    inode=f.inode,
-                    size=f.size,
-                    mtime_ns=f.mtime_ns,
-                    fingerprint=f.fingerprint,
-                )
-            )
-        _check_request(req, facts)
-        return req, plans
+        self._start(backend, args, order, pipelines)
 
-    @staticmethod
-    def _key(plans: Sequence[PipelinePlan]) -> bytes:
-        """What decides whether a stream can serve the next epoch: the daemon-side spec of every
-        pipeline and the device (cheap: ``__iter__`` computes it every epoch)."""
-        spec = [(p.name, p.field, p.skip, p.ops) for p in plans]
-        return repr((spec, device_of(plans))).encode()
-
-    def _open(self) -> _Stream:
-        req, plans = self._request()
-        try:
-            reply = self._stub.OpenStream(req, timeout=300.0)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, target=self.server) from None
-        #: samples this rank visits per epoch, as the daemon counted them (for ``state_dict``)
-        self._num_samples = int(reply.num_samples)
-        self.transport_rejections = [(r.transport, r.code, r.reason) for r in reply.rejected]
-        self.chosen_transport = reply.transport.kind
-        if reply.transport.kind == "grpc":
-            from beton_client._multi_loader import open_remote
-
-            return open_remote(  # type: ignore[return-value]
-                request=req,
-                first_reply=reply,
-                first_channel=self._channel,
-                targets=self._servers,
-                make_channel=self._make_channel,
-                plans=plans,
-                key=self._key(plans),
-                owner=self,
-            )
-        try:
-            receiver = self._receiver(reply)
-        except TransportUnavailable as exc:
-            return self._fall_back_to_shm(exc)
-        return _Stream(
-            self._channel, self._stub, reply, receiver, plans, self._key(plans), self.server
-        )
-
-    def _make_channel(self, target: str) -> grpc.Channel:
-        """A channel to ``target`` with this Loader's TLS files and token (``_security``), once a
-        Unix socket's owner is checked (``check_unix_target``: raises UntrustedSocketError)."""
-        from beton_client._security import check_unix_target, secure_or_plain_channel
-
-        check_unix_target(target, self.socket_owner)
-        ca, cert, key = self._tls
-        return secure_or_plain_channel(
-            target,
-            ca_file=ca,
-            cert_file=cert,
-            key_file=key,
-            token=self.token,
-            options=_CHANNEL_OPTIONS,
-        )
-
-    def _fall_back_to_shm(self, exc: TransportUnavailable) -> _Stream:
-        """The daemon chose cuda_ipc but this process cannot open it: re-open over shm."""
-        log.warning("cuda_ipc cannot be used in this client (%s); falling back to shm", exc)
-        rejections = [*self.transport_rejections, ("cuda_ipc", exc.code, str(exc))]
-        self.transport = "shm"  # for good: this process cannot open CUDA IPC handles
-        stream = self._open()
-        self.transport_rejections = rejections + [
-            r for r in self.transport_rejections if r not in rejections
-        ]
-        return stream
-
-    def _receiver(self, reply: Any) -> Receiver:
-        setup = reply.transport
-        make = RECEIVERS.get(setup.kind)
-        if make is None:
-            raise TransportError(
-                f"the daemon chose the {setup.kind!r} transport, which this client cannot "
-                f"receive (it supports {sorted(RECEIVERS)}); pass transport='shm' on the "
-                "daemon's host"
-            )
-        return make(setup)
-
-    # -- FFCV API --------------------------------------------------------------------------
-    def __len__(self) -> int:
-        """Batches per epoch."""
-        if self._stream is None:
-            raise BetonClientError("the Loader is closed")
-        return self._stream.num_batches
-
-    def __iter__(self) -> _EpochIterator:
-        """Start the next epoch (re-opening the stream if an op's parameters changed)."""
-        if self._stream is None:
-            raise BetonClientError("the Loader is closed")
-        stream = self._stream
-        abandoned = self._current is not None and not self._current.done
-        if abandoned or self._key(split_pipelines(self.pipelines)) != stream.key:
-            stream.close()
-            self._stream = None
-            try:
-                stream = self._open()
-            except ServerUnavailable as err:
-                if not retriable(err, self.reconnect):
-                    raise
-                stream = self._reconnect(err)
-            self._stream = stream
-        epoch, start = self.next_epoch, self._resume_batch
-        self.next_epoch, self._resume_batch = epoch + 1, 0
-        self._position = (epoch, start)
-        epoch_of = getattr(stream, "epoch", None)  # a remote (grpc) stream makes its own
-        self._current = (
-            epoch_of(self, epoch, start)
-            if epoch_of is not None
-            else _EpochIterator(self, stream, epoch, start)
-        )
-        return self._current
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where iteration stands: the epoch and the batches of it already yielded.
-
-        The format is ``beton_wire.loader_state``, shared with ``beton_serve.loader.Loader``:
-        ``{"version", "epoch", "batch"}`` plus what must match for an exact resume (seed, order,
-        batch_size, drop_last, distributed settings, samples, an indices digest, ``len``).
-        Restore it with :meth:`load_state_dict` on a Loader of either kind, over any transport,
-        built with the same arguments: the next ``iter`` yields exactly the batches that were
-        not yet yielded.
-        """
-        if self._position is not None:
-            epoch, batch = self._position
-        else:
-            epoch, batch = self.next_epoch, self._resume_batch
-        return make_state(epoch=epoch, batch=batch, identity=self._state_identity())
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Make the next ``iter(loader)`` continue from ``state`` (see :meth:`state_dict`).
-
-        Accepts the states of both Loaders: version 2, version 1 and version-less dicts.
-
-        Raises:
-            SpecError: an unknown version, or the state comes from a Loader with other
-                arguments (the message names the one that differs).
-        """
-        try:
-            epoch, batch = check_state(state, self._state_identity())
-        except StateError as exc:
-            raise SpecError(str(exc)) from None
-        self.next_epoch, self._resume_batch = epoch, batch
-        self._position = None
-
-    def _state_identity(self) -> StateIdentity:
-        """What a state must match; ``num_samples`` is the daemon's count for this stream."""
-        return StateIdentity(
-            seed=self.seed,
-            order=getattr(self.order, "name", str(self.order)),
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-            distributed=self.distributed,
-            rank=self.rank,
-            world_size=self.world_size,
-            num_samples=self._num_samples,
-            indices=self._indices_digest,
-            len=len(self),
-        )
+    # -- serving attributes (the backend's) -------------------------------------------------
+    @property
+    def server(self) -> str:
+        """The (first) daemon's address."""
+        return self._backend.server
 
     @property
-    def reader_outputs(self) -> list[str]:
-        """The output names, in the order of the yielded tuples."""
-        return list(self._stream.names) if self._stream is not None else []
+    def transport(self) -> str:
+        """The transport asked for (``"grpc"`` for several daemons)."""
+        return self._backend.transport
 
-    def close(self) -> None:
-        """End the stream (the daemon frees its slots) and close the channel (idempotent)."""
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
-        self._finalizer()
+    @property
+    def transport_rejections(self) -> list[tuple[str, str, str]]:
+        """``(transport, code, reason)`` of every better transport rejected for this stream."""
+        return self._backend.transport_rejections
+
+    @property
+    def chosen_transport(self) -> str:
+        """The transport the daemon chose for the current stream."""
+        return self._backend.chosen_transport
+
+    @property
+    def reconnect(self) -> RetryPolicy:
+        """How long to try reconnecting when the daemon goes away."""
+        return self._backend.reconnect_policy
+
+    @property
+    def token(self) -> str | None:
+        return self._backend.token
+
+    @property
+    def compression(self) -> str:
+        return self._backend.compression
+
+    @property
+    def socket_owner(self) -> int | None:
+        return self._backend.socket_owner
+
+    @property
+    def _stream(self) -> Any:
+        """The current feed (a ``_Stream`` or a remote stream; ``None`` once closed)."""
+        return self._feed
 
     def __enter__(self) -> Loader:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import grpc
@@ -46,13 +46,14 @@ from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
 from beton_client._ops import PipelinePlan
-from beton_client._tail import build_output_tails
+from beton_client._tail import OutputInfo
 from beton_client._transport.grpc_codec import BatchStream, BufferPool
 from beton_client._transport.grpc_receiver import SAMPLE_IDS, GrpcSetupInfo
 from beton_client._transport.multi import AllDaemonsLostError, MultiDaemonReader, StreamLink
 from beton_client.errors import ServerError, ServerUnavailable, SpecError, from_rpc_error
+from beton_client.frontend import RawBatch, pipelines_key
 
-__all__ = ["RemoteEpochIterator", "RemoteStream", "open_remote"]
+__all__ = ["RemoteEpochFeed", "RemoteStream", "open_remote"]
 
 log = logging.getLogger("beton_client")
 
@@ -117,7 +118,6 @@ class RemoteStream:
     def __init__(
         self,
         daemons: Sequence[_Daemon],
-        plans: Sequence[PipelinePlan],
         key: bytes,
         credits_per_daemon: int = CREDITS_PER_DAEMON,
         owner: object | None = None,
@@ -126,10 +126,11 @@ class RemoteStream:
         self.key = key
         self.reply = daemons[0].reply
         self.num_batches = int(self.reply.num_batches)
+        self.num_samples = int(self.reply.num_samples)
         self.names = [o.name for o in self.reply.outputs]
-        self.tails = build_output_tails(
-            self.reply.outputs, plans, max(1, int(self.reply.batch_size))
-        )
+        self._outputs = tuple(OutputInfo.from_wire(o) for o in self.reply.outputs)
+        #: False while an epoch was started and neither ended nor drained.
+        self.complete = True
         self.closed = False
         targets = [d.target for d in self.daemons]
         self.reader: MultiDaemonReader[Any] = MultiDaemonReader(
@@ -145,9 +146,16 @@ class RemoteStream:
             weakref.finalize(owner, self._finalizer) if owner is not None else None
         )
 
-    def epoch(self, loader: Any, epoch: int, start: int = 0) -> RemoteEpochIterator:
-        """An iterator over ``epoch`` from batch ``start``."""
-        return RemoteEpochIterator(loader, self, epoch, start)
+    @property
+    def outputs(self) -> Sequence[OutputInfo]:
+        return self._outputs
+
+    def accepts(self, plans: Sequence[PipelinePlan]) -> bool:
+        return self.complete and not self.closed and pipelines_key(plans) == self.key
+
+    def epoch(self, epoch: int, start: int = 0) -> RemoteEpochFeed:
+        """``epoch`` from batch ``start``."""
+        return RemoteEpochFeed(self, epoch, start)
 
     def close(self) -> None:
         """End every batch call and close the channels this stream opened (idempotent); an epoch
@@ -182,40 +190,34 @@ def _close_remote(reader: MultiDaemonReader[Any], daemons: Sequence[_Daemon]) ->
         d.close()
 
 
-class RemoteEpochIterator(Iterator[tuple[Any, ...]]):
-    """Yields one epoch's batches from a :class:`RemoteStream`, as the shm iterator does."""
+class RemoteEpochFeed:
+    """One epoch of a :class:`RemoteStream` (``beton_client.frontend.EpochFeed``), as the shm feed does."""
 
-    def __init__(self, loader: Any, stream: RemoteStream, epoch: int, start: int = 0) -> None:
-        self.loader = loader
+    def __init__(self, stream: RemoteStream, epoch: int, start: int = 0) -> None:
         self.stream = stream
         self.epoch = epoch
         self.index = start
         self.done = False
         self._held: Any = None
+        stream.complete = False
         self._gen: Generator[Any, None, None] = stream.reader.iter_epoch(  # type: ignore[assignment]
             epoch, stream.num_batches, start
         )
 
-    def __iter__(self) -> RemoteEpochIterator:
-        return self
-
-    def __len__(self) -> int:
-        return self.stream.num_batches - self.index
-
-    def _drop_held(self) -> None:
+    def release(self) -> None:
         held, self._held = self._held, None
         if held is not None and held.release is not None:
             held.release()
 
-    def __next__(self) -> tuple[Any, ...]:
-        self._drop_held()
+    def next(self) -> RawBatch | None:
+        self.release()
         if self.done:
-            raise StopIteration
+            return None
         try:
             batch = next(self._gen)
         except StopIteration:
-            self.done = True
-            raise
+            self._finish()
+            return None
         except AllDaemonsLostError as exc:
             self.done = True
             raise ServerUnavailable(
@@ -229,27 +231,19 @@ class RemoteEpochIterator(Iterator[tuple[Any, ...]]):
             arrays = [arrays_by_name[n] for n in self.stream.names]
         except KeyError as exc:
             raise ServerError(f"the daemon sent a batch without output {exc}") from None
-        if self.loader.copy:
-            arrays = [np.array(a, copy=True) for a in arrays]
-            if batch.release is not None:
-                batch.release()
-        else:
-            self._held = batch
-        self.loader.last_sample_ids = (
-            np.empty(0, np.uint64) if ids is None else np.array(ids, dtype=np.uint64)
-        )
-        out = []
-        for a, tail in zip(arrays, self.stream.tails, strict=True):
-            out.append(tail(a, self.loader.last_sample_ids, self.epoch, self.loader.seed))
+        self._held = batch
         self.index += 1
-        self.loader._position = (self.epoch, self.index)
         if self.index == self.stream.num_batches:
-            self.done = True
-        return tuple(out)
+            self._finish()
+        return RawBatch(arrays, np.empty(0, np.uint64) if ids is None else np.array(ids, np.uint64))
+
+    def _finish(self) -> None:
+        self.done = True
+        self.stream.complete = True
 
     def close(self) -> None:
         """Stop early: release the held batch and drain what the daemons still owe."""
-        self._drop_held()
+        self.release()
         self.done = True
         self._gen.close()
 
@@ -261,7 +255,6 @@ def open_remote(
     first_channel: grpc.Channel,
     targets: Sequence[str],
     make_channel: Callable[[str], grpc.Channel],
-    plans: Sequence[PipelinePlan],
     key: bytes,
     owner: object | None = None,
 ) -> RemoteStream:
@@ -311,7 +304,7 @@ def open_remote(
                     "every daemon must serve the same dataset file"
                 )
             daemons.append(_Daemon(t, ch, True, reply, pool))
-        return RemoteStream(daemons, plans, key, owner=owner)
+        return RemoteStream(daemons, key, owner=owner)
     except BaseException:
         for d in daemons:
             d.close()

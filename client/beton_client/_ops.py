@@ -107,6 +107,9 @@ class PipelinePlan:
         boundary: the index in ``user_ops`` where the tail starts.
         decoder_given: whether ``user_ops[0]`` is the decoder (else the daemon prepends the
             field's default decoder, as ``build_graph`` does in process): positions depend on it.
+        branch: FFCV's ``PipelineSpec(source=<op>)``, branching from another pipeline's op
+            (``None`` otherwise): the in-process backend runs it; a daemon cannot yet.
+        spec: the ``PipelineSpec``-like object given, if any (the in-process backend uses it).
     """
 
     name: str
@@ -117,6 +120,8 @@ class PipelinePlan:
     user_ops: tuple[Any, ...] = ()
     boundary: int = 0
     decoder_given: bool = False
+    branch: Any = None
+    spec: Any = None
 
 
 def _is_operation(op: Any) -> bool:
@@ -195,16 +200,14 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
             out.append(PipelinePlan(name, name, (), (), skip=True))
             continue
         field = name
+        branch = spec = None
         if hasattr(value, "decoder") and hasattr(value, "transforms"):
+            spec = value
             source = getattr(value, "source", name)
-            if not isinstance(source, str):
-                raise SpecError(
-                    f"pipeline {name!r}: PipelineSpec(source=<{type(source).__name__} of another "
-                    "pipeline>) branches from that op's output; the served Loader does not carry "
-                    "branches yet (docs/migrating-from-ffcv.md). Decode the field again with "
-                    "PipelineSpec(source='<field>', ...), or use the in-process Loader"
-                )
-            field = source
+            if isinstance(source, str):
+                field = source
+            else:
+                branch = source
             ops = (
                 [value.decoder, *value.transforms]
                 if value.decoder is not None
@@ -241,6 +244,8 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
                 user_ops=tuple(ops),
                 boundary=boundary,
                 decoder_given=bool(ops) and is_decoder(ops[0]),
+                branch=branch,
+                spec=spec,
             )
         )
     return out

@@ -18,9 +18,9 @@ import logging
 import queue
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import numpy as np
@@ -28,14 +28,13 @@ from beton_wire import notice
 from beton_wire.slots import DTYPE_NAMES, slot_layout
 from beton_wire.v1 import beton_pb2 as pb
 
-from beton_client._ops import PipelinePlan
-from beton_client._resume import RetryPolicy, retriable
-from beton_client._tail import build_output_tails
+from beton_client._tail import OutputInfo
 from beton_client._transport import Receiver, ShmReceiver, TensorInfo
 from beton_client._transport.shm import NoticeChannel
 from beton_client.errors import ServerError, ServerUnavailable, from_rpc_error
+from beton_client.frontend import RawBatch, pipelines_key
 
-__all__ = ["End", "EpochOwner", "Ready"]
+__all__ = ["End", "Ready"]
 
 log = logging.getLogger("beton_client")
 
@@ -63,7 +62,7 @@ class End:
 
 
 class _Stream:
-    """One open stream: its Batches call, its receiver, its outputs and tails."""
+    """One open local stream (``beton_client.frontend.Feed``): its Batches call, its receiver, its outputs."""
 
     def __init__(
         self,
@@ -71,7 +70,6 @@ class _Stream:
         stub: Any,
         reply: Any,
         receiver: Receiver,
-        plans: Sequence[PipelinePlan],
         key: bytes,
         target: str,
     ) -> None:
@@ -81,8 +79,11 @@ class _Stream:
         self.key = key
         self.target = target
         self.num_batches = int(reply.num_batches)
+        self.num_samples = int(reply.num_samples)
         self.names = [o.name for o in reply.outputs]
-        self.tails = build_output_tails(reply.outputs, plans, max(1, int(reply.batch_size)))
+        self._outputs = tuple(OutputInfo.from_wire(o) for o in reply.outputs)
+        #: False while an epoch was started and its end not read (then it cannot start another).
+        self.complete = True
         self.held: tuple[int, int, int, int] | None = None  # (slot, batch, wait_us, lease token)
         self.wait_us = 0  # total, reported through the release words
         self._started = False
@@ -102,6 +103,16 @@ class _Stream:
         self._finalizer = weakref.finalize(
             self, _close_stream, self._requests, self._call, receiver, self.notice
         )
+
+    @property
+    def outputs(self) -> Sequence[OutputInfo]:
+        return self._outputs
+
+    def accepts(self, plans: Sequence[Any]) -> bool:
+        return self.complete and not self.closed and pipelines_key(plans) == self.key
+
+    def epoch(self, epoch: int, start: int) -> _LocalEpochFeed:
+        return _LocalEpochFeed(self, epoch, start)
 
     def send(self, msg: Any) -> None:
         self._requests.put(msg)
@@ -248,66 +259,29 @@ def _close_stream(
     receiver.close()
 
 
-class EpochOwner(Protocol):
-    """What an epoch iterator needs from the Loader that made it (``beton_client.Loader`` is one).
+class _LocalEpochFeed:
+    """One epoch of a :class:`_Stream` (``beton_client.frontend.EpochFeed``): the published batches in order;
+    :meth:`release` hands the previous slot back."""
 
-    Declared here so that this module never imports ``_loader`` (which imports it). Used from the
-    thread that iterates the Loader only.
-    """
-
-    #: Copy each batch out of its slot and release the slot at once.
-    copy: bool
-    #: The augmentation seed (seed keys of ops the client runs, ``_tail``).
-    seed: int
-    #: How long to try reconnecting when the daemon goes away.
-    reconnect: RetryPolicy
-    #: Written with each batch's sample ids (``uint64``).
-    last_sample_ids: np.ndarray
-    #: Written with ``(epoch, next batch)`` after each batch, for ``state_dict``.
-    _position: tuple[int, int] | None
-
-    def _reconnect(self, err: BaseException) -> _Stream:
-        """Re-open the stream on a new daemon; raises when the retry budget is spent."""
-        ...
-
-
-class _EpochIterator(Iterator[tuple[Any, ...]]):
-    """Yields one epoch's batches; releases the previous slot when the next batch is asked for."""
-
-    def __init__(self, loader: EpochOwner, stream: _Stream, epoch: int, start: int = 0) -> None:
-        self.loader = loader
+    def __init__(self, stream: _Stream, epoch: int, start: int) -> None:
         self.stream = stream
         self.epoch = epoch
         self.index = start
         self.done = False
         stream.release_held()
+        stream.complete = False
         stream.start(epoch, start)
 
-    def _recv(self) -> Ready | End:
-        """The next batch or end; a lost daemon is reconnected and the epoch resumed at ``index``."""
-        while True:
-            try:
-                return self.stream.next_ready()
-            except ServerUnavailable as err:
-                if not retriable(err, self.loader.reconnect):
-                    raise
-                self.stream = self.loader._reconnect(err)
-                self.stream.start(self.epoch, self.index)
+    def release(self) -> None:
+        self.stream.release_held()
 
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __len__(self) -> int:
-        return self.stream.num_batches - self.index
-
-    def __next__(self) -> tuple[Any, ...]:
+    def next(self) -> RawBatch | None:
         s = self.stream
         if self.done:
-            raise StopIteration
+            return None
         s.release_held()
         t0 = time.perf_counter()
-        b = self._recv()
-        s = self.stream  # a new one if the daemon was reconnected
+        b = s.next_ready()
         wait_us = int((time.perf_counter() - t0) * 1e6)
         if isinstance(b, End):
             if self.index != s.num_batches:
@@ -315,8 +289,8 @@ class _EpochIterator(Iterator[tuple[Any, ...]]):
                     f"the daemon ended epoch {self.epoch} after {self.index} of "
                     f"{s.num_batches} batches"
                 )
-            self.done = True
-            raise StopIteration
+            self._finish()
+            return None
         if b.epoch != self.epoch or b.index != self.index:
             raise ServerError(
                 f"out-of-order batch: expected epoch {self.epoch} batch {self.index}, got "
@@ -332,20 +306,20 @@ class _EpochIterator(Iterator[tuple[Any, ...]]):
         else:
             arrays = s.receiver.arrays(b.slot, b.tensors)
         s.held = (b.slot, b.index, wait_us, notice.lease_token(b.epoch, b.index, s.num_batches))
-        if self.loader.copy:
-            arrays = [
-                np.array(a, copy=True) if isinstance(a, np.ndarray) else a.clone() for a in arrays
-            ]
-            s.release_held()
-        self.loader.last_sample_ids = b.sample_ids
-        out = []
-        for a, tail in zip(arrays, s.tails, strict=True):
-            out.append(tail(a, b.sample_ids, self.epoch, self.loader.seed))
         self.index += 1
-        self.loader._position = (self.epoch, self.index)
         if self.index == s.num_batches:
-            # Read the end-of-epoch marker eagerly so that the loop ends without another wait.
-            if not isinstance(self._recv(), End):
+            # Read the end-of-epoch marker now, so that the loop ends without another wait and
+            # the stream is known to be idle (the next epoch starts on it).
+            if not isinstance(s.next_ready(), End):
                 raise ServerError(f"expected the end of epoch {self.epoch}, got another batch")
-            self.done = True
-        return tuple(out)
+            self._finish()
+        return RawBatch(arrays, b.sample_ids)
+
+    def _finish(self) -> None:
+        self.done = True
+        self.stream.complete = True
+
+    def close(self) -> None:
+        """Stop early; an epoch left before its end makes the stream re-open for the next one
+        (its batches in flight are dropped with it)."""
+        self.done = True

@@ -49,12 +49,47 @@ from beton_client._ops import (
 )
 from beton_client.errors import PipelineError, SpecError
 
-__all__ = ["OutputTail", "State", "build_output_tails", "output_positions"]
+__all__ = ["OutputInfo", "OutputTail", "State", "build_output_tails", "output_positions"]
 
 log = logging.getLogger("beton_client")
 
 #: (output, op class) pairs whose route-c cost was logged (once per process each).
 _LOGGED: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class OutputInfo:
+    """One output as a backend produces it, before the client tail.
+
+    Attributes:
+        name: the output's name.
+        shape: per-sample shape.
+        dtype: numpy dtype name.
+        client_ops: ops the backend leaves to the tail before the user's (a default pipeline's
+            ``ToTensor``): ``SpecOp``s from a daemon, op objects in process. A first ``SpecOp``
+            named ``@local`` says the daemon handed the user's ops back from ``from`` (route c).
+        positions: the graph position of each op the tail runs (``client_ops``, then the
+            user's), when the backend knows them (in process); else they are derived from the
+            pipelines as the daemon's graph numbers them (:func:`output_positions`).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    client_ops: tuple[Any, ...] = ()
+    positions: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> OutputInfo:
+        """From a ``beton_wire.v1.OutputSpec``."""
+        from beton_wire.slots import DTYPE_NAMES
+
+        return cls(
+            msg.name,
+            tuple(int(d) for d in msg.shape),
+            DTYPE_NAMES[msg.dtype],
+            tuple(SpecOp.from_wire(op) for op in msg.client_ops),
+        )
 
 
 @dataclass
@@ -375,9 +410,9 @@ def output_positions(
 
 
 def build_output_tails(
-    outputs: Sequence[Any], plans: Sequence[PipelinePlan], batch_size: int
+    outputs: Sequence[OutputInfo], plans: Sequence[PipelinePlan], batch_size: int
 ) -> list[OutputTail]:
-    """One :class:`OutputTail` per output of an OpenStream reply (``beton_wire.v1.OutputSpec``).
+    """One :class:`OutputTail` per output of a backend (:class:`OutputInfo`).
 
     An output's ops are the daemon's ``client_ops`` (e.g. a default pipeline's ``ToTensor``),
     then the user's ops from where the daemon stopped: its tail, or, when the daemon handed ops
@@ -387,19 +422,17 @@ def build_output_tails(
         SpecError: as :class:`OutputTail`; when route c cannot run either, the message also gives
             the daemon's reasons (the op can run nowhere).
     """
-    from beton_wire.slots import DTYPE_NAMES
-
     by_name: Mapping[str, PipelinePlan] = {p.name: p for p in plans}
     names = [o.name for o in outputs]
     positions = output_positions(plans, names)
     tails = []
     for o in outputs:
-        spec_ops = [SpecOp.from_wire(op) for op in o.client_ops]
+        spec_ops = list(o.client_ops)
         why: list[str] = []
         p = by_name.get(o.name)
         user: list[Any] = list(p.tail) if p is not None else []
         start = p.boundary if p is not None else 0
-        if spec_ops and spec_ops[0].spec_name == LOCAL_MARKER:
+        if spec_ops and isinstance(spec_ops[0], SpecOp) and spec_ops[0].spec_name == LOCAL_MARKER:
             marker = spec_ops.pop(0).spec_params()
             start = int(marker.get("from", 0))
             why = [str(w) for w in marker.get("why", [])]
@@ -407,12 +440,18 @@ def build_output_tails(
         root, first = positions[o.name]
         pos: list[int | None] = [root + 1 + i for i in range(len(spec_ops))]
         pos += [first + start + i for i in range(len(user))]
+        if o.positions is not None:
+            if len(o.positions) != len(pos):
+                raise SpecError(
+                    f"pipeline {o.name!r}: {len(o.positions)} tail positions for {len(pos)} ops"
+                )
+            pos = list(o.positions)
         try:
             tails.append(
                 OutputTail(
                     o.name,
-                    tuple(o.shape),
-                    DTYPE_NAMES[o.dtype],
+                    o.shape,
+                    o.dtype,
                     [*spec_ops, *user],
                     pos,
                     batch_size=batch_size,

@@ -293,5 +293,7 @@ def test_negative_out_of_range_or_fractional_indices_are_refused_in_process(
     fixtures_dir, indices
 ) -> None:
     # -1 used to become 2**64-1 in the uint64 cast before any range check.
-    with pytest.raises(SpecError, match=r"indices must be integer sample ids in \[0, 50\)"):
+    # The front end refuses negative and fractional ids on every backend; the range is known in
+    # process (a daemon checks it against its file).
+    with pytest.raises(SpecError, match=r"indices must be integer sample ids"):
         InProcessLoader(fixtures_dir / "mixed_fields.beton", 4, indices=indices, pipelines=INT_ONLY)

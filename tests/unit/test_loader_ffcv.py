@@ -141,7 +141,7 @@ def test_real_torch_op_before_to_tensor_is_rejected(fixtures_dir):
     from beton_serve.errors import SpecError
 
     pipes = {"int": [dec.IntDecoder(), tr.Convert(torch.float32), tr.ToTensor()]}
-    with pytest.raises(SpecError, match=r"Convert#1 .*after ToTensor"):
+    with pytest.raises(SpecError, match=r"Convert .*after ToTensor"):
         Loader(fixtures_dir / "mixed_fields.beton", batch_size=5, pipelines=pipes, seed=0)
 
 
@@ -168,7 +168,9 @@ def test_torch_module_after_to_tensor_is_wrapped_and_runs(fixtures_dir):
         seed=0,
         indices=[4, 5, 6, 7, 8],
     ) as ld:
-        assert type(ld.plan.client_tail["int"][-1]).__name__ == "ModuleWrapper"
+        # The front end runs the tail (ToTensor, the module); the engine's plan holds
+        # placeholders that keep their graph positions.
+        assert [type(op).__name__ for op in ld.plan.client_tail["int"]] == ["ClientOp"] * 2
         (x,) = next(iter(ld))
     exp = np.load(fixtures_dir / "mixed_fields.expected.npz")
     np.testing.assert_array_equal(x.numpy(), exp["int"][4:9] * 2)

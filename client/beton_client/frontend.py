@@ -1,0 +1,703 @@
+"""The one Loader front end: FFCV's ``Loader`` over a backend that feeds it raw batches.
+
+``beton_client.Loader`` (served: shm, cuda_ipc, grpc) and ``beton_serve.loader.Loader`` (the
+in-process engine) are this class with different backends. Everything a user can observe is
+implemented here, once (issue 12 §1):
+
+* argument validation (:func:`check_args`): the same rules and words on every backend;
+* the pipeline split (``_ops.split_pipelines``): the ops up to ``ToTensor`` go to the backend,
+  the rest is the tail;
+* the tail (``_tail.OutputTail``): ``ToTensor``, ``ToDevice``, ``ToTorchImage``, ``Convert``,
+  torch modules, callables and FFCV Operations after the boundary, seeded by their position in
+  the in-process graph;
+* ``state_dict`` / ``load_state_dict`` (``beton_wire.loader_state``) and ``last_sample_ids``;
+* epochs, abandoned epochs and reconnection (:class:`EpochIterator`).
+
+A backend implements the small typed protocol below: :meth:`Backend.open` opens a
+:class:`Feed` for the split pipelines; :meth:`Feed.epoch` starts an epoch at a batch and returns
+an :class:`EpochFeed`, whose :meth:`~EpochFeed.next` yields each batch's arrays (one per output,
+in the daemon-side layout) with its sample ids, :meth:`~EpochFeed.release` hands the previous
+batch's buffers back, and :meth:`~EpochFeed.close` stops early. A backend's errors are its own
+error classes (:class:`ErrorKinds`): the in-process Loader raises ``beton_serve.errors``, the
+served one ``beton_client.errors``; the messages are the same.
+
+This module imports numpy and ``beton_wire`` only (no grpc, numba, cv2 or torch), so the
+in-process Loader can use it without the served client's dependencies.
+
+Threading: a Loader is used from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from beton_wire.limits import MAX_BATCH_SIZE, MAX_BATCHES_AHEAD, MAX_WORLD_SIZE, short_repr
+from beton_wire.loader_state import (
+    StateError,
+    StateIdentity,
+    check_state,
+    indices_digest,
+    make_state,
+)
+
+from beton_client import errors as client_errors
+from beton_client._ops import PipelinePlan, split_pipelines
+from beton_client._tail import OutputInfo, OutputTail, build_output_tails
+
+__all__ = [
+    "ORDER_NAMES",
+    "Backend",
+    "EpochFeed",
+    "EpochIterator",
+    "ErrorKinds",
+    "Feed",
+    "FrontEnd",
+    "LoaderArgs",
+    "OutputInfo",
+    "PipelinePlan",
+    "RawBatch",
+    "check_args",
+    "pipelines_key",
+]
+
+#: The built-in orders, by FFCV's names (any enum with these names is accepted).
+ORDER_NAMES = ("SEQUENTIAL", "RANDOM", "QUASI_RANDOM")
+_ORDER_VALUES = {1: "SEQUENTIAL", 2: "RANDOM", 3: "QUASI_RANDOM"}
+
+
+def is_int(value: object) -> bool:
+    """True for Python and numpy integers (not bools)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorKinds:
+    """The error classes a backend's Loader raises (its users catch those)."""
+
+    #: Invalid arguments or pipelines (a ``ValueError``).
+    spec: type[Exception]
+    #: A batch failed (an op raised).
+    pipeline: type[Exception]
+    #: The Loader is used after ``close()``.
+    closed: type[Exception]
+
+
+CLIENT_ERRORS = ErrorKinds(
+    spec=client_errors.SpecError,
+    pipeline=client_errors.PipelineError,
+    closed=client_errors.BetonClientError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RawBatch:
+    """One batch as a backend delivers it, before the tail.
+
+    Attributes:
+        arrays: one array per output (numpy arrays, or tensors from cuda_ipc), in
+            :attr:`Feed.outputs` order; valid until :meth:`EpochFeed.release`.
+        ids: the batch's sample ids (dataset ids, ``uint64``, in batch order).
+    """
+
+    arrays: Sequence[Any]
+    ids: np.ndarray
+
+
+class EpochFeed(Protocol):
+    """The batches of one epoch from one start position, in order."""
+
+    def next(self) -> RawBatch | None:
+        """The next batch, or ``None`` after the epoch's last one.
+
+        Raises:
+            the backend's errors (a daemon that went away: ``ServerUnavailable``, which the front
+            end may answer by reconnecting, see :meth:`Backend.reconnect`).
+        """
+        ...
+
+    def release(self) -> None:
+        """The batch last returned is no longer used: its buffers may be reused (idempotent)."""
+        ...
+
+    def close(self) -> None:
+        """Stop early: cancel what was requested ahead (idempotent)."""
+        ...
+
+
+class Feed(Protocol):
+    """An open stream on a backend: one pipeline set, order and batch size."""
+
+    #: Batches per epoch.
+    num_batches: int
+    #: Samples this rank visits per epoch (for ``state_dict``).
+    num_samples: int
+
+    @property
+    def outputs(self) -> Sequence[OutputInfo]:
+        """The outputs before the tail, in tuple order (the same object until they change)."""
+        ...
+
+    def accepts(self, plans: Sequence[PipelinePlan]) -> bool:
+        """Whether the next epoch of ``plans`` can run on this feed (else it is re-opened)."""
+        ...
+
+    def epoch(self, epoch: int, start: int) -> EpochFeed:
+        """Start ``epoch`` at batch ``start``."""
+        ...
+
+    def close(self) -> None:
+        """Free the feed's resources (idempotent)."""
+        ...
+
+
+class Backend(Protocol):
+    """What runs the daemon-side pipelines: the in-process engine, or a daemon."""
+
+    #: The Loader's error classes.
+    errors: ErrorKinds
+
+    def open(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> Feed:
+        """Open a feed for ``plans`` (the split pipelines) with ``args``.
+
+        Raises:
+            the backend's errors (``errors.spec`` for a request it refuses).
+        """
+        ...
+
+    def retriable(self, err: BaseException) -> bool:
+        """Whether ``err`` (raised by a feed, or by :meth:`open`) is worth a :meth:`reconnect`."""
+        ...
+
+    def reconnect(
+        self,
+        err: BaseException,
+        args: LoaderArgs,
+        plans: Sequence[PipelinePlan],
+        num_batches: int | None,
+    ) -> Feed:
+        """A new feed after ``err`` (retriable) broke the current one, which is closed.
+
+        Raises:
+            the backend's errors: the reconnection budget ran out (``err``'s kind), or the new
+            feed has another length than ``num_batches`` (the dataset changed).
+        """
+        ...
+
+    def close(self) -> None:
+        """Free what the backend holds beyond its feeds (idempotent)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderArgs:
+    """FFCV's Loader arguments, validated (:func:`check_args`).
+
+    Attributes:
+        order: the built-in order's name, or a backend's own order object (in-process custom
+            ``TraversalOrder``), unchanged.
+        order_name: what a state records: the built-in name, or ``module.qualname``.
+        indices: ``None`` (every sample) or the ids as ``uint64``.
+    """
+
+    batch_size: int
+    num_workers: int
+    order: Any
+    order_name: str
+    distributed: bool
+    rank: int
+    world_size: int
+    seed: int
+    indices: np.ndarray | None
+    custom_fields: Mapping[str, type]
+    drop_last: bool
+    batches_ahead: int
+    recompile: bool
+    copy: bool
+
+
+def _order(order: Any, spec: type[Exception], custom: type | None) -> tuple[Any, str]:
+    """``(order, its state name)``: a built-in by name (any enum of FFCV's names, or its int
+    value), or an instance/subclass of the backend's ``custom`` order base class."""
+    if is_int(order) and not hasattr(order, "name"):
+        name = _ORDER_VALUES.get(int(order))  # type: ignore[call-overload]
+        if name is None:
+            raise spec(f"order {short_repr(order)} is not an OrderOption value (1, 2 or 3)")
+        return name, name
+    name = getattr(order, "name", None)
+    if isinstance(name, str) and name in ORDER_NAMES and not _is_custom(order, custom):
+        return name, name
+    if _is_custom(order, custom):
+        cls = order if isinstance(order, type) else type(order)
+        return order, f"{cls.__module__}.{cls.__qualname__}"
+    if custom is None:
+        raise spec(
+            f"order must be OrderOption.SEQUENTIAL, RANDOM or QUASI_RANDOM, not {order!r} "
+            "(custom TraversalOrder classes cannot travel to a daemon)"
+        )
+    raise spec(f"order must be an OrderOption or a TraversalOrder, not {order!r}")
+
+
+def _is_custom(order: Any, custom: type | None) -> bool:
+    if custom is None:
+        return False
+    return isinstance(order, custom) or (isinstance(order, type) and issubclass(order, custom))
+
+
+def rank_world(environ: Mapping[str, str], spec: type[Exception]) -> tuple[int, int]:
+    """``(rank, world_size)`` from ``torch.distributed`` when it is initialised (never imported
+    here), else ``RANK``/``WORLD_SIZE``."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                return int(dist.get_rank()), int(dist.get_world_size())
+        except Exception:
+            pass
+    try:
+        return int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise spec("RANK and WORLD_SIZE must be integers") from None
+
+
+def _indices(indices: Any, spec: type[Exception]) -> np.ndarray | None:
+    if indices is None:
+        return None
+    arr = np.asarray(indices).reshape(-1)
+    if arr.size == 0:
+        raise spec("indices=[] selects no samples; pass indices=None for every sample")
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind != "O" or not all(is_int(i) for i in arr.tolist()):
+            raise spec(f"indices must be integer sample ids, not {arr.dtype} values")
+        if min(arr.tolist()) < 0 or max(arr.tolist()) >= 2**64:
+            raise spec("indices must be integer sample ids in [0, 2**64)")
+        return np.array(arr.tolist(), dtype=np.uint64)
+    # Checked before the uint64 cast, which would turn -1 into 2**64-1.
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise spec(f"indices must be integer sample ids >= 0; got {short_repr(int(arr.min()))}")
+    return arr.astype(np.uint64)
+
+
+def check_args(
+    *,
+    batch_size: Any,
+    num_workers: Any,
+    order: Any,
+    distributed: Any,
+    seed: Any,
+    indices: Any,
+    custom_fields: Mapping[str, Any] | None,
+    drop_last: Any,
+    batches_ahead: Any,
+    recompile: Any,
+    copy: Any,
+    errors: ErrorKinds,
+    environ: Mapping[str, str],
+    custom_order: type | None = None,
+) -> LoaderArgs:
+    """Validate FFCV's Loader arguments, with the same rules and messages on every backend.
+
+    Args:
+        custom_order: the backend's base class of custom orders (``TraversalOrder`` in
+            process); ``None`` when only the built-in orders can run (a daemon).
+
+    Raises:
+        errors.spec: an argument is out of range or of the wrong type.
+    """
+    spec = errors.spec
+    if not is_int(batch_size) or not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise spec(
+            f"batch_size {short_repr(batch_size)} is out of range: use an int in "
+            f"1..{MAX_BATCH_SIZE} (the daemon also refuses batches larger than its slot "
+            "memory allows)"
+        )
+    if not is_int(batches_ahead) or not 1 <= batches_ahead <= MAX_BATCHES_AHEAD:
+        raise spec(
+            f"batches_ahead {short_repr(batches_ahead)} is out of range: use an int in "
+            f"1..{MAX_BATCHES_AHEAD}"
+        )
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
+        raise spec(f"seed must be an int in [0, 2**64), not {short_repr(seed)}")
+    if not is_int(num_workers):
+        raise spec(f"num_workers must be an int, not {short_repr(num_workers)}")
+    order, order_name = _order(order, spec, custom_order)
+    distributed = bool(distributed)
+    if seed is None:
+        # FFCV's rule: a fresh seed, except for distributed RANDOM, where every rank must draw
+        # the same permutation.
+        seed = (
+            0 if (distributed and order_name == "RANDOM") else int(np.random.randint(0, 2**31 - 1))
+        )
+    rank, world = rank_world(environ, spec) if distributed else (0, 1)
+    if not 1 <= world <= MAX_WORLD_SIZE or not 0 <= rank < world:
+        raise spec(
+            f"rank {rank} / world_size {world} (from torch.distributed or RANK/WORLD_SIZE): need "
+            f"1 <= world_size <= {MAX_WORLD_SIZE} and 0 <= rank < world_size"
+        )
+    fields = dict(custom_fields or {})
+    for name, cls in fields.items():
+        if not isinstance(cls, type):
+            raise spec(
+                f"custom_fields[{short_repr(name)}] must be a Field class (FFCV passes the class, "
+                f"not an instance), not {short_repr(cls)}"
+            )
+    return LoaderArgs(
+        batch_size=int(batch_size),
+        num_workers=int(num_workers),
+        order=order,
+        order_name=order_name,
+        distributed=distributed,
+        rank=int(rank),
+        world_size=int(world),
+        seed=int(seed),
+        indices=_indices(indices, spec),
+        custom_fields=fields,
+        drop_last=bool(drop_last),
+        batches_ahead=int(batches_ahead),
+        recompile=bool(recompile),
+        copy=bool(copy),
+    )
+
+
+def pipelines_key(plans: Sequence[PipelinePlan]) -> bytes:
+    """What decides whether a daemon's stream can serve the next epoch: every pipeline's
+    daemon-side spec and the device (cheap: computed at each ``iter``)."""
+    from beton_client._ops import device_of
+
+    spec = [(p.name, p.field, p.skip, p.ops) for p in plans]
+    return repr((spec, device_of(plans))).encode()
+
+
+class FrontEnd:
+    """FFCV's ``Loader`` over a :class:`Backend` (see the module docstring).
+
+    Subclasses (``beton_client.Loader``, ``beton_serve.loader.Loader``) validate with
+    :func:`check_args`, build their backend and call :meth:`_start`.
+
+    Attributes:
+        batch_size, num_workers, distributed, rank, world_size, seed, drop_last, batches_ahead,
+        recompile, copy: the validated arguments.
+        order: the order as given (an ``OrderOption``, or a custom order in process).
+        pipelines: FFCV's ``{name: [ops] | PipelineSpec | None}``; changing an op's parameters
+            between epochs (``decoder.output_size``) takes effect at the next ``iter``.
+        last_sample_ids: the sample ids of the batch last yielded (``uint64``).
+        next_epoch: the epoch the next ``iter`` starts.
+    """
+
+    _backend: Backend
+    _args: LoaderArgs
+
+    def _start(
+        self,
+        backend: Backend,
+        args: LoaderArgs,
+        order: Any,
+        pipelines: Mapping[str, Any] | None,
+    ) -> None:
+        """Adopt ``args`` and open the first feed (closing the backend if that fails)."""
+        self._backend = backend
+        self._errors = backend.errors
+        self._args = args
+        self.batch_size = args.batch_size
+        self.num_workers = args.num_workers
+        self.order = order
+        self.distributed = args.distributed
+        self.rank, self.world_size = args.rank, args.world_size
+        self.seed = args.seed
+        self.drop_last = args.drop_last
+        self.batches_ahead = args.batches_ahead
+        self.recompile = args.recompile
+        self.copy = args.copy
+        self.custom_fields = dict(args.custom_fields)
+        self.pipelines: dict[str, Any] = dict(pipelines or {})
+        self.next_epoch = 0
+        self._resume_batch = 0
+        #: (epoch, batches yielded) of the latest iterator, even once closed or collected.
+        self._position: tuple[int, int] | None = None
+        self._indices_digest = indices_digest(args.indices)  # once: it hashes every id
+        self._identity: StateIdentity | None = None
+        self.last_sample_ids: np.ndarray = np.empty(0, np.uint64)
+        self._current: weakref.ref[EpochIterator] | None = None
+        self._feed: Feed | None = None
+        self._len: int | None = None
+        self._tails: list[OutputTail] = []
+        self._tails_for: Sequence[OutputInfo] | None = None
+        try:
+            plans = self._split()
+            self._feed = backend.open(args, plans)
+            self._plans = plans
+            self._build_tails(self._feed)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the split and the tails ---------------------------------------------------------------
+    def _split(self) -> list[PipelinePlan]:
+        try:
+            return split_pipelines(self.pipelines)
+        except client_errors.SpecError as exc:
+            raise self._as(exc) from None
+
+    def _as(self, exc: client_errors.BetonClientError) -> Exception:
+        """``exc`` as this backend's error class (the same message)."""
+        kind = (
+            self._errors.spec if isinstance(exc, client_errors.SpecError) else self._errors.pipeline
+        )
+        if isinstance(exc, kind):
+            return exc
+        return kind(str(exc))
+
+    def _build_tails(self, feed: Feed) -> None:
+        outputs = feed.outputs
+        if outputs is self._tails_for:
+            return
+        try:
+            self._tails = build_output_tails(outputs, self._plans, self.batch_size)
+        except client_errors.SpecError as exc:
+            raise self._as(exc) from None
+        self._tails_for = outputs
+
+    def _feed_or_raise(self) -> Feed:
+        if self._feed is None:
+            raise self._errors.closed("the Loader is closed")
+        return self._feed
+
+    # -- FFCV surface ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch (also after :meth:`close`: the last stream's)."""
+        feed = self._feed
+        if feed is not None:
+            self._len = feed.num_batches
+        elif self._len is None:
+            raise self._errors.closed("the Loader is closed")
+        return self._len
+
+    @property
+    def reader_outputs(self) -> list[str]:
+        """The output names, in the order of the yielded tuples."""
+        return [o.name for o in self._feed.outputs] if self._feed is not None else []
+
+    def __iter__(self) -> EpochIterator:
+        """Start the next epoch (on a re-opened feed if an op's parameters changed, or the last
+        epoch was left early on a feed that cannot drop it)."""
+        feed = self._feed_or_raise()
+        prev = self._current() if self._current is not None else None
+        if prev is not None:
+            prev.close()
+        plans = self._split()
+        if not feed.accepts(plans):
+            feed.close()
+            self._feed = None
+            try:
+                feed = self._backend.open(self._args, plans)
+            except BaseException as err:
+                feed = self._reconnected(err, plans)
+            self._feed = feed
+        self._plans = plans
+        epoch, start = self.next_epoch, self._resume_batch
+        self.next_epoch, self._resume_batch = epoch + 1, 0
+        self._position = (epoch, start)
+        it = EpochIterator(self, feed, epoch, start)
+        self._current = weakref.ref(it)
+        return it
+
+    def _reconnected(self, err: BaseException, plans: Sequence[PipelinePlan]) -> Feed:
+        """The backend's new feed after ``err``; re-raises ``err`` when it is final."""
+        if not self._backend.retriable(err):
+            raise err
+        old = self._feed
+        want = None
+        if old is not None:
+            want = old.num_batches
+            old.close()
+        self._feed = None
+        feed = self._backend.reconnect(err, self._args, plans, want)
+        self._feed = feed
+        self._build_tails(feed)
+        return feed
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands: the epoch and the batches of it already yielded.
+
+        The format is ``beton_wire.loader_state`` (docs/loader-state.md), the same on every
+        backend: ``{"version", "epoch", "batch"}`` plus what must match for an exact resume
+        (seed, order, batch_size, drop_last, distributed settings, samples, an indices digest,
+        ``len``). ``epoch`` and ``batch`` count what the latest iterator has *yielded*, also
+        after it was closed or abandoned mid-epoch; once an epoch is exhausted they point at the
+        start of the next one. Restore it with :meth:`load_state_dict` on a Loader of either
+        kind, over any transport, built with the same arguments: the next ``iter`` yields
+        exactly the batches that were not yet yielded.
+        """
+        pos = self._position
+        if pos is not None and pos[1] < len(self):
+            epoch, batch = pos
+        else:
+            epoch, batch = self.next_epoch, self._resume_batch
+        return make_state(epoch=epoch, batch=batch, identity=self._state_identity())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next ``iter(loader)`` continue from ``state`` (see :meth:`state_dict`).
+
+        Accepts version 2, version 1 and version-less states, from any backend.
+
+        Raises:
+            SpecError: an unknown version, or the state comes from a Loader with other
+                arguments (the message names the one that differs).
+        """
+        try:
+            epoch, batch = check_state(state, self._state_identity())
+        except StateError as exc:
+            raise self._errors.spec(str(exc)) from None
+        self.next_epoch, self._resume_batch = epoch, batch
+        self._position = None
+
+    def _state_identity(self) -> StateIdentity:
+        """What a state must match; ``num_samples`` is the backend's count for this rank."""
+        ident = self._identity
+        if self._feed is None and ident is not None:
+            return ident  # closed: the last stream's
+        feed = self._feed_or_raise()
+        if ident is None or ident.num_samples != feed.num_samples or ident.len != feed.num_batches:
+            a = self._args
+            ident = self._identity = StateIdentity(
+                seed=a.seed,
+                order=a.order_name,
+                batch_size=a.batch_size,
+                drop_last=a.drop_last,
+                distributed=a.distributed,
+                rank=a.rank,
+                world_size=a.world_size,
+                num_samples=feed.num_samples,
+                indices=self._indices_digest,
+                len=feed.num_batches,
+            )
+        return ident
+
+    def close(self) -> None:
+        """Stop the current epoch, close the feed and the backend (idempotent)."""
+        ref = getattr(self, "_current", None)
+        cur = ref() if ref is not None else None
+        if cur is not None:
+            cur.close()
+        feed = getattr(self, "_feed", None)
+        self._feed = None
+        if feed is not None:
+            self._len = feed.num_batches
+            feed.close()
+        backend = getattr(self, "_backend", None)  # absent when the constructor failed early
+        if backend is not None:
+            backend.close()
+
+    def __enter__(self) -> FrontEnd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EpochIterator:
+    """Yields one epoch of a :class:`FrontEnd`: each raw batch through the tails.
+
+    Batch lifetime: with ``copy=False`` a batch's arrays are views of the backend's buffers and
+    of the tails' reused buffers, valid until the next batch is requested (as in FFCV).
+    """
+
+    def __init__(self, loader: FrontEnd, feed: Feed, epoch: int, start: int) -> None:
+        self.loader = loader
+        self.feed = feed
+        self.epoch = epoch
+        self.batch = start
+        self.done = False
+        self._epoch_feed: EpochFeed | None = feed.epoch(epoch, start)
+        loader._build_tails(feed)
+
+    @property
+    def index(self) -> int:
+        """The batch the next ``next()`` yields."""
+        return self.batch
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return self.feed.num_batches
+
+    def _next_raw(self) -> RawBatch | None:
+        """The next raw batch; a feed broken by a lost daemon is re-opened and the epoch resumed
+        at this batch (under the backend's reconnection policy)."""
+        while True:
+            ef = self._epoch_feed
+            assert ef is not None
+            try:
+                return ef.next()
+            except BaseException as err:
+                loader = self.loader
+                ef.close()
+                self._epoch_feed = None
+                try:
+                    feed = loader._reconnected(err, loader._plans)
+                except BaseException:
+                    self.done = True
+                    raise
+                if feed.num_batches != self.feed.num_batches:  # the backend checks; be sure
+                    self.done = True
+                    raise loader._errors.spec(
+                        f"the re-opened stream has {feed.num_batches} batches per epoch instead "
+                        f"of {self.feed.num_batches}"
+                    ) from None
+                self.feed = feed
+                self._epoch_feed = feed.epoch(self.epoch, self.batch)
+
+    def __next__(self) -> tuple[Any, ...]:
+        if self.done:
+            raise StopIteration
+        ef = self._epoch_feed
+        assert ef is not None
+        ef.release()
+        raw = self._next_raw()
+        ef = self._epoch_feed
+        assert ef is not None
+        if raw is None:
+            self.close()
+            raise StopIteration
+        loader = self.loader
+        arrays = raw.arrays
+        if loader.copy:
+            arrays = [
+                np.array(a, copy=True) if isinstance(a, np.ndarray) else a.clone() for a in arrays
+            ]
+            ef.release()
+        ids = raw.ids
+        loader.last_sample_ids = ids
+        tails = loader._tails
+        epoch, seed = self.epoch, loader.seed
+        try:
+            out = tuple(tail(a, ids, epoch, seed) for a, tail in zip(arrays, tails, strict=True))
+        except client_errors.BetonClientError as exc:
+            self.close()
+            raise loader._as(exc) from exc.__cause__
+        except BaseException:
+            self.close()
+            raise
+        self.batch += 1
+        loader._position = (epoch, self.batch)
+        if self.batch >= self.feed.num_batches:
+            self.done = True  # the buffers stay valid until the next epoch or close
+        return out
+
+    def close(self) -> None:
+        """Stop early: the backend cancels what it prepared ahead (idempotent)."""
+        self.done = True
+        ef, self._epoch_feed = self._epoch_feed, None
+        if ef is not None:
+            ef.close()
+
+
+#: A function that builds a Loader's backend errors from a message (for typing only).
+ErrorFactory = Callable[[str], Exception]
