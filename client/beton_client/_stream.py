@@ -91,7 +91,7 @@ class _Stream:
         #: Per-stream constants of the per-batch path: the shm receiver (``None``: another
         #: transport) and the receiver's own release step (cuda_ipc records an event there).
         self.shm = receiver if isinstance(receiver, ShmReceiver) else None
-        self._release_hook = getattr(receiver, "release", None)
+        self._release_hook = None if self.shm is not None else receiver.release
         self._layout = slot_layout(
             [(o.name, tuple(o.shape), DTYPE_NAMES[o.dtype]) for o in reply.outputs],
             max(1, int(reply.batch_size)),

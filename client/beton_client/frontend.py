@@ -524,7 +524,7 @@ class FrontEnd:
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands: the epoch and the batches of it already yielded.
 
-        The format is ``beton_wire.loader_state`` (docs/loader-state.md), the same on every
+        The format is ``beton_wire.loader_state`` (documented there and in docs/migrating-from-ffcv.md), the same on every
         backend: ``{"version", "epoch", "batch"}`` plus what must match for an exact resume
         (seed, order, batch_size, drop_last, distributed settings, samples, an indices digest,
         ``len``). ``epoch`` and ``batch`` count what the latest iterator has *yielded*, also
@@ -580,18 +580,15 @@ class FrontEnd:
 
     def close(self) -> None:
         """Stop the current epoch, close the feed and the backend (idempotent)."""
-        ref = getattr(self, "_current", None)
+        ref = self._current
         cur = ref() if ref is not None else None
         if cur is not None:
             cur.close()
-        feed = getattr(self, "_feed", None)
-        self._feed = None
+        feed, self._feed = self._feed, None
         if feed is not None:
             self._len = feed.num_batches
             feed.close()
-        backend = getattr(self, "_backend", None)  # absent when the constructor failed early
-        if backend is not None:
-            backend.close()
+        self._backend.close()
 
     def __enter__(self) -> FrontEnd:
         return self

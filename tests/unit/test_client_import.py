@@ -26,3 +26,28 @@ def test_public_api() -> None:
     assert [o.name for o in beton_client.OrderOption] == ["SEQUENTIAL", "RANDOM", "QUASI_RANDOM"]
     assert issubclass(beton_client.SpecError, ValueError)
     assert issubclass(beton_client.ServerUnavailable, ConnectionError)
+
+
+def test_in_process_loader_imports_the_front_end_without_the_served_client() -> None:
+    """``beton_serve.loader`` is the front end over the engine: no grpc, no served Loader."""
+    code = (
+        "import sys, beton_serve.loader\n"
+        "heavy = sorted(m for m in ('grpc', 'torch', 'beton_client._loader') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_both_loaders_are_the_one_front_end() -> None:
+    import beton_client
+    from beton_client.frontend import EpochIterator, FrontEnd
+
+    from beton_serve.loader import EpochIterator as ServeEpochIterator
+    from beton_serve.loader import Loader as InProcessLoader
+
+    assert issubclass(beton_client.Loader, FrontEnd) and issubclass(InProcessLoader, FrontEnd)
+    assert ServeEpochIterator is EpochIterator
+    # One implementation of each behaviour: neither Loader overrides the front end's.
+    for name in ("__iter__", "state_dict", "load_state_dict", "__len__", "close"):
+        assert name not in vars(beton_client.Loader) and name not in vars(InProcessLoader), name

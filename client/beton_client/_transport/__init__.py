@@ -32,6 +32,11 @@ class Receiver(Protocol):
         """Views of ``slot``'s tensors (numpy arrays on the CPU, or device tensors), no copy."""
         ...
 
+    def release(self, slot: int) -> None:
+        """The client is done with ``slot``; called before the daemon is told (cuda_ipc records
+        the slot's free event here; nothing to do for shm)."""
+        ...
+
     def close(self) -> None:
         """Release every mapping/handle of the ring (idempotent)."""
         ...

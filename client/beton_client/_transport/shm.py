@@ -244,6 +244,9 @@ class ShmReceiver:
             views = self._slot_views[slot] = self.arrays(slot, tensors)
         return [v.view() for v in views]
 
+    def release(self, slot: int) -> None:
+        """Nothing to do: a slot goes back through its release word or a Release message."""
+
     def close(self) -> None:
         """Drop the mapping (it stays alive while user tensors still reference it)."""
         self._slot_views = [None] * self.slot_count
