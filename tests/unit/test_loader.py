@@ -193,3 +193,27 @@ def test_batch_timeout_raises_and_cleans_up():
         with pytest.raises(PipelineError, match=r"did not arrive within 0\.05 s"):
             next(iter(ld))
     assert not _beton_threads()
+
+
+def test_copy_true_batches_stay_valid_after_the_next_batch() -> None:
+    # batches_ahead=1: 3 slots, so without copy the 4th batch reuses the 1st batch's slot.
+    with _loader(seed=3, batches_ahead=1) as ld:
+        want = [tuple(np.array(a, copy=True) for a in b) for b in ld]
+    with _loader(seed=3, batches_ahead=1, copy=True) as ld:
+        kept = list(ld)
+        assert ld.copy is True
+    assert len(kept) == len(want) > 3
+    for got, exp in zip(kept, want, strict=True):
+        for g, e in zip(got, exp, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), e)
+
+
+def test_len_and_state_dict_still_answer_after_close() -> None:
+    ld = _loader(seed=1)
+    it = iter(ld)
+    next(it)
+    n, state = len(ld), ld.state_dict()
+    ld.close()
+    assert len(ld) == n and ld.state_dict() == state
+    with pytest.raises(Exception, match="closed"):
+        iter(ld)
