@@ -42,7 +42,6 @@ def test_in_process_loader_imports_the_front_end_without_the_served_client() -> 
 def test_both_loaders_are_the_one_front_end() -> None:
     import beton_client
     from beton_client.frontend import EpochIterator, FrontEnd
-
     from beton_serve.loader import EpochIterator as ServeEpochIterator
     from beton_serve.loader import Loader as InProcessLoader
 

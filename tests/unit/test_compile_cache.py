@@ -439,8 +439,7 @@ def test_precompile_at_start_leaves_nothing_to_compile(
     tmp_path: Path, store: DiskStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from beton_serve.cli.config import load_config
-    from beton_serve.daemon import Daemon
-    from beton_serve.daemon._precompile import start_precompile
+    from beton_serve.daemon import Daemon, start_precompile
     from beton_serve.fields import IntField, RGBImageField
     from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
     from beton_serve.loader import Loader

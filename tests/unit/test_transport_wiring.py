@@ -23,8 +23,7 @@ from beton_client._transport.identity import gather_facts
 from beton_client._transport.shm import TensorInfo
 from beton_client.errors import SpecError as ClientSpecError
 from beton_client.errors import TransportError as ClientTransportError
-from beton_serve.daemon import StreamOpened
-from beton_serve.daemon._grpc_batches import SAMPLE_IDS
+from beton_serve.daemon import SAMPLE_IDS, StreamOpened
 from beton_serve.errors import ConfigError, SpecError
 from beton_serve.rpc._convert import opened_message
 from beton_serve.transforms import ToDevice, ToTensor

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from beton_serve.cli._logging import configure_logging
 from beton_serve.cli.config import KEYS, ServeConfig, load_config
 from beton_serve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from beton_serve.daemon import Daemon
 
 __all__ = ["RELOADABLE", "ConfigReloader"]
 
@@ -37,7 +40,7 @@ class ConfigReloader:
         path: the config file (``None``: nothing to reload; SIGHUP is logged and ignored).
     """
 
-    def __init__(self, daemon: Any, cfg: ServeConfig, path: str | None) -> None:
+    def __init__(self, daemon: Daemon, cfg: ServeConfig, path: str | None) -> None:
         self.daemon = daemon
         self.cfg = cfg
         self.path = path
@@ -88,7 +91,7 @@ class ConfigReloader:
         d = self.daemon
         if "bad_sample_budget" in apply:
             d.bad_sample_budget = int(apply["bad_sample_budget"])
-        sharing = getattr(d, "sharing", None)
+        sharing = d.sharing
         if sharing is not None:
             if "share_max_lag" in apply:
                 sharing.max_lag = int(apply["share_max_lag"])

@@ -30,13 +30,16 @@ import signal
 import stat
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from beton_wire.private_dir import names_file
 
 from beton_serve.cli._logging import add_logging_args, configure_logging
 from beton_serve.cli.config import ServeConfig, load_config, merge_flags
 from beton_serve.errors import AddressInUse, ConfigError
+
+if TYPE_CHECKING:
+    from beton_serve.daemon import Daemon
 
 __all__ = ["address_lock", "register", "resolve_socket", "run"]
 
@@ -416,7 +419,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
 
         daemon.reloader = ConfigReloader(daemon, cfg, args.config)
         if cfg.precompile:  # [[precompile]] tables: compiled on the compile thread meanwhile
-            from beton_serve.daemon._precompile import start_precompile
+            from beton_serve.daemon import start_precompile
 
             start_precompile(daemon, cfg.precompile)
         try:
@@ -502,7 +505,7 @@ def _security(cfg: ServeConfig) -> tuple[Any, str | None]:
 
 
 async def _serve(
-    daemon: Any,
+    daemon: Daemon,
     cfg: ServeConfig,
     socket_path: str | None,
     security: tuple[Any, str | None] = (None, None),
@@ -546,7 +549,7 @@ async def _serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        if getattr(daemon, "reloader", None) is not None:  # SIGHUP reloads the config (_reload)
+        if daemon.reloader is not None:  # SIGHUP reloads the config (_reload)
             loop.add_signal_handler(signal.SIGHUP, daemon.reloader)
         idle = loop.create_task(_idle_watch(daemon, cfg.idle_timeout, stop))
         await stop.wait()
@@ -561,7 +564,7 @@ async def _serve(
         await handle.server.stop(grace=1.0)
 
 
-async def _idle_watch(daemon: Any, timeout: float, stop: asyncio.Event) -> None:
+async def _idle_watch(daemon: Daemon, timeout: float, stop: asyncio.Event) -> None:
     if timeout <= 0:
         return
     last_busy = time.monotonic()

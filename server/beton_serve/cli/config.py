@@ -32,7 +32,7 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     metrics_port = -1                         # Prometheus /metrics port; -1 = off, 0 = any free
     metrics_host = "127.0.0.1"                # its address; "0.0.0.0" to let Prometheus scrape a pod
     precompile = []                           # [[precompile]] pipelines compiled at start
-                                              # (see beton_serve.daemon._precompile)
+                                              # (see beton_serve.daemon.parse_precompile)
 
 Unknown keys and wrong types are errors (:class:`~beton_serve.errors.ConfigError`).
 """
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from beton_serve.errors import ConfigError
 
 if TYPE_CHECKING:
-    from beton_serve.daemon._precompile import PrecompileSpec
+    from beton_serve.daemon import PrecompileSpec
 
 __all__ = ["KEYS", "ServeConfig", "load_config", "merge_flags"]
 
@@ -100,7 +100,7 @@ class ServeConfig:
         metrics_host: address the metrics endpoint binds (loopback by default; the endpoint has
             no authentication, so expose it only where the network is trusted).
         precompile: pipelines to compile when the daemon starts (``[[precompile]]`` tables,
-            parsed by ``daemon._precompile.parse_precompile``), so that their first clients,
+            parsed by ``beton_serve.daemon.parse_precompile``), so that their first clients,
             and every client after a restart, find the kernels in the compile cache.
     """
 
@@ -175,7 +175,7 @@ _SEQUENCES = {"files", "listen", "plugins", "grpc_compression", "data_roots"}
 def _coerce(key: str, value: Any, where: str) -> Any:
     default = KEYS[key]
     if key == "precompile":
-        from beton_serve.daemon._precompile import parse_precompile
+        from beton_serve.daemon import parse_precompile
 
         return parse_precompile(value, where)
     if key in _SEQUENCES:

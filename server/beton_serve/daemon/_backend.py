@@ -57,6 +57,12 @@ class PlanLike(Protocol):
         """``op -> (seconds, runs)`` summed over every run of the plan (for stats)."""
         ...
 
+    @property
+    def client_tail(self) -> Mapping[str, Sequence[Any]]:
+        """The ops of each output after its jit prefix (``ToTensor`` onwards), which the client
+        runs on the received tensors."""
+        ...
+
 
 class EngineLike(Protocol):
     """The shared worker pool (``beton_serve.engine.Engine``), as the daemon's stats read it."""
@@ -233,8 +239,7 @@ class EngineBackend:
         handler = reader.handlers.get(name)
         if handler is None:
             return "<absent>"
-        args = getattr(handler, "to_binary", None)
-        blob = bytes(np.asarray(args()).tobytes()) if callable(args) else b""
+        blob = bytes(np.asarray(handler.to_binary()).tobytes())  # Field.to_binary is abstract
         return f"{type(handler).__name__}({blob.rstrip(bytes(1)).hex() or '-'})"
 
     def combine(self, readers: Sequence[Any], name: str) -> Any:
@@ -320,10 +325,10 @@ class EngineBackend:
         from beton_serve.errors import SpecError
 
         out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-        for name, ops in (getattr(plan, "client_tail", {}) or {}).items():
+        for name, ops in plan.client_tail.items():
             specs = []
             for op in ops:
-                spec = getattr(op, "spec_name", None) or type(op).__name__
+                spec = op.spec_name or type(op).__name__  # Operation.spec_name: None unless set
                 try:
                     params = dict(op.spec_params())
                 except NotImplementedError:

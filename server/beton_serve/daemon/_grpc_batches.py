@@ -1,17 +1,18 @@
-"""The grpc transport inside the daemon: a host-memory ring and the producer of the batch method.
+"""The grpc transport inside the daemon: the producer (and publisher) of the batch method.
 
 A stream negotiated as ``grpc`` (a client on another host, or ``transport="grpc"``) gets a
-:class:`HostRing`: the same slot ring as shm, in private process memory instead of a shared
-segment. Its batches do not travel in the ``Batches`` call: the client opens the pass-through batch
-method (``beton_serve.transport.grpc_codec``, hosted on the daemon's grpc.aio server by
-``beton_serve.rpc.create_server``) with the stream id as the OPEN payload, then asks for
-``(epoch, batch_index)`` pairs with WANT messages. Each WANT is one credit:
+``transport.grpc_ring.HostRing``: the same slot ring as shm, in private process memory instead of
+a shared segment. Its batches do not travel in the ``Batches`` call: the client opens the
+pass-through batch method (``beton_serve.transport.grpc_codec``, hosted on the daemon's grpc.aio
+server by ``beton_serve.rpc.create_server``) with the stream id as the OPEN payload, then asks
+for ``(epoch, batch_index)`` pairs with WANT messages. Each WANT is one credit:
 
-* :class:`StreamProducer` takes a free slot, submits the batch to the stream's source (the shared
-  engine) into that slot, and when it is decoded publishes it and hands the slot's views to the
-  encoder (plus the sample ids as one more array, :data:`SAMPLE_IDS`);
+* :class:`StreamProducer` takes a free slot from the stream (``Stream.acquire``), submits the
+  batch into it (``Stream.submit``), and when it is decoded the stream books it
+  (``Stream.finish``) and calls the producer as its ``daemon._publish.Publisher``, which hands the
+  slot's views to the encoder (plus the sample ids as one more array, :data:`SAMPLE_IDS`);
 * the encoder copies the slot out in chunks, then releases it (:meth:`OutgoingBatch.release`),
-  which frees the slot and lets the next waiting WANT start.
+  which returns the slot to the stream (``Stream.release``) and lets the next waiting WANT start.
 
 WANTs beyond the ring wait in order for a slot, so daemon memory is bounded by the ring and client
 memory by its credits (plus HTTP/2's window). Any ``(epoch, batch)`` may be asked for, in any
@@ -28,56 +29,45 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-from beton_wire.framing import ALL_CODECS, OpenRequest
+from beton_wire.framing import Codec, OpenRequest
 
+from beton_serve.daemon._publish import Finished
+from beton_serve.daemon._stream import Stream
+from beton_serve.daemon._streams import StreamTable
 from beton_serve.errors import SpecError, TransportError
-from beton_serve.transport.base import TransportFactory
 from beton_serve.transport.grpc_codec import OutgoingBatch
-from beton_serve.transport.grpc_ring import (
-    GrpcFactory,
-)
 
-if TYPE_CHECKING:
-    from beton_serve.daemon._stream import Stream
-
-__all__ = ["SAMPLE_IDS", "StreamProducer", "StreamTable", "producer_factory"]
+__all__ = ["SAMPLE_IDS", "StreamProducer", "producer_factory"]
 
 log = logging.getLogger("beton_serve.daemon")
 
 #: Name of the extra array that carries a batch's sample ids (uint64), last in every batch.
 SAMPLE_IDS = "__sample_ids__"
 
-
-class StreamTable(Protocol):
-    """What the batch method needs from the daemon (``beton_serve.daemon.Daemon`` is one).
-
-    Declared here, below the daemon, so that this module never imports ``_daemon`` (which imports
-    it through ``_transports``). Read and written on the event-loop thread only.
-    """
-
-    #: Open streams by id; :meth:`StreamProducer.close` removes its own.
-    streams: dict[str, Stream]
-    #: Transport factories by kind; ``grpc`` names the codecs it allows (``allowed_codecs``).
-    factories: dict[str, TransportFactory]
+Want = tuple[int, int, concurrent.futures.Future[OutgoingBatch]]
 
 
 class StreamProducer:
-    """Produces one grpc stream's batches for the batch method (see the module docstring)."""
+    """Produces one grpc stream's batches for the batch method (see the module docstring).
 
-    def __init__(
-        self, daemon: StreamTable, stream: Stream, loop: asyncio.AbstractEventLoop
-    ) -> None:
-        self.daemon = daemon
+    A ``transport.grpc_codec.BatchProducer`` for the call, and the stream's
+    ``daemon._publish.Publisher``: one WANT is one credit, and the ring bounds them.
+    """
+
+    def __init__(self, table: StreamTable, stream: Stream, loop: asyncio.AbstractEventLoop) -> None:
+        self.table = table
         self.stream = stream
         self.loop = loop
-        self._waiting: collections.deque[
-            tuple[int, int, concurrent.futures.Future[OutgoingBatch]]
-        ] = collections.deque()
+        self._waiting: collections.deque[Want] = collections.deque()
+        #: The WANT of each slot being published (set in ``_done``, taken by :meth:`publish`).
+        self._outs: dict[int, concurrent.futures.Future[OutgoingBatch]] = {}
         self._inflight = 0
         self._closed = False
+        stream.begin(0)  # credits: the whole ring (WANTs beyond it wait in order)
 
     # -- BatchProducer -----------------------------------------------------------------------
     def submit(self, epoch: int, batch_index: int) -> concurrent.futures.Future[OutgoingBatch]:
@@ -96,39 +86,59 @@ class StreamProducer:
         self._closed = True
         while self._waiting:
             self._waiting.popleft()[2].cancel()
-        self.daemon.streams.pop(self.stream.stream_id, None)
-        self.stream.close()
+        self.table.remove(self.stream)
         log.info(
             "stream %s closed after %d batches (grpc)",
             self.stream.stream_id,
             self.stream.counters.batches_sent,
         )
 
+    # -- Publisher (called by Stream.finish, event-loop thread) -------------------------------
+    def publish(self, batch: Finished) -> None:
+        """Hand the slot's views and the ids to the encoder; it releases the slot when sent."""
+        out = self._outs.pop(batch.slot)
+        n = batch.length
+        named = [(o.name, a[:n]) for o, a in zip(self.stream.outputs, batch.arrays, strict=True)]
+        named.append((SAMPLE_IDS, batch.sample_ids))
+        slot = batch.slot
+        out.set_result(OutgoingBatch(named, release=lambda: self._release(slot)))
+
+    def end(self, epoch: int, batches: int) -> None:
+        """Nothing to send: the batch method has no epochs (the client asks for each batch)."""
+
     # -- internals (event-loop thread) -------------------------------------------------------
     def _pump(self) -> None:
-        ring = self.stream.ring
+        s = self.stream
         while self._waiting and not self._closed:
-            if self.stream.abort_exc is not None:
-                self._waiting.popleft()[2].set_exception(self.stream.abort_exc)
+            if s.abort_exc is not None:
+                self._waiting.popleft()[2].set_exception(s.abort_exc)
                 continue
-            slot = ring.acquire()
+            try:
+                slot = s.acquire()
+            except Exception as exc:  # a file shrank: this WANT fails, as every next one will
+                self._waiting.popleft()[2].set_exception(exc)
+                continue
             if slot is None:
                 return
             epoch, b, out = self._waiting.popleft()
             try:
-                src = self.stream.source.submit(
-                    epoch, b, ring.host_views(slot), priority=0 if self._inflight == 0 else 1
-                )
+                # A remote client waits for every batch it asked for: all are split over the
+                # workers, the first one ahead of prefetch work.
+                src = s.submit(epoch, b, slot, waiting=self._inflight == 0, split_prefetch=True)
             except Exception as exc:
-                ring.abandon(slot)
+                s.abandon(slot)
                 out.set_exception(exc)
                 continue
             self._inflight += 1
+            src.add_done_callback(self._on_engine_done(slot, epoch, b, out))
 
-            def done(f: Any, slot: int = slot, epoch: int = epoch, b: int = b, out: Any = out):
-                self.loop.call_soon_threadsafe(self._done, f, slot, epoch, b, out)
+    def _on_engine_done(
+        self, slot: int, epoch: int, b: int, out: concurrent.futures.Future[OutgoingBatch]
+    ) -> Callable[[concurrent.futures.Future[list[np.ndarray]]], None]:
+        def done(f: concurrent.futures.Future[list[np.ndarray]]) -> None:  # an engine thread
+            self.loop.call_soon_threadsafe(self._done, f, slot, epoch, b, out)
 
-            src.add_done_callback(done)
+        return done
 
     def _done(
         self,
@@ -139,58 +149,46 @@ class StreamProducer:
         out: concurrent.futures.Future[OutgoingBatch],
     ) -> None:
         self._inflight -= 1
-        ring = self.stream.ring
+        s = self.stream
         if self._closed:
-            ring.abandon(slot)
+            s.abandon(slot)
             return
-        exc = self.stream.abort_exc or (f.exception() if not f.cancelled() else None)
+        exc = s.abort_exc or (f.exception() if not f.cancelled() else None)
         if exc is None and f.cancelled():
             exc = TransportError("the engine stopped before the batch was made")
         if exc is not None:
-            ring.abandon(slot)
+            s.abandon(slot)
             out.set_exception(exc)
             self._pump()
             return
-        arrays = f.result()
-        s = self.stream
-        ids, length = s.account(epoch, b, f, arrays)  # the counters every publisher keeps
-        ring.publish(slot, length)
-        named = [(o.name, a[:length]) for o, a in zip(s.outputs, arrays, strict=True)]
-        named.append((SAMPLE_IDS, ids))
-        out.set_result(OutgoingBatch(named, release=lambda: self._release(slot)))
+        self._outs[slot] = out
+        try:
+            s.finish(epoch, b, slot, f, f.result(), self)
+        except Exception as exc:  # the ring was closed meanwhile
+            if self._outs.pop(slot, None) is not None:
+                out.set_exception(exc)
 
     def _release(self, slot: int) -> None:
         if not self._closed:
-            self.stream.ring.release(slot)
+            self.stream.release(slot)
             self._pump()
 
 
-def producer_factory(daemon: StreamTable) -> Any:
-    """The ``producer_factory`` of the batch method for ``daemon`` (runs on the event loop).
+def producer_factory(
+    table: StreamTable, allowed_codecs: frozenset[Codec]
+) -> Callable[[OpenRequest, Any], StreamProducer]:
+    """The ``producer_factory`` of the batch method over ``table`` (runs on the event loop).
 
     The OPEN payload is the stream id from OpenStream; the stream must use the grpc transport
-    and not be attached to another call.
+    and not be attached to another call, and the compression must be in ``allowed_codecs``.
+    ``context`` (the grpc call's) is not used.
     """
 
     def make(req: OpenRequest, context: Any) -> StreamProducer:
         sid = req.payload.decode("utf-8", "replace")
-        stream = daemon.streams.get(sid)
-        if stream is None:
-            raise SpecError(
-                f"unknown stream {sid!r}: open it with OpenStream first (streams are closed "
-                "when their batch call ends)"
-            )
-        if stream.ring.kind != "grpc":
-            raise SpecError(
-                f"stream {sid!r} uses the {stream.ring.kind} transport; read it with Batches"
-            )
-        if stream.task is not None:
-            raise SpecError(f"stream {sid!r} is already being served")
-        factory = daemon.factories.get("grpc")
-        allowed = factory.allowed_codecs if isinstance(factory, GrpcFactory) else ALL_CODECS
-        if req.compression.codec not in allowed:
+        stream = table.find(sid, call="batch", kind="grpc")
+        if req.compression.codec not in allowed_codecs:
             raise SpecError(f"compression {req.compression} is not enabled on this daemon")
-        stream.task = asyncio.current_task()
-        return StreamProducer(daemon, stream, asyncio.get_running_loop())
+        return StreamProducer(table, table.claim(stream), asyncio.get_running_loop())
 
     return make

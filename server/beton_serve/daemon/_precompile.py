@@ -32,13 +32,17 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from beton_serve.daemon._backend import Backend
+from beton_serve.daemon._datasets import DatasetTable
+from beton_serve.daemon._plans import PlanRegistry
 from beton_serve.errors import BetonError, ConfigError
 
 __all__ = [
+    "PrecompileHost",
     "PrecompileOp",
     "PrecompileResult",
     "PrecompileSpec",
@@ -189,10 +193,8 @@ def _run_one(spec: PrecompileSpec, datasets: Any, backend: Any) -> None:
         finally:
             plan.release_workspace(ws)
     finally:
-        if opened is not None:
-            close = getattr(opened, "close", None)
-            if close is not None:
-                close()
+        if opened is not None:  # a reader of the backend: closed as DatasetTable closes its own
+            opened.close()
 
 
 def precompile(
@@ -227,19 +229,26 @@ def precompile(
     return results
 
 
-def start_precompile(daemon: Any, specs: Sequence[PrecompileSpec]) -> Future[Any] | None:
-    """Run :func:`precompile` for ``daemon`` on its compile thread (``None`` without specs).
+class PrecompileHost(Protocol):
+    """What :func:`start_precompile` needs of a daemon (``beton_serve.daemon.Daemon`` is one)."""
+
+    #: The served datasets (an entry's ``dataset`` names one).
+    datasets: DatasetTable
+    #: Builds ops, opens files and compiles plans.
+    backend: Backend
+    #: Its compile thread (``PlanRegistry.submit``).
+    plans: PlanRegistry
+
+
+def start_precompile(
+    daemon: PrecompileHost, specs: Sequence[PrecompileSpec]
+) -> Future[list[PrecompileResult]] | None:
+    """Run :func:`precompile` for ``daemon`` on its compile thread (``None`` without specs;
+    after ``Daemon.close``, right here).
 
     Call it right after ``Daemon.create``; the daemon serves meanwhile, and a client's plan
     queued behind it then finds every kernel in the cache.
     """
     if not specs:
         return None
-    pool = getattr(daemon, "_compile_pool", None)
-    if pool is None:
-        fut: Future[Any] = Future()
-        fut.set_result(precompile(specs, datasets=daemon.datasets, backend=daemon.backend))
-        return fut
-    return pool.submit(  # type: ignore[no-any-return]
-        precompile, specs, datasets=daemon.datasets, backend=daemon.backend
-    )
+    return daemon.plans.submit(precompile, specs, datasets=daemon.datasets, backend=daemon.backend)

@@ -35,8 +35,9 @@ that epoch at batch 0, which it almost always does; any other start (a resume, a
 stream) discards them: cancelled, slots returned, references released. A stream with a
 bad-sample budget does not look ahead (the budget is spent in decode order).
 
-The gRPC path (``Stream.run_epoch``) has no look-ahead; both publish through ``Stream.submit``
-and ``Stream.publish``.
+The ``Batches`` call's own path (``Stream.run_epoch``) has no look-ahead. Every path takes slots
+with ``Stream.acquire``, submits with ``Stream.submit`` and publishes through ``Stream.finish``;
+this one with a ``NoticePublisher`` (``daemon._publish``).
 
 Memory: when the pump stops it keeps no batch future, and the error that ends an epoch carries no
 frame of the thread that published: a batch's error is taken with ``Future.exception()`` (not
@@ -55,12 +56,12 @@ from collections import deque
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
-from beton_serve.daemon._stream import StartEpoch, Stream
+from beton_serve.daemon._events import StartEpoch
+from beton_serve.daemon._publish import Publisher
+from beton_serve.daemon._stream import Lookahead, Pending, Stream
 from beton_serve.errors import BetonError, SpecError, without_traceback
 
 __all__ = ["Lookahead", "NoticePump"]
-
-Pending = deque[tuple[int, int, Future[Any]]]
 
 #: First and longest delay of the starvation timer (seconds): it only runs while the stream
 #: waits for its client with nothing in flight, and only matters when a WAKE was missed.
@@ -68,31 +69,28 @@ TIMER_FIRST_S = 0.001
 TIMER_MAX_S = 0.016
 
 
-class Lookahead:
-    """Batches ``0..next-1`` of ``epoch`` submitted ahead of the client's ``Start``."""
-
-    __slots__ = ("epoch", "next", "pending")
-
-    def __init__(self, epoch: int, pending: Pending, next_batch: int) -> None:
-        self.epoch = epoch
-        self.pending = pending
-        self.next = next_batch
-
-
 class NoticePump:
-    """One epoch of ``stream`` from ``start``, published on its notice channel.
+    """One epoch of ``stream`` from ``start``, published with ``publisher`` (the stream's
+    ``NoticePublisher``) from the engine workers; an :class:`~beton_serve.daemon._stream.EpochPump`.
 
     Raises (from :meth:`run`):
         SpecError: the resume position is past the end of the epoch.
         PipelineError, TransportError, ...: what ended the stream.
     """
 
-    def __init__(self, stream: Stream, start: StartEpoch, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        stream: Stream,
+        start: StartEpoch,
+        loop: asyncio.AbstractEventLoop,
+        publisher: Publisher,
+    ) -> None:
         n = stream.num_batches
         if not 0 <= start.next_batch <= n:
             raise SpecError(f"next_batch {start.next_batch} is outside the epoch's {n} batches")
         self.stream = stream
         self.loop = loop
+        self.out = publisher
         self.epoch = start.epoch
         self.n = n
         self.b_next = start.next_batch
@@ -118,8 +116,7 @@ class NoticePump:
         self.timer_armed = False
         self.delay = TIMER_FIRST_S
         self.done: asyncio.Future[None] = loop.create_future()
-        slots = stream.ring.slot_count
-        stream._credits = slots if start.credits <= 0 else min(start.credits, slots)
+        stream.begin(start.credits)
 
     async def run(self) -> None:
         """Serve the epoch; returns after its ``END`` record, raises what ended the stream."""
@@ -128,7 +125,7 @@ class NoticePump:
             s.pump = self
         try:
             if self.delivered == self.n:
-                s.send_end(self.epoch)
+                s.end_epoch(self.epoch, self.out)
                 return
             for cfut in self.adopted:
                 cfut.add_done_callback(self._on_done)
@@ -167,7 +164,7 @@ class NoticePump:
             if self.extras is not None and self.extras.starved:
                 self.extras.starved = False
             self.delay = TIMER_FIRST_S
-            if self.pending and s._published == 0 and not self.pending[0][2].done():
+            if self.pending and s.client_idle and not self.pending[0][2].done():
                 s.promote(self.pending[0][2])  # the client has read everything: it waits
         except BaseException as exc:
             self._fail_locked(_detached(exc))
@@ -178,17 +175,17 @@ class NoticePump:
 
     def _submit_locked(self, new: list[Future[Any]]) -> None:
         s = self.stream
-        while self._wants_slot() and s.ring.leased() < s._credits:
-            s.dataset.check_files()  # a truncated file would SIGBUS the daemon
-            slot = s.ring.acquire()
+        while self._wants_slot():
+            slot = s.acquire()  # within the credits; re-checks the files (a truncation: SIGBUS)
             if slot is None:
                 return
             ahead = self.b_next >= self.n
             epoch, b = (self.epoch + 1, self.ahead_next) if ahead else (self.epoch, self.b_next)
             try:
-                cfut = s.submit(epoch, b, slot, not ahead and not self.pending, self.by_ref)
+                waiting = s.waiting_for(not ahead and not self.pending)
+                cfut = s.submit(epoch, b, slot, waiting=waiting, by_ref=self.by_ref)
             except BaseException:
-                s.ring.abandon(slot)
+                s.abandon(slot)
                 raise
             if ahead:  # not published by this pump: no callback (see the module docstring)
                 self.ahead.append((b, slot, cfut))
@@ -225,14 +222,14 @@ class NoticePump:
                 b, slot, cfut = self.pending.popleft()
                 error = CancelledError() if cfut.cancelled() else cfut.exception()
                 if error is not None:
-                    s.ring.abandon(slot)
+                    s.abandon(slot)
                     self._fail_locked(error)
                     return
                 try:
-                    s.publish_notice(self.epoch, b, slot, cfut, cfut.result())
+                    s.finish(self.epoch, b, slot, cfut, cfut.result(), self.out)
                     self.delivered += 1
                     if self.delivered == self.n:
-                        s.send_end(self.epoch)
+                        s.end_epoch(self.epoch, self.out)
                         self._settle(None)
                 except BaseException as exc:
                     self._fail_locked(_detached(exc))

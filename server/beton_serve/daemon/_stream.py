@@ -8,6 +8,13 @@ Protocol (driven by ``beton_serve.rpc`` from the ``Batches`` call, all on the ev
 * it publishes them in batch order (:class:`BatchOut`), then :class:`EpochEnd`;
 * each :class:`ReleaseSlot` returns a slot (and so a credit); the stream then submits more.
 
+One owner of credits and slots: every serving path (this module's :meth:`Stream.run_epoch` for
+the ``Batches`` call, the notice pump, the grpc batch method) takes slots with
+:meth:`Stream.acquire`, submits with :meth:`Stream.submit`, books and publishes each decoded
+batch with :meth:`Stream.finish` through its ``daemon._publish.Publisher``, and gets slots back
+through :meth:`Stream.release`. The paths differ only in who drives the epoch and where the
+batch goes.
+
 Fair scheduling: a batch is submitted with priority 0 (served first by the engine) when the client
 has nothing left to read, i.e. it is waiting; prefetch batches get priority 1.
 
@@ -16,9 +23,9 @@ Notices (shm streams, :mod:`beton_wire.notice`): when the client starts an epoch
 notice connection instead of yielding them to the Batches call, and releases arrive there too.
 Per batch that replaces two gRPC messages with two 32-byte socket records.
 
-Ending: the Batches call ending, the client closing its notice channel, the client's process dying (the daemon's liveness monitor
-cancels the serving task) or the daemon shutting down all end the stream; :meth:`Stream.close`
-then reclaims every lease and frees the ring. A client that closes its notice channel before its
+Ending: the Batches call ending, the client closing its notice channel, the client's process
+dying (the daemon's liveness monitor cancels the serving task) or the daemon shutting down all
+end the stream; :meth:`Stream.close` then reclaims every lease and frees the ring. A client that closes its notice channel before its
 first Start closed the stream (:meth:`Stream.closed_before_start`; the liveness monitor ends it).
 
 Memory: the ring is unmapped when it closes unless a view of it is still alive, and then with
@@ -35,28 +42,50 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from beton_wire.notice import lease_token
 from beton_wire.slots import SlotLayout
+from numpy.typing import NDArray
 
 from beton_serve.daemon._backend import BatchSourceLike, OutputInfo
 from beton_serve.daemon._datasets import Dataset
+from beton_serve.daemon._events import (
+    ClientEvent,
+    ClientHungUp,
+    CreditEvent,
+    ReleaseSlot,
+    StartEpoch,
+)
+from beton_serve.daemon._publish import (
+    BatchOut,
+    CallPublisher,
+    EpochEnd,
+    Finished,
+    Publisher,
+    TensorOut,
+)
 from beton_serve.engine import BatchFuture, Releasable, ids_or
 from beton_serve.errors import SpecError, TransportError
-from beton_serve.transport.base import Published, SlotTransport
+from beton_serve.transport.base import SlotTransport
+
+if TYPE_CHECKING:
+    from beton_serve.transport.notice import NoticeConn
 
 __all__ = [
     "NOTICE_ATTACH_TIMEOUT_S",
     "BatchOut",
-    "ClientHungUp",
     "ClientEvent",
+    "ClientHungUp",
     "CreditEvent",
     "EpochEnd",
+    "EpochPump",
+    "Lookahead",
+    "Pending",
     "ReleaseSlot",
     "StartEpoch",
     "Stream",
@@ -69,74 +98,33 @@ log = logging.getLogger("beton_serve.daemon")
 NOTICE_ATTACH_TIMEOUT_S = 10.0
 
 
-class ClientHungUp(TransportError):
-    """The client closed its notice channel: the stream ends quietly."""
+#: Batches submitted and not yet published, oldest first: ``(batch index, slot, future)``.
+Pending = deque[tuple[int, int, Future[list[np.ndarray]]]]
 
 
-@dataclass(frozen=True, slots=True)
-class StartEpoch:
-    """Start (or resume) ``epoch`` at batch ``next_batch`` with ``credits`` (0: the ring size);
-    ``notices``: publish on the stream's notice channel rather than the Batches call."""
+class Lookahead:
+    """Batches ``0..next-1`` of ``epoch`` submitted ahead of the client's ``Start`` (the notice
+    pump's look-ahead, ``daemon._pump``); adopted or discarded by the next epoch's start."""
 
-    stream_id: str
-    epoch: int
-    next_batch: int = 0
-    credits: int = 0
-    notices: bool = False
+    __slots__ = ("epoch", "next", "pending")
 
-
-@dataclass(frozen=True, slots=True)
-class ReleaseSlot:
-    """The client is done with ``slot`` (it held batch ``batch_index``); it waited ``wait_us``."""
-
-    slot: int
-    batch_index: int = 0
-    wait_us: int = 0
+    def __init__(self, epoch: int, pending: Pending, next_batch: int) -> None:
+        self.epoch = epoch
+        self.pending = pending
+        self.next = next_batch
 
 
-@dataclass(frozen=True, slots=True)
-class CreditEvent:
-    """The client grants ``count`` more credits (up to the ring size)."""
+class EpochPump(Protocol):
+    """The driver of an epoch that publishes from the engine workers (``daemon._pump``), as
+    the stream's client events reach it (event-loop thread)."""
 
-    count: int
+    def fill(self) -> None:
+        """Collect released slots and submit batches into them, up to the credits."""
+        ...
 
-
-ClientEvent = StartEpoch | ReleaseSlot | CreditEvent
-
-
-@dataclass(frozen=True, slots=True)
-class TensorOut:
-    """Where one output of a published batch is: shape includes the batch dimension."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class BatchOut:
-    """A published batch."""
-
-    epoch: int
-    batch_index: int
-    slot: int
-    length: int
-    tensors: tuple[TensorOut, ...]
-    sample_ids: np.ndarray
-    published: Published
-    #: ``(segment, offset)`` when the data is not in ``slot`` but in a sharing group's buffer
-    #: (zero-copy sharing, notice channel only); ``None`` otherwise.
-    at: tuple[str, int] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EpochEnd:
-    """Every batch of ``epoch`` was published."""
-
-    epoch: int
-    batches: int
+    def fail(self, exc: BaseException) -> None:
+        """End the epoch with ``exc``."""
+        ...
 
 
 @dataclass(kw_only=True)
@@ -151,6 +139,12 @@ class StreamStatsCounters:
 @dataclass(kw_only=True)
 class Stream:
     """One open stream (see the module docstring).
+
+    The stream owns its credits and slots for every serving path: a path's driver (the
+    ``Batches`` call's :meth:`run_epoch`, the notice pump, the grpc batch method) takes a slot
+    with :meth:`acquire`, starts the batch with :meth:`submit` and hands the decoded batch to
+    :meth:`finish`, which books it and calls the path's :class:`Publisher`; the client's release
+    comes back through :meth:`release` (or an shm release word, :meth:`reap`).
 
     Attributes:
         stream_id: the id handed to the client.
@@ -180,7 +174,7 @@ class Stream:
     _credits: int = 0
     _published: int = 0  # published and not yet released
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _submitted: dict[int, Any] = field(default_factory=dict)
+    _submitted: dict[int, Future[list[np.ndarray]]] = field(default_factory=dict)
     _bad_seen: int = 0  # bad samples of this stream's source already counted
     #: Set by :meth:`abort`: the error the serving task raises at its next step.
     abort_exc: BaseException | None = None
@@ -189,20 +183,20 @@ class Stream:
     #: The notice channel: the token the client must present, the future of its connection
     #: (``None``: the stream offers none), the bound connection, and how to forget the token.
     notice_token: bytes = b""
-    notice_future: asyncio.Future[Any] | None = None
-    notice: Any = None
-    notice_unregister: Any = None
+    notice_future: asyncio.Future[NoticeConn] | None = None
+    notice: NoticeConn | None = None
+    notice_unregister: Callable[[bytes], None] | None = None
     #: Shared batches published by reference, by slot: released with the slot (issue 6).
-    _refs: dict[int, Any] = field(default_factory=dict)
-    #: Guards the ring, the lease counts and the references while a :class:`NoticePump`
-    #: publishes from engine workers (``daemon._pump``); the pump serving the epoch, if any.
+    _refs: dict[int, Releasable] = field(default_factory=dict)
+    #: Guards the ring, the lease counts and the references while a notice pump publishes
+    #: from engine workers (``daemon._pump``); the pump serving the epoch, if any.
     lock: threading.RLock = field(default_factory=threading.RLock)
-    pump: Any = None
-    #: Batches of the next epoch a pump submitted ahead of the client's Start
-    #: (``daemon._pump.Lookahead``), adopted or discarded by the next epoch's start.
-    lookahead: Any = None
+    pump: EpochPump | None = None
+    #: Batches of the next epoch a pump submitted ahead of the client's Start, adopted or
+    #: discarded by the next epoch's start.
+    lookahead: Lookahead | None = None
 
-    async def attach_notices(self, on_hangup: Any) -> Any:
+    async def attach_notices(self, on_hangup: Callable[[], None]) -> NoticeConn:
         """Wait for the client's notice connection and route its releases to this stream.
 
         ``on_hangup`` is called when the client closes it.
@@ -257,39 +251,6 @@ class Stream:
         if self.pump is not None:
             self.pump.fill()
 
-    def reap(self) -> bool:
-        """Release the slots whose release word the client set (hold :attr:`lock`); whether
-        there were any."""
-        extras = self.ring.notice_extras
-        if extras is None:
-            return False
-        slots = extras.reap()
-        for slot in slots:
-            self._release_slot(slot)
-        if slots:
-            self.counters.client_wait_us = max(
-                self.counters.client_wait_us, extras.client_wait_us()
-            )
-        return bool(slots)
-
-    def _release_slot(self, slot: int) -> bool:
-        if not self.ring.release(slot):
-            return False
-        self._published -= 1
-        ref = self._refs.pop(slot, None)
-        if ref is not None:  # the group may free the shared buffer now
-            ref.release()
-        return True
-
-    def send_end(self, epoch: int) -> None:
-        """Tell the client on the notice channel that ``epoch`` ended (see :meth:`publish_notice`
-        for the batches).
-
-        Raises:
-            TransportError: the client is gone or stopped reading.
-        """
-        self.notice.send_end(epoch, self.num_batches)
-
     def abort(self, exc: BaseException) -> None:
         """Make the serving task end with ``exc`` (e.g. ``ShuttingDown``) at its next step."""
         self.abort_exc = exc
@@ -303,11 +264,138 @@ class Stream:
         """Batches per epoch."""
         return len(self.source)
 
+    # -- credits and slots (every serving path) ------------------------------------------------
+    def begin(self, credits: int) -> None:
+        """Start serving with ``credits`` slots in flight at most (0: the whole ring)."""
+        slots = self.ring.slot_count
+        self._credits = slots if credits <= 0 else min(credits, slots)
+
+    def has_credit(self) -> bool:
+        """Whether another slot may be taken: fewer slots filling or leased than credits."""
+        return self.ring.leased() < self._credits
+
+    def acquire(self) -> int | None:
+        """A free slot to decode the next batch into, within the credits (``None``: none now).
+
+        Raises:
+            FormatError: a file of the dataset shrank (a truncated file would SIGBUS the daemon).
+        """
+        if not self.has_credit():
+            return None
+        self.dataset.check_files()
+        return self.ring.acquire()
+
+    def abandon(self, slot: int) -> None:
+        """Give back a slot acquired for a batch that will not be published."""
+        self.ring.abandon(slot)
+
+    @property
+    def client_idle(self) -> bool:
+        """Whether the client holds no published batch: it has read everything and waits."""
+        return self._published == 0
+
+    def waiting_for(self, first: bool) -> bool:
+        """Whether the client waits for the batch submitted now: nothing is pending ahead of
+        it (``first``) and the client holds at most one published batch."""
+        return self._published <= 1 and first
+
+    def submit(
+        self,
+        epoch: int,
+        b: int,
+        slot: int,
+        *,
+        waiting: bool,
+        by_ref: bool = False,
+        split_prefetch: bool = False,
+    ) -> Future[list[np.ndarray]]:
+        """Submit batch ``b`` into ``slot`` (from :meth:`acquire`).
+
+        A batch the client waits for (``waiting``) goes in at priority 0 and is split over the
+        workers, so it arrives sooner; prefetch work gets priority 1 and stays whole, which
+        costs less per image (as in the in-process Loader), unless ``split_prefetch`` (the grpc
+        batch method: a remote client's WANTs are all waited for).
+        """
+        return self.source.submit(
+            epoch,
+            b,
+            self.ring.host_views(slot),
+            priority=0 if waiting else 1,
+            slices=None if waiting or split_prefetch else 1,
+            by_reference=by_ref,
+        )
+
+    def finish(
+        self,
+        epoch: int,
+        b: int,
+        slot: int,
+        cfut: Future[list[np.ndarray]],
+        arrays: Sequence[np.ndarray],
+        publisher: Publisher,
+    ) -> None:
+        """Book the decoded batch ``b`` of ``slot`` and hand it to ``publisher``: the ids it
+        holds, the counters, the slot's lease, an shm ring's id table and release word, a
+        sharing group's reference (hold :attr:`lock` when engine workers may publish
+        concurrently). Every serving path publishes through here, once per batch.
+
+        Raises:
+            TransportError: the slot was not being filled (the ring was closed meanwhile), or
+                the publisher's client is gone.
+        """
+        batch = cfut if isinstance(cfut, BatchFuture) else None
+        ref = None if batch is None else batch.shared_ref
+        if ref is not None:
+            self._refs[slot] = ref
+        ids, length = self._account(epoch, b, cfut, arrays)
+        extras = self.ring.notice_extras
+        if extras is not None:  # shm: the notice channel's clients read the ids there
+            extras.write_ids(slot, ids)
+        published = self.ring.publish(slot, length)
+        if extras is not None:  # a client on the notice channel releases through its word
+            extras.arm(slot, lease_token(epoch, b, self.num_batches))
+        self._published += 1
+        at = None if ref is None else (ref.segment, ref.offset)
+        publisher.publish(Finished(epoch, b, slot, length, ids, arrays, published, at))
+
+    def end_epoch(self, epoch: int, publisher: Publisher) -> None:
+        """Tell the client through ``publisher`` that ``epoch`` ended.
+
+        Raises:
+            TransportError: the client is gone or stopped reading.
+        """
+        publisher.end(epoch, self.num_batches)
+
+    def release(self, slot: int) -> bool:
+        """Return a published slot (the client is done with it); whether it was leased."""
+        if not self.ring.release(slot):
+            return False
+        self._published -= 1
+        ref = self._refs.pop(slot, None)
+        if ref is not None:  # the group may free the shared buffer now
+            ref.release()
+        return True
+
+    def reap(self) -> bool:
+        """Release the slots whose release word the client set (hold :attr:`lock`); whether
+        there were any."""
+        extras = self.ring.notice_extras
+        if extras is None:
+            return False
+        slots = extras.reap()
+        for slot in slots:
+            self.release(slot)
+        if slots:
+            self.counters.client_wait_us = max(
+                self.counters.client_wait_us, extras.client_wait_us()
+            )
+        return bool(slots)
+
     # -- events from the client (event-loop thread) -------------------------------------------
     def on_release(self, ev: ReleaseSlot) -> None:
         """Return a slot; unknown or double releases are ignored (logged at debug level)."""
         with self.lock:
-            if self._release_slot(ev.slot):
+            if self.release(ev.slot):
                 extras = self.ring.notice_extras
                 if extras is not None:
                     extras.disarm(ev.slot)
@@ -331,9 +419,13 @@ class Stream:
     def _on_done(self, _fut: asyncio.Future[Any]) -> None:
         self._wake.set()
 
-    # -- producing one epoch -----------------------------------------------------------------
+    def wake(self) -> None:
+        """Make :meth:`run_epoch` look at its state again (the Batches call ended)."""
+        self._wake.set()
+
+    # -- producing one epoch on the Batches call -----------------------------------------------
     async def run_epoch(self, start: StartEpoch) -> AsyncGenerator[BatchOut | EpochEnd, None]:
-        """Produce ``start.epoch`` from ``start.next_batch``, in order.
+        """Produce ``start.epoch`` from ``start.next_batch``, in order (:class:`CallPublisher`).
 
         Raises:
             SpecError: the resume position is past the end of the epoch.
@@ -342,27 +434,27 @@ class Stream:
         n = self.num_batches
         if not 0 <= start.next_batch <= n:
             raise SpecError(f"next_batch {start.next_batch} is outside the epoch's {n} batches")
-        slots = self.ring.slot_count
-        self._credits = slots if start.credits <= 0 else min(start.credits, slots)
+        self.begin(start.credits)
         self.drop_lookahead()  # only the notice path looks ahead
         epoch = start.epoch
         b_next = start.next_batch
         by_ref = start.notices and self.by_reference()
+        out = CallPublisher(self.layout)
         pending: deque[tuple[int, int, asyncio.Future[list[np.ndarray]]]] = deque()
         try:
             delivered = b_next
             while delivered < n:
                 if self.abort_exc is not None:
                     raise self.abort_exc
-                while b_next < n and self.ring.leased() < self._credits:
-                    self.dataset.check_files()  # a truncated file would SIGBUS the daemon
-                    slot = self.ring.acquire()
+                while b_next < n:
+                    slot = self.acquire()
                     if slot is None:
                         break
                     try:
-                        cfut = self.submit(epoch, b_next, slot, not pending, by_ref)
+                        waiting = self.waiting_for(not pending)
+                        cfut = self.submit(epoch, b_next, slot, waiting=waiting, by_ref=by_ref)
                     except BaseException:
-                        self.ring.abandon(slot)
+                        self.abandon(slot)
                         raise
                     afut = asyncio.wrap_future(cfut)
                     afut.add_done_callback(self._on_done)
@@ -374,26 +466,27 @@ class Stream:
                     continue
                 b, slot, fut = pending[0]
                 if not fut.done():
-                    if self._published == 0:  # the client has read everything: it is waiting
-                        self._promote(b)
+                    if self.client_idle:  # the client has read everything: it is waiting
+                        self.promote(self._submitted.get(b))
                     await self._wait_wake()
                     continue
                 pending.popleft()
-                cfut = self._submitted.pop(b, None)
+                cfut = self._submitted.pop(b)
                 try:
                     arrays = fut.result()
                 except BaseException:
-                    self.ring.abandon(slot)
+                    self.abandon(slot)
                     raise
                 try:
-                    item = self.publish(epoch, b, slot, cfut, arrays)
+                    self.finish(epoch, b, slot, cfut, arrays, out)
                 finally:
                     # An error raised out of here keeps this frame: not with the slot's views,
                     # which would keep the ring mapped after the stream closed (issue 11).
                     del arrays, fut, cfut
-                yield item
+                yield out.items.popleft()
                 delivered += 1
-            yield EpochEnd(epoch=epoch, batches=n)
+            self.end_epoch(epoch, out)
+            yield out.items.popleft()
         finally:
             self._abandon(pending)
 
@@ -402,7 +495,7 @@ class Stream:
         slots and references, and forget them (its frame keeps none of them: see there)."""
         for b, slot, fut in pending:
             fut.cancel()
-            self.ring.abandon(slot)
+            self.abandon(slot)
             cfut = self._submitted.get(b)
             if cfut is not None:  # decoded (or being decoded) by reference, never published
                 cfut.add_done_callback(_release_shared_ref)
@@ -416,12 +509,12 @@ class Stream:
             if la is not None:
                 self.discard(la.pending)
 
-    def discard(self, pending: Any) -> None:
+    def discard(self, pending: Pending) -> None:
         """Cancel submitted ``(batch, slot, future)`` entries that will not be published:
         return their slots and shared references, and empty ``pending`` (hold :attr:`lock`)."""
         for _, slot, cfut in pending:
             cfut.cancel()
-            self.ring.abandon(slot)
+            self.abandon(slot)
             # Decoded (or still being decoded) by reference, never published: the reference is
             # set just before the future completes, so release it then (now, if done).
             cfut.add_done_callback(_release_shared_ref)
@@ -439,77 +532,11 @@ class Stream:
         the only one that can name another segment)."""
         return self.source.caps.by_reference and self.ring.notice_extras is not None
 
-    def submit(self, epoch: int, b: int, slot: int, first: bool, by_ref: bool) -> Any:
-        """Submit batch ``b`` into ``slot`` (acquired); ``first``: nothing else is pending.
-
-        A batch the client waits for (nothing published for it to read, nothing ahead of it) is
-        split over the workers, so it arrives sooner; prefetch work stays whole, which costs
-        less per image (as in the in-process Loader).
-        """
-        waiting = self._published <= 1 and first
-        return self.source.submit(
-            epoch,
-            b,
-            self.ring.host_views(slot),
-            priority=0 if waiting else 1,
-            slices=None if waiting else 1,
-            by_reference=by_ref,
-        )
-
-    def publish(self, epoch: int, b: int, slot: int, cfut: Future[Any], arrays: Any) -> BatchOut:
-        """Publish the finished batch ``b`` of ``slot``: ids, lease, counters (the caller holds
-        :attr:`lock` when engine workers may publish concurrently).
-
-        Raises:
-            TransportError: the slot was not being filled (the ring was closed meanwhile).
-        """
-        length, ids, ref, published = self._book(epoch, b, slot, cfut, arrays)
-        return BatchOut(
-            epoch=epoch,
-            batch_index=b,
-            slot=slot,
-            length=length,
-            tensors=self._tensors(length),
-            sample_ids=ids,
-            published=published,
-            at=None if ref is None else (ref.segment, ref.offset),
-        )
-
-    def publish_notice(self, epoch: int, b: int, slot: int, cfut: Future[Any], arrays: Any) -> None:
-        """:meth:`publish` straight to the notice channel (``BATCH`` or ``BATCH_AT``), without
-        building the message the Batches call would need (hold :attr:`lock`).
-
-        Raises:
-            TransportError: the slot was not being filled, or the client is gone.
-        """
-        length, _, ref, _ = self._book(epoch, b, slot, cfut, arrays)
-        if ref is None:
-            self.notice.send_batch(slot, epoch, b, length)
-        else:
-            self.notice.send_batch_at(slot, epoch, b, length, ref.segment, ref.offset)
-
-    def _book(
-        self, epoch: int, b: int, slot: int, cfut: Future[Any], arrays: Any
-    ) -> tuple[int, np.ndarray, Releasable | None, Published]:
-        batch = cfut if isinstance(cfut, BatchFuture) else None
-        ref = None if batch is None else batch.shared_ref
-        if ref is not None:
-            self._refs[slot] = ref
-        ids, length = self.account(epoch, b, cfut, arrays)
-        extras = self.ring.notice_extras
-        if extras is not None:  # shm: the notice channel's clients read the ids there
-            extras.write_ids(slot, ids)
-        published = self.ring.publish(slot, length)
-        if extras is not None:  # a client on the notice channel releases through its word
-            extras.arm(slot, lease_token(epoch, b, self.num_batches))
-        self._published += 1
-        return length, ids, ref, published
-
-    def account(self, epoch: int, b: int, cfut: Future[Any], arrays: Any) -> tuple[np.ndarray, int]:
+    def _account(
+        self, epoch: int, b: int, cfut: Future[list[np.ndarray]], arrays: Sequence[np.ndarray]
+    ) -> tuple[NDArray[np.uint64], int]:
         """Count a finished batch (stream, dataset and bad samples) and return its ids and
-        length: every publisher (notices, the Batches call, the grpc batch method) calls this
-        once per batch it publishes.
-        """
+        length (once per published batch, from :meth:`finish`)."""
         self._count_bad()
         # The ids the batch holds (a skipped sample is replaced: engine._source.delivered_ids);
         # the order's only when the future does not carry them (looked up only then: this runs
@@ -535,19 +562,10 @@ class Stream:
             self.dataset.note_bad(int(x.sample_id) for x in bad[self._bad_seen :])
             self._bad_seen = len(bad)
 
-    def _promote(self, b: int) -> None:
-        self.promote(self._submitted.get(b))
-
-    def promote(self, cfut: Any) -> None:
+    def promote(self, cfut: Future[Any] | None) -> None:
         """Move the decode behind ``cfut`` ahead of prefetch work (the client is waiting)."""
         if cfut is not None:
             self.source.promote(cfut)
-
-    def _tensors(self, length: int) -> tuple[TensorOut, ...]:
-        return tuple(
-            TensorOut(t.name, (length, *t.shape), t.dtype, t.offset, t.sample_bytes * length)
-            for t in self.layout.tensors
-        )
 
     def close(self) -> None:
         """Free the ring and every lease (idempotent)."""
@@ -574,7 +592,7 @@ class Stream:
         self._wake.set()
 
 
-def _release_shared_ref(fut: Any) -> None:
+def _release_shared_ref(fut: Future[Any]) -> None:
     """Done-callback: give back the shared reference of a batch that will not be published (a
     pinned group buffer would otherwise stay pinned; ``SharedRef.release`` is idempotent)."""
     if isinstance(fut, BatchFuture) and fut.shared_ref is not None:

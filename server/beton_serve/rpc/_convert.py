@@ -434,7 +434,7 @@ def dataset_info(ds: Dataset, decoders: dict[str, list[str]] | None = None) -> p
 
 def stats_message(s: DaemonStats) -> pb.StatsResponse:
     """The Stats reply."""
-    bad = dict(getattr(s, "bad_samples", ()))
+    bad = dict(s.bad_samples)
     return pb.StatsResponse(
         pid=s.pid,
         uptime_s=s.uptime_s,
@@ -464,9 +464,9 @@ def stats_message(s: DaemonStats) -> pb.StatsResponse:
         shm_bytes=s.shm_bytes,
         compiled_plans=s.compiled_plans,
         streams_opened=s.streams_opened,
-        queue_depth=getattr(s, "queue_depth", 0),
-        worker_utilisation=getattr(s, "worker_utilisation", 0.0),
-        workers_replaced=getattr(s, "workers_replaced", 0),
+        queue_depth=s.queue_depth,
+        worker_utilisation=s.worker_utilisation,
+        workers_replaced=s.workers_replaced,
         decode_groups=[
             pb.DecodeGroupStats(
                 dataset=g.dataset,
@@ -480,6 +480,6 @@ def stats_message(s: DaemonStats) -> pb.StatsResponse:
                 evicted=g.evicted,
                 live_bytes=g.live_bytes,
             )
-            for g in getattr(s, "decode_groups", ())
+            for g in s.decode_groups
         ],
     )

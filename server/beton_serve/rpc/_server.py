@@ -11,14 +11,12 @@ import os
 from collections.abc import Sequence
 
 import grpc
-from beton_wire.framing import ALL_CODECS
 from beton_wire.limits import MAX_REQUEST_BYTES
 from beton_wire.v1 import beton_pb2 as pb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from beton_serve.daemon import Daemon
-from beton_serve.daemon._grpc_batches import producer_factory
+from beton_serve.daemon import Daemon, producer_factory
 from beton_serve.errors import ConfigError
 from beton_serve.rpc._errors import status_for
 from beton_serve.rpc._service import BetonServeServicer
@@ -81,7 +79,7 @@ def create_server(
     """Build the daemon's gRPC server (call on the event loop that will run it).
 
     Besides BetonServe, health and reflection, the server hosts the pass-through batch method of
-    the grpc transport (``beton_serve.daemon._grpc_batches``) when the daemon offers it.
+    the grpc transport (``beton_serve.daemon.producer_factory``) when the daemon offers it.
 
     Security: ``tls`` secures every TCP address (the Unix socket is private to the daemon's user
     and stays plain). ``token``, when given, is required on *every* call but health checks, on
@@ -107,13 +105,13 @@ def create_server(
     server = grpc.aio.server(options=list(SERVER_OPTIONS), interceptors=interceptors)
     # A message that does not parse is INVALID_ARGUMENT, not grpcio's UNKNOWN (_strict).
     add_strict_servicer(BetonServeServicer(daemon), server)
-    grpc_factory = daemon.factories.get("grpc")
+    grpc_factory = daemon.grpc_factory
     if grpc_factory is not None:
         add_batch_stream_handler(
             server,
-            producer_factory(daemon),
+            producer_factory(daemon.streams, grpc_factory.allowed_codecs),
             service_name=BATCH_SERVICE,
-            allowed_codecs=getattr(grpc_factory, "allowed_codecs", ALL_CODECS),
+            allowed_codecs=grpc_factory.allowed_codecs,
             status_for=status_for,
         )
     health_servicer = health.aio.HealthServicer()

@@ -67,10 +67,10 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
         try:
             compression = ""
             if request.compression:
-                grpc_factory = self.daemon.factories.get("grpc")
+                grpc_factory = self.daemon.grpc_factory
                 if grpc_factory is None:
                     raise SpecError("this daemon does not offer the grpc transport (compression)")
-                compression = grpc_factory.check_compression(request.compression)  # type: ignore[attr-defined]
+                compression = grpc_factory.check_compression(request.compression)
             peer = peer_credentials(context.peer())
             opened = await self.daemon.open_stream(stream_request(request, peer))
             reply = opened_message(opened)

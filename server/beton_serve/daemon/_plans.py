@@ -1,0 +1,178 @@
+"""The daemon's plan registry: compiled plans by request, and the one compile thread.
+
+A stream's plan is keyed by :meth:`PlanRegistry.spec_key`: the dataset's identity (a plan holds
+its reader), its schema, the batch size, every pipeline's ops and whether the peer may make the
+daemon import op modules (that decides which ops the plan holds). A second stream with the same
+key reuses the plan, even while the first one still compiles (both await one future); a plan
+whose compilation failed is compiled again by the next request.
+
+Compiling (seconds: Numba) runs on one helper thread, ``beton-compile``, which also opens files
+on demand (``daemon._opener``) and runs the ``[[precompile]]`` entries at start
+(``daemon._precompile``): one thread, so a client's plan queued behind a precompile finds every
+kernel in the cache instead of compiling it concurrently.
+
+Threads: :meth:`PlanRegistry.get` and everything else run on the event-loop thread, except
+``_compile_sync``, which runs on the compile thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from beton_wire.limits import short_repr
+
+from beton_serve.daemon._backend import Backend, OutputInfo, PlanLike
+from beton_serve.daemon._datasets import Dataset
+from beton_serve.daemon._messages import StreamRequest
+from beton_serve.daemon._on_demand import CLIENT_OP, IMPORT_OP, OpImportPolicy, resolve_ops
+
+__all__ = ["PlanEntry", "PlanRegistry"]
+
+log = logging.getLogger("beton_serve.daemon")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanEntry:
+    """A compiled plan and its daemon-side outputs (with the ops each leaves to the client)."""
+
+    plan: PlanLike
+    outputs: tuple[OutputInfo, ...]
+
+
+class PlanRegistry:
+    """Compiled plans by spec key, and the compile thread (see the module docstring).
+
+    Args:
+        backend: compiles the plans.
+        op_imports: which peers may make the daemon import a user op's module.
+    """
+
+    def __init__(self, backend: Backend, op_imports: OpImportPolicy) -> None:
+        self.backend = backend
+        self.op_imports = op_imports
+        self._plans: dict[str, asyncio.Future[PlanEntry]] = {}
+        #: plan key -> the key of the dataset it was compiled over (to drop it with the dataset).
+        self._owner: dict[str, str] = {}
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, thread_name_prefix="beton-compile"
+        )
+
+    # -- the compile thread ------------------------------------------------------------------
+    def on_compile_thread(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run ``fn(*args)`` on the compile thread; await the result on the event loop."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        """Run ``fn(*args, **kwargs)`` on the compile thread from any thread (after
+        :meth:`close`: right here, returning a done future)."""
+        if self._pool is None:
+            fut: Future[T] = Future()
+            fut.set_result(fn(*args, **kwargs))
+            return fut
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        """Stop the compile thread, dropping the work not started (idempotent)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    # -- plans -------------------------------------------------------------------------------
+    def import_refusal(self, req: StreamRequest) -> str | None:
+        """Why this request's peer may not make the daemon import op modules (or ``None``)."""
+        return self.op_imports.refusal(owner_peer=req.owner_peer, peer_uid=req.offer.identity.uid)
+
+    def spec_key(self, req: StreamRequest, ds: Dataset) -> str:
+        """The key of ``req``'s plan over ``ds`` (also its sharing groups' pipeline key)."""
+        spec = [
+            [p.name, p.field or p.name, p.skip, [[o.name, dict(o.params)] for o in p.ops]]
+            for p in req.pipelines
+        ]
+        # Whether the peer may make the daemon import op modules decides which ops the plan holds.
+        imports = any(o.name == IMPORT_OP for p in req.pipelines for o in p.ops)
+        allowed = imports and self.import_refusal(req) is None
+        # The plan holds the dataset's reader: keyed by the dataset's identity, not only its schema
+        # (train and val files share a schema; issue 11).
+        text = json.dumps([ds.key, ds.schema_key, req.batch_size, spec, allowed], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    async def get(self, req: StreamRequest, ds: Dataset) -> tuple[PlanEntry, bool]:
+        """``req``'s plan over ``ds``, and whether it was cached (compiled, or compiling).
+
+        Raises:
+            SpecError: an op cannot be built; PipelineError: the pipeline failed to compile.
+        """
+        key = self.spec_key(req, ds)
+        fut = self._plans.get(key)
+        if fut is not None:
+            if not fut.done() or fut.exception() is None:
+                return await asyncio.shield(fut), True
+        fut = self.on_compile_thread(self._compile_sync, req, ds)
+        self._plans[key] = fut
+        self._owner[key] = ds.key
+        try:
+            return await asyncio.shield(fut), False
+        except BaseException:
+            if self._plans.get(key) is fut:
+                del self._plans[key]
+            raise
+
+    def drop(self, ds: Dataset) -> None:
+        """Forget the plans compiled over ``ds``'s reader (they would keep it mapped)."""
+        for key in [k for k, owner in self._owner.items() if owner == ds.key]:
+            self._plans.pop(key, None)
+            del self._owner[key]
+
+    def compiled(self) -> list[PlanLike]:
+        """The plans compiled successfully (for stats)."""
+        return [
+            f.result().plan
+            for f in self._plans.values()
+            if f.done() and not f.cancelled() and f.exception() is None
+        ]
+
+    def _compile_sync(self, req: StreamRequest, ds: Dataset) -> PlanEntry:
+        pipelines: dict[str, Any] = {}  # ops, a PipelineSpec (another output), or None
+        local: dict[str, tuple[str, dict[str, Any]] | None] = {}
+        refusal = self.import_refusal(req)
+        for p in req.pipelines:
+            if p.skip:
+                pipelines[p.name] = None
+                continue
+            # User ops: plugin, else imported here, else run by the client (_on_demand).
+            ops, local[p.name] = resolve_ops(
+                p.ops, build=self.backend.build_op, import_refusal=refusal
+            )
+            # Another output of a field (FFCV's PipelineSpec(source=field)) keeps its name.
+            renamed = bool(p.field) and p.field != p.name
+            pipelines[p.name] = self.backend.field_output(p.field, ops) if renamed else ops
+            handed = local[p.name]
+            if handed is not None:
+                log.info(
+                    "dataset=%s pipeline=%s: ops from #%d run in the client (%s)",
+                    ds.name,
+                    short_repr(p.name),
+                    handed[1]["from"],
+                    "; ".join(handed[1]["why"]),
+                )
+        check = {} if ds.checksums is None else {"sample_check": ds.checksums.check}
+        plan = self.backend.compile(ds.reader, pipelines, req.batch_size, **check)
+        tail = self.backend.client_tail(plan)
+        outputs = []
+        for o in self.backend.outputs(plan):
+            ops = [t for t in tail.get(o.name, ()) if t[0] != CLIENT_OP]
+            marker = local.get(o.name)
+            outputs.append(
+                dataclasses.replace(o, client_ops=tuple([marker, *ops] if marker else ops))
+            )
+        return PlanEntry(plan=plan, outputs=tuple(outputs))
