@@ -211,6 +211,9 @@ class _NullReceiver:
     def arrays(self, slot, tensors):
         return []
 
+    def release(self, slot) -> None:
+        pass
+
     def close(self) -> None:
         self.closed = True
 
