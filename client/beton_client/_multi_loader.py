@@ -198,16 +198,17 @@ class RemoteEpochFeed:
         self.epoch = epoch
         self.index = start
         self.done = False
-        self._held: Any = None
+        #: The batch last returned (its buffer goes back to the pool on release), in a box that
+        #: the finalizer shares: an epoch dropped without ``close`` still gives its buffer back.
+        self._held: list[Any] = [None]
         stream.complete = False
         self._gen: Generator[Any, None, None] = stream.reader.iter_epoch(  # type: ignore[assignment]
             epoch, stream.num_batches, start
         )
+        self._finalizer = weakref.finalize(self, _release_held, self._held)
 
     def release(self) -> None:
-        held, self._held = self._held, None
-        if held is not None and held.release is not None:
-            held.release()
+        _release_held(self._held)
 
     def next(self) -> RawBatch | None:
         self.release()
@@ -231,7 +232,7 @@ class RemoteEpochFeed:
             arrays = [arrays_by_name[n] for n in self.stream.names]
         except KeyError as exc:
             raise ServerError(f"the daemon sent a batch without output {exc}") from None
-        self._held = batch
+        self._held[0] = batch
         self.index += 1
         if self.index == self.stream.num_batches:
             self._finish()
@@ -246,6 +247,12 @@ class RemoteEpochFeed:
         self.release()
         self.done = True
         self._gen.close()
+
+
+def _release_held(box: list[Any]) -> None:
+    held, box[0] = box[0], None
+    if held is not None and held.release is not None:
+        held.release()
 
 
 def open_remote(

@@ -653,6 +653,8 @@ class EpochIterator:
 
     def __next__(self) -> tuple[Any, ...]:
         if self.done:
+            # Asking past the end releases the last batch (as asking for a next batch does).
+            self.close()
             raise StopIteration
         ef = self._epoch_feed
         assert ef is not None

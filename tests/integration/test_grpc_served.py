@@ -181,3 +181,32 @@ def test_daemon_shutdown_ends_a_grpc_stream_with_server_unavailable(
                 pass
         assert time.monotonic() - t0 < 30
     assert d.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["for", "islice"])
+def test_many_epochs_on_one_grpc_stream_give_every_batch_buffer_back(
+    daemon_factory, fixtures_dir: Path, how: str
+) -> None:
+    """Each epoch's last batch goes back to the client's buffer pool (credits + 2 buffers): when
+    the loop asks past the end, or when an epoch read to its end without that is dropped. Nine
+    epochs outlast the pool; a leaked buffer per epoch failed the 6th."""
+    import itertools
+
+    port = free_port()
+    d = daemon_factory([fixtures_dir / "image_pairs.beton"], args=["--listen", f"127.0.0.1:{port}"])
+    kw: dict = dict(batch_size=5, seed=7, drop_last=False, pipelines=_pipelines())
+    served = Loader("image_pairs", server=d.address, transport="grpc", spawn=False, **kw)
+    local = InProcessLoader(fixtures_dir / "image_pairs.beton", num_workers=1, **kw)
+    try:
+        for _ in range(9):
+            want, _ = _epoch(local)
+            if how == "for":
+                got, _ = _epoch(served)
+            else:
+                it = iter(served)
+                got, _ = _epoch(itertools.islice(it, len(served)))
+                del it
+            _same(got, want)
+    finally:
+        served.close()
+        local.close()
