@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench_loader import build, pipelines
-    from beton_client import Loader, OrderOption
+    from beton_client import Loader, OrderOption, ServeOptions
     from helpers.daemon import start_daemon
 
     path = build(args.kind, args.n)
@@ -62,8 +62,7 @@ def main() -> None:
                 seed=0,
                 pipelines=pipelines(args.kind),
                 drop_last=False,
-                server=d.address,
-                spawn=False,
+                serve=ServeOptions(server=d.address, spawn=False),
             ) as ld:
                 for e in range(args.epochs):
                     t0 = time.perf_counter()

@@ -76,7 +76,7 @@ def main() -> None:
 
     from bench_grpc_transport import MiB, cpu_now, run_raw, serve, server_cpu
     from bench_served import proc_cpu
-    from beton_client import Loader
+    from beton_client import Loader, ServeOptions
     from beton_client._transport.grpc_codec import CHANNEL_OPTIONS
     from helpers.daemon import start_daemon
 
@@ -99,9 +99,15 @@ def main() -> None:
             Path(tmp),
             args=["--workers", "2", "--no-share", "--listen", f"127.0.0.1:{port}"],
         )
-        kw: dict = dict(batch_size=256, seed=0, spawn=False, drop_last=True)
-        grpc_ld = Loader(path.stem, server=f"127.0.0.1:{port}", transport="grpc", **kw)
-        shm_ld = Loader(path.stem, server=d.address, transport="shm", **kw)
+        kw: dict = dict(batch_size=256, seed=0, drop_last=True)
+        grpc_ld = Loader(
+            path.stem,
+            serve=ServeOptions(server=f"127.0.0.1:{port}", transport="grpc", spawn=False),
+            **kw,
+        )
+        shm_ld = Loader(
+            path.stem, serve=ServeOptions(server=d.address, transport="shm", spawn=False), **kw
+        )
         n_batches = len(grpc_ld)
 
         def epochs(ld) -> int:

@@ -50,7 +50,7 @@ def main() -> None:
 
     from bench_loader import build, pipelines
     from bench_served import proc_cpu
-    from beton_client import Loader, OrderOption
+    from beton_client import Loader, OrderOption, ServeOptions
     from helpers.daemon import start_daemon
 
     path = build(args.kind, args.n)
@@ -80,9 +80,9 @@ def main() -> None:
                     order=OrderOption.RANDOM,
                     seed=0,
                     pipelines=pipelines(args.kind),
-                    server=[daemons[n][1] for n in names],
-                    transport="grpc",
-                    spawn=False,
+                    serve=ServeOptions(
+                        server=[daemons[n][1] for n in names], transport="grpc", spawn=False
+                    ),
                 )
                 for label, names in configs.items()
             }

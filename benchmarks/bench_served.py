@@ -116,9 +116,9 @@ from bench_loader import pipelines
 mode, path, kind = sys.argv[1], sys.argv[2], sys.argv[3]
 batch = {"imagenet": 256, "cifar": 512}[kind]
 if mode == "served":
-    from beton_client import Loader, OrderOption
+    from beton_client import Loader, OrderOption, ServeOptions
     ld = Loader(path, batch_size=batch, order=OrderOption.RANDOM, seed=int(sys.argv[6]),
-                pipelines=pipelines(kind), server=sys.argv[5], spawn=False)
+                pipelines=pipelines(kind), serve=ServeOptions(server=sys.argv[5], spawn=False))
 else:
     from beton_serve.loader import Loader, OrderOption
     ld = Loader(path, batch_size=batch, order=OrderOption.RANDOM, seed=int(sys.argv[6]),
@@ -190,6 +190,7 @@ def main() -> None:
     from bench_loader import build, pipelines
     from beton_client import Loader as ServedLoader
     from beton_client import OrderOption as ServedOrder
+    from beton_client import ServeOptions
     from beton_serve.loader import Loader as LocalLoader
     from beton_serve.loader import OrderOption as LocalOrder
     from helpers.daemon import start_daemon
@@ -216,7 +217,7 @@ def main() -> None:
                     order=ServedOrder.RANDOM,
                     seed=0,
                     pipelines=pipelines(kind),
-                    server=d.address,
+                    serve=ServeOptions(server=d.address),
                 )
                 loc, srv = time_blocks([local, served], args.epochs, args.rounds, [None, d.pid])
                 batches = len(served)

@@ -43,10 +43,11 @@ _CLIENT = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from bench_loader import pipelines
-from beton_client import Loader, OrderOption
+from beton_client import Loader, OrderOption, ServeOptions
 path, kind, address, batch, seed = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 ld = Loader(path, batch_size=batch, order=OrderOption.RANDOM, seed=seed,
-            pipelines=pipelines(kind), drop_last=False, server=address, spawn=False)
+            pipelines=pipelines(kind), drop_last=False,
+            serve=ServeOptions(server=address, spawn=False))
 for _ in ld:  # warm-up epoch
     pass
 print("READY", flush=True)

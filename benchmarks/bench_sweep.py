@@ -52,7 +52,7 @@ CLK = os.sysconf("SC_CLK_TCK")
 
 _CLIENT = r"""
 import json, sys, time
-from beton_client import Loader, OrderOption
+from beton_client import Loader, OrderOption, ServeOptions
 from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
 path, address, batch, seed, epochs, size, mode = sys.argv[1:8]
@@ -64,7 +64,8 @@ pipes = {
     "label": [IntDecoder(), ToTensor()],
 }
 ld = Loader(path, batch_size=int(batch), order=OrderOption.RANDOM, seed=int(seed),
-            pipelines=pipes, drop_last=False, server=address, spawn=False)
+            pipelines=pipes, drop_last=False,
+            serve=ServeOptions(server=address, spawn=False))
 for _ in ld:  # warm-up epoch
     pass
 print("READY", flush=True)
