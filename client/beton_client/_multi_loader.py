@@ -41,7 +41,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from beton_wire.framing import ALIGN, Compression, OpenRequest
+from beton_wire.framing import ALIGN, Compression, DecodedBatch, OpenRequest
 from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
@@ -133,11 +133,12 @@ class RemoteStream:
         self.complete = True
         self.closed = False
         targets = [d.target for d in self.daemons]
-        self.reader: MultiDaemonReader[Any] = MultiDaemonReader(
+        self.reader: MultiDaemonReader[DecodedBatch] = MultiDaemonReader(
             [StreamLink(d.stream, timeout=RECEIVE_TIMEOUT_S) for d in self.daemons],
             credits_per_daemon=credits_per_daemon,
             # Not a bound method: the reader must not keep this stream alive (see the finalizer).
             on_daemon_lost=lambda index, exc: _log_lost(targets, reader_ref, index, exc),
+            discard=_give_back,
         )
         reader_ref = weakref.ref(self.reader)
         self._finalizer = weakref.finalize(self, _close_remote, self.reader, list(self.daemons))
@@ -247,6 +248,12 @@ class RemoteEpochFeed:
         self.release()
         self.done = True
         self._gen.close()
+
+
+def _give_back(batch: DecodedBatch) -> None:
+    """A batch received but never delivered: its buffer goes back to the pool."""
+    if batch.release is not None:
+        batch.release()
 
 
 def _release_held(box: list[Any]) -> None:

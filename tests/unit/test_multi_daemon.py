@@ -151,7 +151,7 @@ def test_randomized_failures_never_lose_or_repeat() -> None:
 
 def test_stopping_early_drains_and_releases_what_was_prefetched() -> None:
     daemons = [FakeDaemon(i) for i in range(2)]
-    reader = MultiDaemonReader(daemons, credits_per_daemon=3)
+    reader = MultiDaemonReader(daemons, credits_per_daemon=3, discard=lambda b: b.release())
     it = reader.iter_epoch(0, 50)
     first = [next(it) for _ in range(3)]
     it.close()

@@ -127,10 +127,8 @@ class StreamLink:
         self._stream.close()
 
 
-def _release(item: Any) -> None:
-    rel = getattr(item, "release", None)
-    if callable(rel):
-        rel()
+def _keep(item: Any) -> None:
+    """The default ``discard``: nothing to give back."""
 
 
 class MultiDaemonReader(Generic[T]):
@@ -141,8 +139,8 @@ class MultiDaemonReader(Generic[T]):
             declares dead; the caller closes the rest.
         credits_per_daemon: batches requested or buffered per daemon at once (>= 1).
         on_daemon_lost: called as ``on_daemon_lost(index, exc)`` when a daemon is declared dead.
-        discard: called on batches received but never delivered (when the consumer stops early);
-            defaults to calling their ``release()`` if they have one.
+        discard: called on batches received but never delivered (when the consumer stops early),
+            e.g. to give their buffers back; default: nothing.
     """
 
     def __init__(
@@ -160,7 +158,7 @@ class MultiDaemonReader(Generic[T]):
         self._links = list(links)
         self._credits = credits_per_daemon
         self._on_lost = on_daemon_lost
-        self._discard: Callable[[T], None] = discard or _release
+        self._discard: Callable[[T], None] = discard or _keep
         self._dead: set[int] = set()
         self._alive: list[int] = list(range(len(self._links)))
         self._closed = False
