@@ -549,56 +549,6 @@ class Plan:
                 direct[leaf.position] = outs[i]
         return direct
 
-    def make_tail(self) -> TailRunner:
-        """A runner for the client tail with its own buffers (one per consumer)."""
-        return TailRunner(self)
-
-
-class TailRunner:
-    """Runs the client tail (``ToTensor`` onwards) of every output, in the consumer's thread.
-
-    Its buffers are reused for every batch: the tensors it returns are valid until the next call.
-    """
-
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-        self.generation = plan.generation
-        self._steps: list[list[tuple[Node, Callable[..., Any], Any]]] = []
-        for path in plan.paths:
-            steps = []
-            for nd in path.nodes:
-                if plan._jit[nd.position]:
-                    continue
-                q = plan._alloc[nd.position]
-                if isinstance(q, list):
-                    buf: Any = [_empty(x, plan.batch_size) for x in q]
-                else:
-                    buf = None if q is None else _empty(q, plan.batch_size)
-                steps.append((nd, plan._fns[nd.position], buf))
-            self._steps.append(steps)
-
-    def __call__(
-        self,
-        arrays: Sequence[Any],
-        batch_indices: NDArray[np.uint64],
-        seed_keys: NDArray[np.uint64],
-    ) -> tuple[Any, ...]:
-        n = len(batch_indices)
-        outs = []
-        for x, steps in zip(arrays, self._steps, strict=True):
-            for nd, fn, buf in steps:
-                args = [x, _slice(buf, n)]
-                if getattr(fn, "with_indices", False):
-                    args.append(batch_indices)
-                if getattr(fn, "with_seed", False):
-                    args.append(seed_keys[nd.position])
-                try:
-                    x = fn(*args)
-                except Exception as exc:
-                    raise PipelineError(f"{type(exc).__name__}: {exc}", op=nd.name) from exc
-            outs.append(x)
-        return tuple(outs)
-
 
 def _spec_key(paths: list[OutputPath]) -> Any:
     parts = []
