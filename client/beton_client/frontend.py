@@ -32,7 +32,7 @@ from __future__ import annotations
 import numbers
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -696,7 +696,3 @@ class EpochIterator:
         ef, self._epoch_feed = self._epoch_feed, None
         if ef is not None:
             ef.close()
-
-
-#: A function that builds a Loader's backend errors from a message (for typing only).
-ErrorFactory = Callable[[str], Exception]

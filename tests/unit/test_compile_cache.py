@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from beton_serve.cli._cache import main as cache_main
-from beton_serve.pipeline._compile_cache import DiskStore, cache_dir, default_store
+from beton_serve.pipeline.compile_cache import DiskStore, cache_dir, default_store
 from beton_serve.pipeline._compile_key import fingerprint
 from beton_serve.pipeline.compiler import Compiler
 
@@ -144,7 +144,7 @@ _CHILD = textwrap.dedent(
     event.register("numba:compile", Count())
     from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
     from beton_serve.loader import Loader, OrderOption
-    from beton_serve.pipeline._compile_cache import default_store
+    from beton_serve.pipeline.compile_cache import default_store
     from beton_serve.transforms import RandomHorizontalFlip
 
     pipes = {
@@ -312,7 +312,7 @@ _WRITER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from beton_serve.pipeline._compile_cache import DiskStore
+    from beton_serve.pipeline.compile_cache import DiskStore
     s = DiskStore(Path(sys.argv[1]))
     key = bytes(32)
     me = int(sys.argv[2])

@@ -217,3 +217,12 @@ def test_len_and_state_dict_still_answer_after_close() -> None:
     assert len(ld) == n and ld.state_dict() == state
     with pytest.raises(Exception, match="closed"):
         iter(ld)
+
+
+def test_custom_fields_naming_no_field_is_refused_and_leaves_no_worker() -> None:
+    from beton_serve.fields import IntField
+
+    before = len(_beton_threads())
+    with pytest.raises(SpecError, match=r"custom_fields\['nope'\]: the file has no field 'nope'"):
+        _loader(custom_fields={"nope": IntField})
+    assert len(_beton_threads()) == before

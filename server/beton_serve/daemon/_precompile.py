@@ -16,7 +16,7 @@ The daemon's TOML config lists them as ``[[precompile]]`` tables::
 For each entry :func:`precompile` plans the pipelines over the dataset (ops built with the
 daemon's registry, as a client's would be), then runs the first few samples through the plan's
 jit prefix: Numba compiles lazily, per argument types, so only a run compiles every kernel. The
-machine code lands in the persistent compile cache (``pipeline._compile_cache``) and the
+machine code lands in the persistent compile cache (``pipeline.compile_cache``) and the
 module-level kernels stay compiled in the daemon, so the first client of that pipeline plans in
 milliseconds, and so does every client after a daemon restart.
 

@@ -487,11 +487,6 @@ class Loader(FrontEnd):
             owns = True
         else:
             reader, owns = fname, False
-        for name in args.custom_fields:
-            if name not in reader.handlers:
-                if owns:
-                    reader.close()
-                raise SpecError(f"custom_fields[{name!r}]: the file has no field {name!r}")
         self.reader = reader
         self.fname = getattr(reader, "path", None)
         self.os_cache = os_cache

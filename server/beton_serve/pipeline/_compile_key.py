@@ -1,4 +1,4 @@
-"""Keys of the persistent compile cache (:mod:`beton_serve.pipeline._compile_cache`).
+"""Keys of the persistent compile cache (:mod:`beton_serve.pipeline.compile_cache`).
 
 :func:`fingerprint` digests what a function compiles to: the bytecode, constants and names of the
 function and of every Python function and dispatcher it reaches through its globals, closure

@@ -6,7 +6,7 @@ Numba's parallel backend, so :meth:`Compiler.get_iterator` always returns ``rang
 methods are kept so that FFCV-style custom ops port by changing their imports only.
 
 Every dispatcher made here loads and saves its machine code through the persistent compile cache
-(:mod:`beton_serve.pipeline._compile_cache`), keyed on the code, the values it freezes, the
+(:mod:`beton_serve.pipeline.compile_cache`), keyed on the code, the values it freezes, the
 signature and the build, so generated closures are cached too (Numba's own ``cache=True`` is
 never used: its key misses globals and callees). ``cache=False`` opts out.
 
@@ -52,7 +52,7 @@ class Compiler:
             return fn
         disp = numba.njit(**JIT_OPTIONS)(fn)
         if cache is not False:
-            from beton_serve.pipeline._compile_cache import attach
+            from beton_serve.pipeline.compile_cache import attach
 
             attach(disp, None if cache is True else cache)
         if signature is not None:
