@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 from beton_serve.cli._cache import main as cache_main
-from beton_serve.pipeline.compile_cache import DiskStore, cache_dir, default_store
 from beton_serve.pipeline._compile_key import fingerprint
+from beton_serve.pipeline.compile_cache import DiskStore, cache_dir, default_store
 from beton_serve.pipeline.compiler import Compiler
 
 ROOT = Path(__file__).resolve().parents[2]
