@@ -19,6 +19,12 @@ functions of their arguments, so a re-run writes the same result). A task that k
 ``max_task_retries + 1`` workers is a poison task: its future fails with ``PipelineError``. :meth:`Engine.close` cancels
 queued tasks, wakes every worker, joins each with a timeout and logs any that did not stop.
 
+Exit: the workers are daemon threads, so a process that leaves a Loader mid-epoch still exits.
+At exit every engine still open is closed (:func:`_close_all_at_exit`) *before* the
+interpreter's exit finalizers (``weakref.finalize``) run: those free TurboJPEG handles and
+unmap dataset files, and a worker still decoding into them crashed the process (SIGSEGV or
+``free(): invalid pointer`` at exit, about one exit in two mid-epoch).
+
 Memory: a task's arguments are often views of a stream's shared-memory ring. Once its future is
 resolved the task drops them, a worker keeps no reference to the last task it ran, and a failed
 task's traceback keeps no frame locals, so that a ring is unmapped as soon as its stream and the
@@ -28,12 +34,14 @@ batch's consumer let go, by reference counting rather than at the next garbage c
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +134,7 @@ class Engine:
         self.tasks_retried = 0
         #: Seconds workers spent running tasks (utilisation = busy / (wall * num_workers)).
         self.busy_s = 0.0
+        _live.add(self)
         for _ in range(self.num_workers):
             self._start_worker()
 
@@ -224,13 +233,14 @@ class Engine:
         with self._lock:
             return sum(t.is_alive() for t in self._threads)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Cancel queued tasks, stop and join every worker (idempotent).
 
-        Tasks already running finish first; each join waits at most ``join_timeout`` seconds,
-        and a worker still alive after it is logged (it is a daemon thread and cannot block
-        interpreter exit).
+        Tasks already running finish first; each join waits at most ``timeout`` seconds
+        (default ``join_timeout``), and a worker still alive after it is logged (it is a daemon
+        thread and cannot block interpreter exit).
         """
+        wait = self.join_timeout if timeout is None else float(timeout)
         with self._lock:
             if self._closed:
                 return
@@ -246,12 +256,30 @@ class Engine:
         for _ in threads:
             self._queue.put((_STOP_PRIORITY, next(self._seq), None))
         for t in threads:
-            t.join(self.join_timeout)
+            t.join(wait)
             if t.is_alive():
-                _log.warning("worker %s did not stop within %.1f s", t.name, self.join_timeout)
+                _log.warning("worker %s did not stop within %.1f s", t.name, wait)
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Every engine not yet closed (closed at exit, see the module docstring).
+_live: weakref.WeakSet[Engine] = weakref.WeakSet()
+#: Seconds each worker may take to finish its running task at exit.
+_EXIT_JOIN_S = 5.0
+
+
+def _close_all_at_exit() -> None:
+    for engine in list(_live):
+        engine.close(timeout=_EXIT_JOIN_S)
+
+
+# atexit runs its handlers last-registered first. weakref.finalize registers its own exit hook
+# when the first finalizer of the process is made: making one now, before registering ours,
+# puts ours first, whatever was imported before this module.
+weakref.finalize(_close_all_at_exit, lambda: None)
+atexit.register(_close_all_at_exit)
