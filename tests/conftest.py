@@ -7,6 +7,8 @@
   the environment), is one fresh temporary directory: the suite never reads or writes the user's
   ``~/.cache/beton-serve``, and later tests reuse what earlier ones compiled. Tests of the cache
   itself point ``BETON_SERVE_CACHE_DIR`` elsewhere.
+* ``BETON_SERVE_PREWARM=0`` unless set: the cold-compile helper processes run only in the
+  tests of ``beton_serve._prewarm`` (tests/unit/test_prewarm.py), which turn them on.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ _CACHE_DIR: str | None = None
 
 def pytest_configure(config: pytest.Config) -> None:
     global _CACHE_DIR
+    # No parallel cold-compile helper processes (beton_serve._prewarm) outside the tests that
+    # turn it on: a helper outlives the test that started it by a few seconds.
+    os.environ.setdefault("BETON_SERVE_PREWARM", "0")
     if "BETON_SERVE_CACHE_DIR" not in os.environ:
         import tempfile
 

@@ -451,7 +451,10 @@ class _CropDecoder(SimpleRGBImageDecoder):
         raise NotImplementedError
 
     def _make_loop(self) -> Callable[..., Any]:
+        from beton_serve import _prewarm
         from beton_serve.jpeg import resolve_backend
+
+        _prewarm.start()  # a cold compile cache: the crop kernels compile in parallel
 
         if resolve_backend(self.jpeg_backend) == "tj3":
             return self._make_tj3_loop()
@@ -685,8 +688,10 @@ class _CropDecoder(SimpleRGBImageDecoder):
 
 def _shared_loop(decoder: _CropDecoder) -> Callable[..., Any]:
     """``share_decode=True``: full decodes shared with the decode group (issue 16)."""
+    from beton_serve import _prewarm
     from beton_serve.fields._shared_decode import make_shared_loop
 
+    _prewarm.start()
     return make_shared_loop(decoder)
 
 
@@ -730,8 +735,10 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
             )
 
     def _crops(self, batch_indices: np.ndarray, seed_key: Any) -> np.ndarray:
+        from beton_serve import _prewarm
         from beton_serve._kernels.crop import rrc_batch
 
+        _prewarm.wait("crop")  # a helper may be compiling rrc_batch into the cache
         cols = self._cols
         return rrc_batch(  # type: ignore[no-any-return]
             np.uint64(seed_key),
@@ -800,8 +807,10 @@ class CenterCropRGBImageDecoder(_CropDecoder):
             raise SpecError(f"CenterCropRGBImageDecoder: ratio must be in (0, 1], got {ratio}")
 
     def _crops(self, batch_indices: np.ndarray, seed_key: Any) -> np.ndarray:
+        from beton_serve import _prewarm
         from beton_serve._kernels.crop import center_crop_batch
 
+        _prewarm.wait("crop")
         cols = self._cols
         return center_crop_batch(  # type: ignore[no-any-return]
             np.asarray(batch_indices),

@@ -63,6 +63,7 @@ __all__ = [
     "attach",
     "cache_dir",
     "default_store",
+    "entry_key",
 ]
 
 _log = logging.getLogger("beton_serve.compile_cache")
@@ -232,6 +233,11 @@ class DiskStore:
             pass
         self._count("hits")
         return payload
+
+    def has(self, key: bytes) -> bool:
+        """Whether an entry file exists under ``key`` (a look-up hint: :meth:`get` is what
+        validates an entry)."""
+        return self.ready() and self._path(key).is_file()
 
     def put(self, key: bytes, payload: bytes) -> bool:
         """Store ``payload`` under ``key`` atomically; ``False`` (logged) when it could not."""
@@ -447,6 +453,18 @@ def _make_cache_class() -> type:
 
 
 _cache_class: type | None = None
+
+
+def entry_key(dispatcher: Any, args: tuple[Any, ...]) -> bytes | None:
+    """The key under which ``dispatcher(*args)`` keeps its machine code in the cache, or
+    ``None`` when it is not cached (no cache attached, or code that cannot be keyed)."""
+    cache: Any = getattr(dispatcher, "_cache", None)
+    if _cache_class is None or not isinstance(cache, _cache_class):
+        return None
+    sig = tuple(dispatcher.typeof_pyval(a) for a in args)
+    keyed: Any = cache  # a KeyedCache
+    key: bytes | None = keyed._key(sig, dispatcher.targetctx.codegen())
+    return key
 
 
 def attach(dispatcher: Any, store: DiskStore | None = None) -> Any:

@@ -1,0 +1,305 @@
+"""A cold compile cache compiles the crop kernels on two cores, not one (issue 14 §2).
+
+Numba compiles under one process-wide lock, so a process compiles its kernels one after the
+other, whatever its thread count. With an empty compile cache, a RandomResizedCrop pipeline's
+first batch waited for the area resize (``area_resize``, about 3.2 s here) and then for the crop
+sampler (``rrc_batch``, about 1.5 s), on one core of two.
+
+When a crop decoder builds its batch loop, :func:`start` looks the module-level kernels up in the
+compile cache (their keys, for the argument types the decoders pass). For what is missing:
+
+* a helper process (``python -m beton_serve._prewarm crop``) compiles the crop samplers
+  (``rrc_batch``, ``center_crop_batch``) into the same cache;
+* a thread of this process (``beton-prewarm``) compiles ``area_resize``;
+* the decoders' ``_crops`` calls :func:`wait` for the helper before their first sampler call, so
+  that the sampler is loaded from the cache rather than compiled here a second time.
+
+With a warm cache (or ``BETON_SERVE_PREWARM=0``) nothing starts: the look-up is a few ``stat``
+calls. The helper cannot change any pixel: it compiles the same functions for the same
+signatures, and an entry is used only when its key (code, signature, build) matches. Any failure
+(no interpreter, the helper crashing or exceeding :data:`WAIT_TIMEOUT_S`, an entry the cache
+rejects) only means that the kernel is compiled here, as without this module. Concurrent helpers
+(the ranks of a DDP job starting together) take a lock file in the cache directory: one
+compiles, the others wait for it and then load its entries.
+
+The helper is this process's child, reaped by a watcher thread; it ends by itself once its
+kernels are compiled (or at once, on a broken pipe, if this process is gone), and at exit this
+process stops a helper that is still running and joins its own compile thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["WAIT_TIMEOUT_S", "join", "main", "start", "wait"]
+
+log = logging.getLogger("beton_serve.prewarm")
+
+#: ``BETON_SERVE_PREWARM=0`` turns the parallel cold compile off.
+ENV = "BETON_SERVE_PREWARM"
+#: How long a decoder waits for the helper before compiling the kernels itself.
+WAIT_TIMEOUT_S = 60.0
+_LOCK_NAME = "prewarm.lock"
+
+Calls = list[tuple[Any, tuple[Any, ...]]]
+
+
+# -- what is compiled: the decoders' argument types (one source for the look-up and the helper)
+def _crop_calls() -> Calls:
+    from beton_serve._kernels import crop
+
+    idx = np.zeros(1, np.uint64)  # the engine's batch indices
+    hw = np.full(1, 8, np.int64)  # _ImageColumns.heights / widths
+    scale, ratio = np.array([0.08, 1.0]), np.array([3.0 / 4.0, 4.0 / 3.0])
+    return [
+        (crop.rrc_batch, (np.uint64(0), idx, hw, hw, scale, ratio)),
+        (crop.center_crop_batch, (idx, hw, hw, 0.875)),
+    ]
+
+
+def _resize_calls() -> Calls:
+    from beton_serve._kernels.resize import area_resize, scratch_size
+
+    src = np.zeros((4, 4, 3), np.uint8)
+    dst = np.zeros((3, 3, 3), np.uint8)
+    scratch = np.zeros(scratch_size(4, 3), np.float32)
+    return [(area_resize, (src, src.reshape(-1), 0, 0, 4, 4, dst, dst.reshape(-1), scratch))]
+
+
+#: Groups the helper process compiles, by name (its command line).
+GROUPS: dict[str, Callable[[], Calls]] = {"crop": _crop_calls}
+#: What this process compiles meanwhile, on its ``beton-prewarm`` thread.
+LOCAL: Callable[[], Calls] = _resize_calls
+
+
+def _run(calls: Calls) -> None:
+    for disp, args in calls:
+        disp(*args)
+
+
+def _missing(calls: Calls, store: Any) -> bool:
+    """Whether some call of ``calls`` has neither a compiled overload here nor a cache entry."""
+    from beton_serve.pipeline.compile_cache import entry_key
+
+    for disp, args in calls:
+        sig = tuple(disp.typeof_pyval(a) for a in args)
+        if sig in disp.overloads:
+            continue
+        key = entry_key(disp, args)
+        if key is not None and not store.has(key):
+            return True
+    return False
+
+
+# -- this process's side -----------------------------------------------------------------
+_lock = threading.Lock()
+_started: set[str] = set()  # cache directories this process has looked up
+_pending: dict[str, threading.Event] = {}  # group -> set once the helper is done with it
+_procs: list[subprocess.Popen[bytes]] = []
+_threads: list[threading.Thread] = []
+
+
+def start() -> None:
+    """Start compiling the crop kernels missing from the compile cache (see the module
+    docstring); returns at once. Once per process and cache directory; never raises."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return
+    try:
+        from beton_serve.pipeline.compile_cache import default_store
+
+        store = default_store()
+        if store is None or not store.ready():
+            return
+        with _lock:
+            if str(store.root) in _started:
+                return
+            _started.add(str(store.root))
+        groups = [name for name, calls in GROUPS.items() if _missing(calls(), store)]
+        local = _missing(LOCAL(), store)
+    except Exception as exc:  # the look-up must never stop a Loader
+        log.debug("prewarm: look-up failed (%r); compiling as needed", exc)
+        return
+    if groups:
+        _spawn(groups, store.root)
+    if local:
+        t = threading.Thread(target=_compile_local, name="beton-prewarm", daemon=True)
+        with _lock:
+            _threads.append(t)
+        t.start()
+
+
+def _compile_local() -> None:
+    try:
+        _run(LOCAL())
+    except Exception as exc:  # the decoder's own call then fails the same way, with its sample
+        log.warning("prewarm: compiling the resize kernel failed: %r", exc)
+
+
+def _command(groups: Sequence[str]) -> list[str]:
+    flags = ["-P"] if sys.version_info >= (3, 11) else []  # no cwd on sys.path
+    return [sys.executable, *flags, "-m", "beton_serve._prewarm", *groups]
+
+
+def _spawn(groups: Sequence[str], root: Path) -> None:
+    events = {g: threading.Event() for g in groups}
+    if not sys.executable:
+        return
+    env = dict(os.environ)
+    # the helper imports this very package, however this process found it
+    here = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    env["BETON_SERVE_CACHE_DIR"] = str(root)
+    env[ENV] = "0"
+    try:
+        proc = subprocess.Popen(
+            _command(groups),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(root),
+            close_fds=True,
+        )
+    except OSError as exc:
+        log.info("prewarm: no helper process (%s); compiling here", exc)
+        return
+    with _lock:
+        _pending.update(events)
+        _procs.append(proc)
+    watcher = threading.Thread(
+        target=_watch, args=(proc, events), name="prewarm-watch", daemon=True
+    )
+    watcher.start()
+
+
+def _watch(proc: subprocess.Popen[bytes], events: dict[str, threading.Event]) -> None:
+    assert proc.stdout is not None
+    other: list[str] = []
+    try:
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            word, _, group = line.partition(" ")
+            if word == "done" and group in events:
+                events[group].set()
+            else:
+                other = [*other[-20:], line]
+    finally:
+        proc.stdout.close()
+        rc = proc.wait()
+        for ev in events.values():
+            ev.set()
+        with _lock:
+            if proc in _procs:
+                _procs.remove(proc)
+        if rc != 0:
+            log.warning(
+                "prewarm: the helper process exited with %s; compiling here. Its output: %s",
+                rc,
+                " | ".join(other) or "(none)",
+            )
+
+
+def wait(group: str, timeout: float = WAIT_TIMEOUT_S) -> None:
+    """Block until the helper is done with ``group`` (at most ``timeout`` s); at once when no
+    helper compiles it. The caller then loads the group's kernels (or compiles them)."""
+    ev = _pending.get(group)
+    if ev is None or ev.is_set():
+        return
+    if not ev.wait(timeout):
+        log.warning(
+            "prewarm: the helper did not finish %r in %.0f s; compiling here", group, timeout
+        )
+        ev.set()
+
+
+def join(timeout: float = WAIT_TIMEOUT_S) -> bool:
+    """Wait for the helper processes and this process's compile thread; ``True`` when all are
+    done (used at exit and by tests)."""
+    with _lock:
+        procs, threads = list(_procs), list(_threads)
+    ok = True
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            ok = False
+    for t in threads:
+        t.join(timeout)
+        ok = ok and not t.is_alive()
+    return ok
+
+
+@atexit.register
+def _at_exit() -> None:
+    with _lock:
+        procs, threads = list(_procs), list(_threads)
+    for proc in procs:  # its entries are written atomically: stopping it loses nothing
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    for t in threads:  # a process must not finalize while numba compiles on another thread
+        t.join(WAIT_TIMEOUT_S)
+
+
+def _reset_for_tests() -> None:
+    """Forget what this process started (tests that point the cache elsewhere)."""
+    join()
+    with _lock:
+        _started.clear()
+        _pending.clear()
+        _threads.clear()
+
+
+# -- the helper process ------------------------------------------------------------------
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m beton_serve._prewarm GROUP...``: compile the groups into the compile cache,
+    printing ``done GROUP`` after each. Exit status 2 when the cache cannot be used."""
+    import fcntl
+
+    from beton_serve.pipeline.compile_cache import default_store
+
+    groups = list(sys.argv[1:] if argv is None else argv)
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown:
+        _say(f"unknown group(s) {unknown}; known: {sorted(GROUPS)}")
+        return 2
+    store = default_store()
+    if store is None or not store.ready():
+        _say("the compile cache cannot be used")
+        return 2
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(store.root / _LOCK_NAME, flags, 0o600)
+    try:
+        # another helper compiling the same groups: wait for it, then load its entries
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for g in groups:
+            _run(GROUPS[g]())
+            _say(f"done {g}")
+    except BrokenPipeError:  # the process that started us is gone
+        return 0
+    finally:
+        os.close(fd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

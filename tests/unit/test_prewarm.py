@@ -1,0 +1,257 @@
+"""The parallel cold compile (``beton_serve._prewarm``, issue 14 §2).
+
+On an empty compile cache a crop decoder starts a helper process that compiles the crop
+samplers into the cache while this process compiles the area resize. Checked here in fresh
+processes (the test process has its kernels compiled already): the helper really writes the
+entries the decoders then load, the Loader's batches are the same bytes as without it, and
+every failure of the helper (non-zero exit, a hang, no helper at all) leaves the process
+compiling by itself. The test session runs with ``BETON_SERVE_PREWARM=0`` (conftest); these
+tests turn it on in their own processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from beton_serve import _prewarm
+from beton_serve.fields import IntField, RGBImageField
+from beton_serve.fields.decoders import (
+    CenterCropRGBImageDecoder,
+    IntDecoder,
+    RandomResizedCropRGBImageDecoder,
+)
+from beton_serve.loader import Loader
+from beton_serve.writer import DatasetWriter
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Images:
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        rng = np.random.default_rng(i)
+        return rng.integers(0, 256, size=(60 + 3 * i, 70 + 2 * i, 3), dtype=np.uint8), i
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prewarm") / "img.beton"
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(_Images())
+    return path
+
+
+def _env(cache: Path, prewarm: str = "1") -> dict[str, str]:
+    env = dict(os.environ, BETON_SERVE_CACHE_DIR=str(cache), BETON_SERVE_PREWARM=prewarm)
+    paths = [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "proto")]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    return env
+
+
+_LOADER_SCRIPT = r"""
+import json, sys
+import numpy as np
+from beton_serve import _prewarm
+from beton_serve._kernels import crop, resize
+from beton_serve.fields.decoders import (CenterCropRGBImageDecoder, IntDecoder,
+                                         RandomResizedCropRGBImageDecoder)
+from beton_serve.loader import Loader
+path, out = sys.argv[1], sys.argv[2]
+arrays = {}
+for name, dec in (("rrc", RandomResizedCropRGBImageDecoder((24, 24))),
+                  ("center", CenterCropRGBImageDecoder((24, 24), 0.875))):
+    with Loader(path, batch_size=4, num_workers=2, seed=5,
+                pipelines={"image": [dec], "label": [IntDecoder()]}) as ld:
+        for b, (img, label) in enumerate(ld):
+            arrays[f"{name}{b}"] = np.array(img)
+            arrays[f"{name}{b}_label"] = np.array(label)
+np.savez(out, **arrays)
+joined = _prewarm.join(120)
+print(json.dumps({
+    "joined": joined,
+    "rrc_hits": sum(crop.rrc_batch._cache_hits.values()),
+    "rrc_misses": sum(crop.rrc_batch._cache_misses.values()),
+    "center_hits": sum(crop.center_crop_batch._cache_hits.values()),
+    "resize_compiled": len(resize.area_resize.overloads),
+}))
+"""
+
+
+def _run_loader(data: Path, cache: Path, out: Path, prewarm: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOADER_SCRIPT, str(data), str(out)],
+        env=_env(cache, prewarm),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _reference(data: Path) -> dict[str, np.ndarray]:
+    arrays = {}
+    for name, dec in (
+        ("rrc", RandomResizedCropRGBImageDecoder((24, 24))),
+        ("center", CenterCropRGBImageDecoder((24, 24), 0.875)),
+    ):
+        with Loader(
+            str(data),
+            batch_size=4,
+            num_workers=2,
+            seed=5,
+            pipelines={"image": [dec], "label": [IntDecoder()]},
+        ) as ld:
+            for b, (img, label) in enumerate(ld):
+                arrays[f"{name}{b}"] = np.array(img)
+                arrays[f"{name}{b}_label"] = np.array(label)
+    return arrays
+
+
+def test_cold_cache_loader_takes_the_samplers_from_the_helper_and_matches(
+    data: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cc"
+    stats = _run_loader(data, cache, tmp_path / "a.npz", "1")
+    assert stats["joined"]
+    # the helper compiled the samplers into the cache; this process only loaded them
+    assert stats["rrc_hits"] == 1 and stats["rrc_misses"] == 0, stats
+    assert stats["center_hits"] == 1, stats
+    assert stats["resize_compiled"] >= 1
+    assert (cache / "prewarm.lock").exists()
+    got = dict(np.load(tmp_path / "a.npz"))
+    ref = _reference(data)
+    assert set(got) == set(ref) and len(ref) == 8  # 2 pipelines x 2 batches x (image, label)
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+
+    # a warm cache: nothing is started, everything is loaded, the same bytes again
+    stats2 = _run_loader(data, cache, tmp_path / "b.npz", "1")
+    assert stats2["rrc_hits"] == 1 and stats2["rrc_misses"] == 0
+    again = dict(np.load(tmp_path / "b.npz"))
+    for k in ref:
+        np.testing.assert_array_equal(again[k], ref[k], err_msg=k)
+
+
+def test_prewarm_off_compiles_everything_here(data: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cc"
+    stats = _run_loader(data, cache, tmp_path / "a.npz", "0")
+    assert stats["rrc_hits"] == 0 and stats["rrc_misses"] == 1, stats
+    assert not (cache / "prewarm.lock").exists()
+
+
+def test_two_helpers_at_once_both_finish(tmp_path: Path) -> None:
+    cache = tmp_path / "cc"
+    cmd = [sys.executable, "-m", "beton_serve._prewarm", "crop"]
+    procs = [
+        subprocess.Popen(cmd, env=_env(cache, "0"), stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all("done crop" in o for o in outs), outs
+    assert list((cache / "kernels").glob("*.nbk"))
+
+
+def test_unknown_group_and_unusable_cache_are_refused(tmp_path: Path) -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "beton_serve._prewarm", "nope"],
+        env=_env(tmp_path / "cc", "0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "unknown group" in bad.stdout
+    foreign = tmp_path / "file"
+    foreign.write_text("not a directory")
+    refused = subprocess.run(
+        [sys.executable, "-m", "beton_serve._prewarm", "crop"],
+        env=_env(foreign, "0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "cannot be used" in refused.stdout
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("BETON_SERVE_CACHE_DIR", str(tmp_path / "cc"))
+    _prewarm._reset_for_tests()
+    yield
+    _prewarm._at_exit()  # stop a helper a test left running
+    _prewarm._reset_for_tests()
+
+
+def test_a_failing_helper_releases_the_waiters_and_is_logged(
+    fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(
+        _prewarm, "_command", lambda groups: [sys.executable, "-c", "print('boom'); exit(3)"]
+    )
+    with caplog.at_level(logging.WARNING, logger="beton_serve.prewarm"):
+        _prewarm._spawn(["crop"], tmp_path)
+        t0 = time.monotonic()
+        _prewarm.wait("crop", timeout=30)
+        assert time.monotonic() - t0 < 20
+        assert _prewarm.join(30)
+        deadline = time.monotonic() + 10
+        while "exited with 3" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "exited with 3" in caplog.text and "boom" in caplog.text
+
+
+def test_a_hung_helper_costs_at_most_the_wait_timeout(
+    fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(
+        _prewarm, "_command", lambda groups: [sys.executable, "-c", "import time; time.sleep(60)"]
+    )
+    _prewarm._spawn(["crop"], tmp_path)
+    with caplog.at_level(logging.WARNING, logger="beton_serve.prewarm"):
+        t0 = time.monotonic()
+        _prewarm.wait("crop", timeout=0.5)
+        waited = time.monotonic() - t0
+    assert 0.4 < waited < 10
+    assert "did not finish" in caplog.text
+    t0 = time.monotonic()
+    _prewarm.wait("crop", timeout=30)  # given up once: later callers do not wait again
+    assert time.monotonic() - t0 < 0.5
+    _prewarm._at_exit()  # what the interpreter's exit does: the helper is stopped and reaped
+    assert _prewarm.join(10)
+
+
+def test_no_interpreter_means_no_helper_and_no_wait(
+    fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_prewarm, "_command", lambda groups: ["/nonexistent/python"])
+    _prewarm._spawn(["crop"], tmp_path)
+    t0 = time.monotonic()
+    _prewarm.wait("crop", timeout=30)
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_start_does_nothing_when_off_or_without_a_cache(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BETON_SERVE_PREWARM", "0")
+    _prewarm.start()
+    assert not _prewarm._started and not _prewarm._pending
+    monkeypatch.setenv("BETON_SERVE_PREWARM", "1")
+    monkeypatch.setenv("BETON_SERVE_CACHE_DIR", "off")
+    _prewarm.start()
+    assert not _prewarm._pending
