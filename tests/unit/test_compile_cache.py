@@ -19,11 +19,20 @@ from typing import Any
 import numpy as np
 import pytest
 from beton_serve.cli._cache import main as cache_main
+from beton_serve.pipeline import compiler
 from beton_serve.pipeline._compile_key import fingerprint
 from beton_serve.pipeline.compile_cache import DiskStore, cache_dir, default_store
 from beton_serve.pipeline.compiler import Compiler
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _every_compile_as_in_a_new_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compile a function twice to see the second compile go to disk, as a new
+    process does: the in-process reuse of ``Compiler.compile`` (tests/unit/test_compiler_reuse.py)
+    is off here."""
+    monkeypatch.setattr(compiler, "_memo_key", lambda fn, cache: None)
 
 
 @pytest.fixture
@@ -96,7 +105,7 @@ def test_hit_in_process_is_bit_identical(store: DiskStore) -> None:
     first = Compiler.compile(_make_scale(1.7))
     out1 = _run(first)
     assert store.saves == 1 and len(_entries(store)) == 1
-    second = Compiler.compile(_make_scale(1.7))  # a new dispatcher, as a new Plan makes
+    second = Compiler.compile(_make_scale(1.7))  # a new dispatcher, loaded from disk
     out2 = _run(second)
     assert store.hits == 1
     stats = second.stats  # type: ignore[attr-defined]

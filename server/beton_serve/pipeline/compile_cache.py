@@ -467,11 +467,16 @@ def entry_key(dispatcher: Any, args: tuple[Any, ...]) -> bytes | None:
     return key
 
 
-def attach(dispatcher: Any, store: DiskStore | None = None) -> Any:
+def attach(dispatcher: Any, store: DiskStore | None = None, *, fingerprint: Any = None) -> Any:
     """Make ``dispatcher`` (a Numba ``Dispatcher``) load and save its overloads through the
-    compile cache: ``store``, or the :func:`default_store` at each compile. Returns it."""
+    compile cache: ``store``, or the :func:`default_store` at each compile. Returns it.
+
+    ``fingerprint``: the function's ``_compile_key.fingerprint`` when the caller has computed
+    it already (else it is computed at the first compile)."""
     global _cache_class
     if _cache_class is None:
         _cache_class = _make_cache_class()
     dispatcher._cache = _cache_class(dispatcher, store)
+    if isinstance(fingerprint, bytes):
+        dispatcher._cache._fp = fingerprint
     return dispatcher
