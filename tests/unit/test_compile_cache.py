@@ -493,3 +493,66 @@ def test_precompile_at_start_leaves_nothing_to_compile(
             batches = list(ld)
     assert len(batches) == 1  # drop_last, as FFCV
     assert compiled == []  # the client's plan found every kernel compiled or cached
+
+
+_OVERLOAD_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import stubs_mod, ext_mod  # ext_mod registers an @overload of stubs_mod.bump
+    from beton_serve.pipeline.compile_cache import default_store
+    from beton_serve.pipeline.compiler import Compiler
+
+    def make():
+        def f(x):
+            return stubs_mod.bump(x)
+        return f
+
+    fn = Compiler.compile(make())
+    s = default_store()
+    print(json.dumps({"out": fn(10), "hits": s.hits, "saves": s.saves}))
+    """
+)
+
+
+def test_an_overload_in_another_file_is_part_of_the_key(tmp_path: Path) -> None:
+    """The function reaches ``stubs_mod`` only; the machine code comes from ``ext_mod``'s
+    ``@overload``. Changing ``ext_mod`` must recompile, never load the old code."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "stubs_mod.py").write_text("def bump(x):\n    return x\n")
+    ext = mods / "ext_mod.py"
+
+    def write_ext(k: int) -> None:
+        ext.write_text(
+            "from numba.extending import overload\n"
+            "import stubs_mod\n\n\n"
+            "@overload(stubs_mod.bump)\n"
+            "def _ol(x):\n"
+            f"    return lambda x: x + {k}\n"
+        )
+
+    env = dict(os.environ, BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"), PYTHONDONTWRITEBYTECODE="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "proto")]
+    )
+
+    def run() -> dict[str, Any]:
+        proc = subprocess.run(
+            [sys.executable, "-c", _OVERLOAD_CHILD, str(mods)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    write_ext(1)
+    first = run()
+    assert first == {"out": 11, "hits": 0, "saves": 1}
+    assert run() == {"out": 11, "hits": 1, "saves": 0}  # unchanged: loaded from the cache
+    write_ext(2)
+    changed = run()
+    assert changed["out"] == 12, "stale machine code of the old @overload was loaded"
+    assert changed["hits"] == 0 and changed["saves"] == 1

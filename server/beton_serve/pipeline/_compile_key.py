@@ -8,6 +8,14 @@ changes the key: Numba's own cache misses that, numba#6845), each dispatcher's o
 It returns ``None`` when it reaches a value it cannot describe (a user object, a ctypes
 function, a jitclass): such a function is compiled but never cached.
 
+:func:`extensions_key` digests the Numba extensions registered outside the libraries
+(``@overload``, ``@overload_method``, ``@overload_attribute``, ``@register_jitable``,
+``@lower_builtin``): their code and their modules' source files. A function may call one without
+reaching its module (an ``@overload`` of a numpy function, or of a helper defined in another
+file), so the fingerprint alone would miss a change of that file and load stale machine code.
+Every entry's key includes it: changing any such extension recompiles everything, which is
+conservative.
+
 :func:`build_key` digests the build: Python, numba, llvmlite and numpy versions, Numba's codegen
 options, the target triple, CPU name and CPU features (``codegen.magic_tuple()``).
 
@@ -25,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORMAT_VERSION", "build_key", "fingerprint"]
+__all__ = ["FORMAT_VERSION", "build_key", "extensions_key", "fingerprint"]
 
 _log = logging.getLogger("beton_serve.compile_cache")
 
@@ -85,6 +93,8 @@ class _Fingerprint:
         for c in co.co_consts:
             if isinstance(c, pytypes.CodeType):
                 names |= self.code(c)
+            elif isinstance(c, frozenset):  # its repr's order follows string hashes (per run)
+                self.tag("const", "frozenset", sorted(map(repr, c)))
             else:
                 self.tag("const", type(c).__name__, c)
         return names
@@ -216,3 +226,76 @@ def build_key(codegen: Any) -> bytes:
         )
         key = _build_key[magic] = hashlib.sha256(repr(parts).encode()).digest()
     return key
+
+
+_ext_cache: list[Any] = [None, b""]  # [registry sizes, digest]
+_EXTENDING = "numba.core.extending"  # register_jitable's wrapper lives there; its cell holds the user's function
+
+
+def _extension_functions() -> tuple[tuple[int, ...], list[Any]]:
+    from numba.core import imputils
+    from numba.core.typing.templates import builtin_registry as reg
+
+    low = imputils.builtin_registry
+    sizes = (
+        len(reg.functions),
+        len(reg.attributes),
+        len(reg.globals),
+        len(low.functions),
+        len(low.getattrs),
+        len(low.setattrs),
+        len(low.casts),
+        len(low.constants),
+    )
+    fns: list[Any] = []
+    for tmpl in (*reg.functions, *reg.attributes):
+        fns.append(getattr(tmpl, "_overload_func", None))
+    for _, ty in reg.globals:
+        for tmpl in getattr(ty, "templates", ()):
+            fns.append(getattr(tmpl, "_overload_func", None))
+    for table in (low.functions, low.getattrs, low.setattrs, low.casts, low.constants):
+        for entry in table:
+            fns.append(entry[0] if isinstance(entry, tuple) else entry)
+    out = []
+    for fn in fns:
+        if not isinstance(fn, pytypes.FunctionType):
+            continue
+        if fn.__module__ == _EXTENDING:
+            for cell in fn.__closure__ or ():
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(v, pytypes.FunctionType):
+                    out.append(v)
+            continue
+        out.append(fn)
+    return sizes, out
+
+
+def extensions_key() -> bytes:
+    """A digest of the Numba extensions registered by non-library modules (see the module
+    docstring): for each, its module, name, code and source file. Recomputed when the
+    registries grow."""
+    sizes, fns = _extension_functions()
+    if _ext_cache[0] == sizes:
+        return _ext_cache[1]  # type: ignore[no-any-return]
+    parts = set()
+    for fn in fns:
+        mod = fn.__module__ or ""
+        if mod.split(".", 1)[0] in _LIBRARIES:
+            continue
+        fp = _Fingerprint()  # its bytecode, names and constants (marshal's bytes vary by run)
+        try:
+            fp.code(fn.__code__)
+            code = fp.h.digest()
+        except Exception:  # an odd constant: its name and file suffice
+            code = b"?"
+        parts.add((mod, fn.__qualname__, code, _file_digest(fn.__code__.co_filename)))
+    h = hashlib.sha256()
+    for part in sorted(parts):
+        for p in part:
+            h.update(p if isinstance(p, bytes) else p.encode())
+            h.update(b"\x00")
+    _ext_cache[0], _ext_cache[1] = sizes, h.digest()
+    return _ext_cache[1]  # type: ignore[no-any-return]

@@ -21,6 +21,9 @@ Key. ``sha256`` over:
   function and of everything it reaches, their source files, and the values of the globals and
   closure cells it reads (Numba freezes them into the machine code; Numba's own cache keys on
   neither globals nor callees, numba#6845);
+* the Numba extensions registered outside the libraries (``@overload`` and the like, with
+  their source files: :func:`~beton_serve.pipeline._compile_key.extensions_key`), which a
+  function may call without reaching their module;
 * the signature (argument types, so dtypes, dimensions, layouts and record layouts).
 
 A function whose reachable values cannot all be described (an object of a user class, a ctypes
@@ -53,7 +56,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from beton_serve.pipeline._compile_key import FORMAT_VERSION, build_key, fingerprint
+from beton_serve.pipeline._compile_key import (
+    FORMAT_VERSION,
+    build_key,
+    extensions_key,
+    fingerprint,
+)
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -401,7 +409,11 @@ def _make_cache_class() -> type:
                 self._fp = fingerprint(self._py_func)
             if self._fp is None:
                 return None
+            from numba.core import entrypoints
+
+            entrypoints.init_all()  # extensions of installed packages: registered before keying
             h = hashlib.sha256(build_key(codegen))
+            h.update(extensions_key())
             h.update(self._fp)  # type: ignore[arg-type]
             h.update(repr(self._options).encode())
             h.update(str(sig).encode())
