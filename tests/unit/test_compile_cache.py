@@ -556,3 +556,51 @@ def test_an_overload_in_another_file_is_part_of_the_key(tmp_path: Path) -> None:
     changed = run()
     assert changed["out"] == 12, "stale machine code of the old @overload was loaded"
     assert changed["hits"] == 0 and changed["saves"] == 1
+
+
+_WARM_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from beton_serve.pipeline.compile_cache import default_store
+    from beton_serve.pipeline.compiler import Compiler
+
+    def make(k):
+        def scale(x, out):
+            for i in range(x.shape[0]):
+                out[i] = x[i] * k
+            return out
+        return scale
+
+    fn = Compiler.compile(make(1.5))
+    out = fn(np.arange(4.0), np.empty(4))
+    s = default_store()
+    print(json.dumps({"out": out.tolist(), "hits": s.hits,
+                      "registries": "numba.np.arraymath" in sys.modules}))
+    """
+)
+
+
+def test_a_warm_load_does_not_install_numbas_registries(tmp_path: Path) -> None:
+    """Loading machine code needs the runtime, not Numba's typing and lowering registries
+    (``refresh()``, ~0.25 s of a warm start-up): only a compile installs them."""
+    env = dict(os.environ, BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "proto")]
+    )
+
+    def run() -> dict[str, Any]:
+        proc = subprocess.run(
+            [sys.executable, "-c", _WARM_CHILD],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    cold = run()
+    assert cold == {"out": [0.0, 1.5, 3.0, 4.5], "hits": 0, "registries": True}
+    warm = run()
+    assert warm == {"out": [0.0, 1.5, 3.0, 4.5], "hits": 1, "registries": False}

@@ -1,6 +1,6 @@
 """The SIGBUS handler of :mod:`beton_serve.format._guard`, as a cached Numba ``cfunc``.
 
-Importing this module compiles (or loads from Numba's cache) ``handler``, a C function
+Importing this module compiles (or loads from the compile cache, see ``beton_serve._cfunc_hook``) ``handler``, a C function
 ``void handler(int sig, siginfo_t *info, void *ctx)``. Nothing specific to one process is baked
 into its machine code, so the cache is valid in every process: the table of guarded ranges and
 the saved previous ``struct sigaction`` are reached through two external symbols,
@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, cfunc, types
+from numba import carray, types
 from numba.extending import intrinsic
 
+from beton_serve import _cfunc_hook
 from beton_serve.format._guard import MAX_REGIONS, PREVIOUS_SYMBOL, TABLE_SYMBOL
 
 #: Rows of the table (``lo``, ``hi``, ``hits``, ``in use``, all ``uint64``).
@@ -67,7 +68,8 @@ def _as_ptr_impl(typingctx: Any, addr: Any) -> Any:
 _table_ptr: Any = _symbol(TABLE_SYMBOL)
 _previous_ptr: Any = _symbol(PREVIOUS_SYMBOL)
 _as_ptr: Any = intrinsic(_as_ptr_impl)
-_compile: Any = cfunc(types.void(types.int32, types.voidptr, types.voidptr), cache=True)
+# the persistent compile cache when beton_serve.pipeline is loaded, else Numba's own cache
+_compile: Any = _cfunc_hook.cfunc(types.void(types.int32, types.voidptr, types.voidptr))
 
 
 @_compile

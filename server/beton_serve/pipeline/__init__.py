@@ -10,6 +10,7 @@ Importing this package does not import numba.
 
 from __future__ import annotations
 
+from beton_serve import _cfunc_hook
 from beton_serve.pipeline._boundary import ModuleWrapper, ToTensor, torch_dtype
 from beton_serve.pipeline._plan import OpFailure, OutputSpec, Plan, PlanCache, compile_pipelines
 from beton_serve.pipeline.allocation_query import AllocationQuery
@@ -17,6 +18,15 @@ from beton_serve.pipeline.compiler import Compiler
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.pipeline_spec import PipelineSpec
 from beton_serve.pipeline.state import State
+
+
+def _cached_cfunc(sig: object) -> object:
+    from beton_serve.pipeline.compile_cache import cached_cfunc
+
+    return cached_cfunc(sig)
+
+
+_cfunc_hook.register(_cached_cfunc)  # type: ignore[arg-type]
 
 __all__ = [
     "AllocationQuery",
