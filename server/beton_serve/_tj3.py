@@ -591,6 +591,34 @@ def _fill(slot: _KernelSlot, lib: ctypes.CDLL) -> None:
 
 
 def _build_kernel(lib: ctypes.CDLL) -> object:
+    kernel, args = _kernel_and_args(lib)
+    # compile now, for the argument types the decoders pass, so that a numba failure shows
+    # here (and the caller keeps its ctypes loop) rather than in the middle of a batch
+    kernel(*args)  # type: ignore[operator]
+    return kernel
+
+
+def kernel_cached(lib: ctypes.CDLL) -> bool:
+    """Whether the batch kernel of ``lib`` is compiled in this process or its machine code is
+    in the compile cache (then :func:`batch_kernel` ``(wait=True)`` only loads it, in
+    milliseconds, and the first batch can run it). Never raises."""
+    try:
+        from beton_serve.pipeline.compile_cache import default_store, entry_key
+
+        kernel, args = _kernel_and_args(lib)
+        sig = tuple(kernel.typeof_pyval(a) for a in args)  # type: ignore[attr-defined]
+        if sig in kernel.overloads:  # type: ignore[attr-defined]
+            return True
+        store = default_store()
+        key = entry_key(kernel, args)
+        return store is not None and key is not None and store.has(key)
+    except Exception:
+        return False
+
+
+def _kernel_and_args(lib: ctypes.CDLL) -> tuple[object, tuple[Any, ...]]:
+    """The batch kernel's dispatcher (not compiled yet) and arguments of the types the
+    decoders pass (an empty batch)."""
     import llvmlite.binding as llvm
     from numba import types
 
@@ -666,13 +694,10 @@ def _build_kernel(lib: ctypes.CDLL) -> object:
             area_resize(jbuf, jflat, t2, l2, c2, w2, out, dflat[b * row : (b + 1) * row], rbuf)
         return n, 0, 0
 
-    kernel = Compiler.compile(kernel)
-    # compile now, for the argument types the decoders pass, so that a numba failure shows
-    # here (and the caller keeps its ctypes loop) rather than in the middle of a batch
     none_i, none_u = np.zeros(0, np.int64), np.zeros(0, np.uint64)
     jbuf = np.zeros((1, 1, 3), np.uint8)
     dst = np.zeros((0, 1, 1, 3), np.uint8)
-    kernel(
+    args = (
         0,
         0,
         none_u,
@@ -688,7 +713,7 @@ def _build_kernel(lib: ctypes.CDLL) -> object:
         jbuf.reshape(-1),
         np.zeros(1, np.float32),
     )
-    return kernel
+    return Compiler.compile(kernel), args
 
 
 def colorspace_name(cs: int) -> str:

@@ -558,7 +558,9 @@ class _CropDecoder(SimpleRGBImageDecoder):
                 grid = local.grid = np.empty((max(h, old[0], 1), max(w, old[1], 1), 3), np.uint8)
             return grid  # type: ignore[no-any-return]
 
-        # The batch kernel's compile starts after a first batch (see _tj3.batch_kernel's start).
+        # The batch kernel's compile starts after a first batch (see _tj3.batch_kernel's start),
+        # unless the compile cache has it: then the first batch loads and runs it.
+        cached = use_kernel and _tj3.kernel_cached(lib)
         first_done = [False]
 
         def run(batch_indices, dst, metadata, storage_state, seed_key=None):
@@ -572,7 +574,11 @@ class _CropDecoder(SimpleRGBImageDecoder):
             n = len(batch_indices)
             ids = [int(v) for v in batch_indices]
             datas = [mem_read(cols.ptrs[sid], storage_state) for sid in ids]  # type: ignore[misc]
-            kernel = _tj3.batch_kernel(lib, wait=False, start=first_done[0]) if use_kernel else None
+            kernel = (
+                _tj3.batch_kernel(lib, wait=cached, start=cached or first_done[0])
+                if use_kernel
+                else None
+            )
             if kernel is None or not dst.flags.c_contiguous or boxes.dtype != np.int64:
                 for b in range(n):
                     one(tj, rbuf, dst, b, ids[b], boxes[b], datas[b])
