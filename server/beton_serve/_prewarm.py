@@ -8,11 +8,16 @@ sampler (``rrc_batch``, about 1.5 s), on one core of two.
 When a crop decoder builds its batch loop, :func:`start` looks the module-level kernels up in the
 compile cache (their keys, for the argument types the decoders pass). For what is missing:
 
-* a helper process (``python -m beton_serve._prewarm crop``) compiles the crop samplers
-  (``rrc_batch``, ``center_crop_batch``) into the same cache;
+* a helper process (``python -m beton_serve._prewarm crop tj3``) compiles the crop samplers
+  (``rrc_batch``, ``center_crop_batch``) into the same cache, then, for a TurboJPEG decoder,
+  the batch kernel (``_tj3.batch_kernel``) once this process's ``area_resize`` is in the cache
+  (the kernel calls it: waiting for its entry saves compiling it twice);
 * a thread of this process (``beton-prewarm``) compiles ``area_resize``;
 * the decoders' ``_crops`` calls :func:`wait` for the helper before their first sampler call, so
-  that the sampler is loaded from the cache rather than compiled here a second time.
+  that the sampler is loaded from the cache rather than compiled here a second time; the batch
+  kernel's background build waits for it too. So the cache holds the batch kernel even when
+  this process exits right after its first batch, and the next process runs it from its first
+  batch.
 
 With a warm cache (or ``BETON_SERVE_PREWARM=0``) nothing starts: the look-up is a few ``stat``
 calls. The helper cannot change any pixel: it compiles the same functions for the same
@@ -76,8 +81,17 @@ def _resize_calls() -> Calls:
     return [(area_resize, (src, src.reshape(-1), 0, 0, 4, 4, dst, dst.reshape(-1), scratch))]
 
 
-#: Groups the helper process compiles, by name (its command line).
-GROUPS: dict[str, Callable[[], Calls]] = {"crop": _crop_calls}
+def _tj3_calls() -> Calls:
+    from beton_serve import _tj3
+
+    return [_tj3._kernel_and_args(_tj3.load())]
+
+
+#: Groups the helper process compiles, by name (its command line), in this order.
+GROUPS: dict[str, Callable[[], Calls]] = {"crop": _crop_calls, "tj3": _tj3_calls}
+#: Seconds the helper waits for this process's ``area_resize`` entry before the ``tj3`` group
+#: (then it compiles it too).
+AFTER_LOCAL_S = 30.0
 #: What this process compiles meanwhile, on its ``beton-prewarm`` thread.
 LOCAL: Callable[[], Calls] = _resize_calls
 
@@ -101,17 +115,26 @@ def _missing(calls: Calls, store: Any) -> bool:
     return False
 
 
+def _group_missing(name: str, calls: Callable[[], Calls], store: Any) -> bool:
+    try:
+        return _missing(calls(), store)
+    except Exception as exc:  # e.g. no TurboJPEG library: nothing of this group to compile
+        log.debug("prewarm: group %s not looked up (%r)", name, exc)
+        return False
+
+
 # -- this process's side -----------------------------------------------------------------
 _lock = threading.Lock()
-_started: set[str] = set()  # cache directories this process has looked up
+_started: set[tuple[str, str]] = set()  # (cache directory, group) looked up ("": local)
 _pending: dict[str, threading.Event] = {}  # group -> set once the helper is done with it
 _procs: list[subprocess.Popen[bytes]] = []
 _threads: list[threading.Thread] = []
 
 
-def start() -> None:
-    """Start compiling the crop kernels missing from the compile cache (see the module
-    docstring); returns at once. Once per process and cache directory; never raises."""
+def start(groups: Sequence[str] = ("crop",)) -> None:
+    """Start compiling what of ``groups`` (and the local ``area_resize``) is missing from the
+    compile cache (see the module docstring); returns at once. Each group once per process and
+    cache directory; never raises."""
     if os.environ.get(ENV, "1").strip() == "0":
         return
     try:
@@ -120,17 +143,19 @@ def start() -> None:
         store = default_store()
         if store is None or not store.ready():
             return
+        root = str(store.root)
         with _lock:
-            if str(store.root) in _started:
-                return
-            _started.add(str(store.root))
-        groups = [name for name, calls in GROUPS.items() if _missing(calls(), store)]
-        local = _missing(LOCAL(), store)
+            todo = [g for g in GROUPS if g in groups and (root, g) not in _started]
+            local_todo = (root, "") not in _started
+            _started.update((root, g) for g in todo)
+            _started.add((root, ""))
+        todo = [g for g in todo if _group_missing(g, GROUPS[g], store)]
+        local = local_todo and _group_missing("local", LOCAL, store)
     except Exception as exc:  # the look-up must never stop a Loader
         log.debug("prewarm: look-up failed (%r); compiling as needed", exc)
         return
-    if groups:
-        _spawn(groups, store.root)
+    if todo:
+        _spawn(todo, store.root)
     if local:
         t = threading.Thread(target=_compile_local, name="beton-prewarm", daemon=True)
         with _lock:
@@ -265,6 +290,15 @@ def _reset_for_tests() -> None:
 
 
 # -- the helper process ------------------------------------------------------------------
+def _wait_for_entries(calls: Calls, store: Any, timeout: float) -> None:
+    """Poll until every call of ``calls`` has its cache entry, at most ``timeout`` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _missing(calls, store) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _say(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
@@ -292,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # another helper compiling the same groups: wait for it, then load its entries
         fcntl.flock(fd, fcntl.LOCK_EX)
         for g in groups:
+            if g == "tj3":
+                _wait_for_entries(LOCAL(), store, AFTER_LOCAL_S)
             _run(GROUPS[g]())
             _say(f"done {g}")
     except BrokenPipeError:  # the process that started us is gone

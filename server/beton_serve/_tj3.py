@@ -582,7 +582,10 @@ def _join_compiles() -> None:
 
 
 def _fill(slot: _KernelSlot, lib: ctypes.CDLL) -> None:
+    from beton_serve import _prewarm
+
     try:
+        _prewarm.wait("tj3")  # a helper process may be compiling it into the cache
         slot.kernel = _build_kernel(lib)
     except Exception as exc:  # any numba failure: keep the ctypes loop
         log.warning("TurboJPEG batch kernel unavailable, using the ctypes loop: %r", exc)

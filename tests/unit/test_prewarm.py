@@ -81,8 +81,16 @@ for name, dec in (("rrc", RandomResizedCropRGBImageDecoder((24, 24))),
             arrays[f"{name}{b}_label"] = np.array(label)
 np.savez(out, **arrays)
 joined = _prewarm.join(120)
+from beton_serve import _tj3
+from beton_serve.pipeline.compile_cache import default_store, entry_key
+try:
+    kernel, args = _tj3._kernel_and_args(_tj3.load())
+    kernel_entry = default_store().has(entry_key(kernel, args))
+except Exception:
+    kernel_entry = None  # no TurboJPEG 3 here
 print(json.dumps({
     "joined": joined,
+    "kernel_entry": kernel_entry,
     "rrc_hits": sum(crop.rrc_batch._cache_hits.values()),
     "rrc_misses": sum(crop.rrc_batch._cache_misses.values()),
     "center_hits": sum(crop.center_crop_batch._cache_hits.values()),
@@ -133,6 +141,8 @@ def test_cold_cache_loader_takes_the_samplers_from_the_helper_and_matches(
     assert stats["center_hits"] == 1, stats
     assert stats["resize_compiled"] >= 1
     assert (cache / "prewarm.lock").exists()
+    # the helper also compiled the TurboJPEG batch kernel into the cache (when there is one)
+    assert stats["kernel_entry"] in (True, None), stats
     got = dict(np.load(tmp_path / "a.npz"))
     ref = _reference(data)
     assert set(got) == set(ref) and len(ref) == 8  # 2 pipelines x 2 batches x (image, label)

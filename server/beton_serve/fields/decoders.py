@@ -454,9 +454,10 @@ class _CropDecoder(SimpleRGBImageDecoder):
         from beton_serve import _prewarm
         from beton_serve.jpeg import resolve_backend
 
-        _prewarm.start()  # a cold compile cache: the crop kernels compile in parallel
-
-        if resolve_backend(self.jpeg_backend) == "tj3":
+        tj3 = resolve_backend(self.jpeg_backend) == "tj3"
+        # a cold compile cache: the crop kernels compile in parallel (and the batch kernel)
+        _prewarm.start(("crop", "tj3") if tj3 and self.resize == "area" else ("crop",))
+        if tj3:
             return self._make_tj3_loop()
         return self._make_simplejpeg_loop()
 
