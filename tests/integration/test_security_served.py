@@ -153,6 +153,31 @@ def test_non_loopback_listen_needs_protection_or_insecure(
         assert _one_epoch(ld) > 0
 
 
+@pytest.mark.parametrize("address", ["unix-abstract:beton-test", "unix:{tmp}/other.sock"])
+def test_a_unix_listen_address_is_refused(
+    short_tmp: Path, fixtures_dir: Path, address: str
+) -> None:
+    """Every caller on a Unix socket counts as the daemon's user; an abstract socket (no
+    permissions) or one made by --listen (the umask's mode) would admit other local users."""
+    address = address.format(tmp=short_tmp)
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from beton_serve.cli import main; sys.exit(main())",
+        "serve",
+        str(fixtures_dir / "mixed_fields.beton"),
+        "--socket",
+        str(short_tmp / "refused.sock"),
+        "--listen",
+        address,
+    ]
+    done = subprocess.run(cmd, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode != 0
+    err = (done.stdout + done.stderr).decode()
+    assert "--socket PATH" in err and address in err
+    assert not (short_tmp / "other.sock").exists()
+
+
 def test_stats_cli_sends_the_token(daemon_factory, fixtures_dir: Path, short_tmp: Path) -> None:
     token_file = _token_file(short_tmp)
     d = daemon_factory([fixtures_dir / "mixed_fields.beton"], args=["--token-file", token_file])

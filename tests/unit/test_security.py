@@ -24,14 +24,23 @@ Details = namedtuple("Details", ["method", "invocation_metadata"])
         "localhost:50051",
         "LOCALHOST:1",
         "[::1]:7777",
-        "unix:/tmp/beton.sock",
-        "unix:///tmp/beton.sock",
-        "unix-abstract:beton",
     ],
 )
 def test_loopback_addresses_need_nothing(address: str) -> None:
     assert sec.is_loopback_address(address)
     assert sec.check_listen_policy(address, tls=False, token=False, insecure=False) == []
+
+
+@pytest.mark.parametrize(
+    "address", ["unix:/tmp/beton.sock", "unix:///tmp/beton.sock", "unix-abstract:beton"]
+)
+@pytest.mark.parametrize("protected", [False, True])
+def test_unix_sockets_are_refused_as_listen_addresses(address: str, protected: bool) -> None:
+    """Every caller on a Unix socket counts as the daemon's own user: only --socket (0600, in a
+    private directory) makes that true; an abstract socket admits every local user."""
+    assert sec.is_loopback_address(address)
+    with pytest.raises(ConfigError, match="--socket PATH"):
+        sec.check_listen_policy(address, tls=protected, token=protected, insecure=protected)
 
 
 @pytest.mark.parametrize(

@@ -104,9 +104,19 @@ def check_listen_policy(address: str, tls: bool, token: bool, insecure: bool) ->
         Warnings to log at WARNING level (empty when nothing is questionable).
 
     Raises:
-        ConfigError: a non-loopback address without TLS, token or ``insecure``, or a malformed
-            address. The message says which flag to add.
+        ConfigError: a non-loopback address without TLS, token or ``insecure``, a malformed
+            address, or a Unix socket (``unix:``, ``unix-abstract:``). The message says which
+            flag to use.
     """
+    if address.startswith(("unix:", "unix-abstract:")):
+        # The daemon treats every caller on a Unix socket as its own user (transport.peer),
+        # which only its --socket guarantees: created 0600 in a directory nobody else may
+        # write. An abstract socket has no permissions at all: any local user could connect.
+        raise ConfigError(
+            f"refusing --listen {address}: --listen takes TCP addresses (host:port); serve a "
+            "Unix socket with --socket PATH, which the daemon creates mode 0600 in a private "
+            "directory (every caller on a Unix socket is treated as the daemon's own user)"
+        )
     if is_loopback_address(address):
         return []
     warnings: list[str] = []
