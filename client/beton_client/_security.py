@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 from beton_wire.address import socket_path_of
-from beton_wire.private_dir import UnsafePathError, check_private_dir, check_socket
+from beton_wire.private_dir import unix_target_problem
 
 from beton_client.errors import SpecError, UntrustedSocketError
 
@@ -66,19 +66,14 @@ def check_unix_target(target: str, owner: int | None = None) -> None:
     path = socket_path_of(target)
     if path is None:
         return
-    uid = os.getuid() if owner is None else owner
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        if os.path.lexists(directory):
-            check_private_dir(directory, uid)
-            check_socket(path, uid)
-    except UnsafePathError as exc:
+    problem = unix_target_problem(path, os.getuid() if owner is None else owner)
+    if problem is not None:
         raise UntrustedSocketError(
-            f"refusing to connect to {target}: {exc}. Another user may have created it to serve "
-            "you their data. Remove it (and start your daemon again), use a socket in a "
+            f"refusing to connect to {target}: {problem}. Another user may have created it to "
+            "serve you their data. Remove it (and start your daemon again), use a socket in a "
             "directory of your own, or, to trust a daemon that another user runs, pass "
             "socket_owner=<their uid> to the Loader"
-        ) from None
+        )
 
 
 def _read(path: str, what: str) -> bytes:

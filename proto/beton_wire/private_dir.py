@@ -31,6 +31,7 @@ __all__ = [
     "check_private_dir",
     "check_socket",
     "ensure_private_dir",
+    "unix_target_problem",
     "open_private_file",
 ]
 
@@ -167,6 +168,20 @@ def check_socket(path: str, uid: int) -> bool:
     if st.st_uid != uid:
         raise UnsafePathError(path, f"is a socket owned by uid {st.st_uid}, not by uid {uid}")
     return True
+
+
+def unix_target_problem(path: str, uid: int) -> str | None:
+    """Why a client must not connect to the socket at ``path`` expecting a daemon of ``uid``
+    (its directory or the socket is not ``uid``'s, or others may write the directory), or
+    ``None``. A missing directory or socket is no problem: no daemon answers there."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        if os.path.lexists(directory):
+            check_private_dir(directory, uid)
+            check_socket(path, uid)
+    except UnsafePathError as exc:
+        return str(exc)
+    return None
 
 
 def names_file(path: str, fd: int) -> bool:

@@ -134,3 +134,51 @@ def test_tls_options_are_checked(tmp_path) -> None:
     with pytest.raises(ConfigError, match="--tls-ca"):
         _health.tls_credentials(str(tmp_path / "missing.pem"), None, None)
     assert _health.tls_credentials(None, None, None) is None
+
+
+@pytest.fixture
+def unix_health_server(tmp_path) -> Iterator[tuple[str, health.HealthServicer, object]]:
+    d = tmp_path / "sockdir"
+    d.mkdir(mode=0o700)
+    path = d / "h.sock"
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-health")
+    server = grpc.server(pool)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    try:
+        yield f"unix://{path}", servicer, d
+    finally:
+        server.stop(grace=None).wait(5)
+        pool.shutdown(wait=True)
+
+
+def test_unix_socket_of_this_user_is_checked(unix_health_server) -> None:
+    import os
+
+    target, _, d = unix_health_server
+    assert _health.check(target, timeout=2) == "SERVING"
+    # a socket another user owns (as seen with --socket-owner naming someone else)
+    other = os.getuid() + 1
+    with pytest.raises(ConfigError, match="--socket-owner"):
+        _health.check(target, timeout=2, socket_owner=other)
+    assert _health.check(target, timeout=2, socket_owner=os.getuid()) == "SERVING"
+
+
+def test_health_and_stats_refuse_a_socket_in_a_directory_others_may_write(
+    unix_health_server,
+) -> None:
+    """Another local user could have planted it: nothing, not even a token, is sent."""
+    from beton_serve.cli._stats import fetch_stats
+
+    target, _, d = unix_health_server
+    d.chmod(0o777)
+    try:
+        with pytest.raises(ConfigError, match="refusing to connect"):
+            _health.run(_args(target), environ={})
+        with pytest.raises(ConfigError, match="refusing to connect"):
+            fetch_stats(target, timeout=2, token="secret")
+    finally:
+        d.chmod(0o700)

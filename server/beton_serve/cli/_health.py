@@ -69,11 +69,46 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="health service name to check; '' (the default) means the whole server",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="deadline in seconds (default 3)")
+    add_socket_owner_argument(p)
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA that signed the daemon's cert")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate (mTLS)")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="client private key (mTLS)")
     p.set_defaults(func=run)
     return p
+
+
+def add_socket_owner_argument(p: argparse.ArgumentParser) -> None:
+    """``--socket-owner UID`` (health, stats): whose daemon a ``unix:`` target must be."""
+    p.add_argument(
+        "--socket-owner",
+        type=int,
+        default=None,
+        metavar="UID",
+        help="the uid that must own a unix: socket and its directory (default: yours)",
+    )
+
+
+def check_trusted(target: str, owner: int | None = None) -> None:
+    """Refuse a ``unix:`` target whose socket or directory is not ``owner``'s (default: this
+    user's), before anything (a token, a request) is sent to it, as the Loader does.
+
+    Raises:
+        ConfigError: the message says what is wrong and how to trust another user's daemon.
+    """
+    import os
+
+    from beton_wire.address import socket_path_of
+    from beton_wire.private_dir import unix_target_problem
+
+    path = socket_path_of(target)
+    if path is None:
+        return
+    problem = unix_target_problem(path, os.getuid() if owner is None else owner)
+    if problem is not None:
+        raise ConfigError(
+            f"refusing to connect to {target}: {problem}. Another user may have planted it; "
+            "to trust a daemon that another user runs, pass --socket-owner <their uid>"
+        )
 
 
 def check(
@@ -82,6 +117,7 @@ def check(
     service: str = "",
     timeout: float = 3.0,
     credentials: Any | None = None,
+    socket_owner: int | None = None,
 ) -> str:
     """Send one health ``Check`` to ``target``.
 
@@ -90,11 +126,16 @@ def check(
         service: the health service name; ``""`` asks about the server as a whole.
         timeout: deadline for connecting and answering, in seconds.
         credentials: ``grpc.ChannelCredentials`` for a TLS listener; ``None`` for plain.
+        socket_owner: the uid a ``unix:`` target must belong to (default: this user's).
 
     Returns:
         The serving status name: ``"SERVING"``, ``"NOT_SERVING"``, ``"SERVICE_UNKNOWN"`` or
         ``"UNKNOWN"``; ``"UNREACHABLE"`` when no daemon answered before the deadline.
+
+    Raises:
+        ConfigError: a ``unix:`` target of another user (:func:`check_trusted`).
     """
+    check_trusted(target, socket_owner)
     # Lazy imports: the grpc stubs are only needed by this subcommand.
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -175,7 +216,13 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         getattr(args, "tls_cert", None),
         getattr(args, "tls_key", None),
     )
-    status = check(target, service=args.service, timeout=args.timeout, credentials=creds)
+    status = check(
+        target,
+        service=args.service,
+        timeout=args.timeout,
+        credentials=creds,
+        socket_owner=getattr(args, "socket_owner", None),
+    )
     sys.stdout.write(f"{target}: {status}\n")
     if status == "SERVING":
         return EXIT_SERVING

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from beton_serve.cli._health import add_socket_owner_argument
 from beton_serve.errors import TransportError
 
 __all__ = ["fetch_stats", "register", "render", "run", "snapshot_dict"]
@@ -56,6 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "then the per-user socket)",
     )
     p.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
+    add_socket_owner_argument(p)
     p.add_argument(
         "--interval",
         type=_positive_float,
@@ -109,6 +111,7 @@ def fetch_stats(
     timeout: float = 5.0,
     token: str | None = None,
     credentials: Any = None,
+    socket_owner: int | None = None,
 ) -> Any:
     """Call ``Stats`` on the daemon at ``target`` and return its ``StatsResponse``.
 
@@ -117,8 +120,11 @@ def fetch_stats(
         timeout: the RPC deadline in seconds.
         token: the daemon's bearer token, sent as ``authorization`` metadata.
         credentials: ``grpc.ChannelCredentials`` for a TLS listener (``None``: plaintext).
+        socket_owner: the uid a ``unix:`` target must belong to (default: this user's); the
+            token is never sent to another user's socket.
 
     Raises:
+        ConfigError: a ``unix:`` target of another user (``_health.check_trusted``).
         TransportError: no daemon answered before the deadline, or it returned an error; the
             message names the address and the gRPC status.
     """
@@ -126,6 +132,9 @@ def fetch_stats(
     from beton_wire.v1 import beton_pb2 as pb
     from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
+    from beton_serve.cli._health import check_trusted
+
+    check_trusted(target, socket_owner)
     channel = (
         grpc.insecure_channel(target)
         if credentials is None
@@ -337,7 +346,13 @@ def run(
         )
 
         def fetch(t: str) -> Any:
-            return fetch_stats(t, timeout=args.timeout, token=token, credentials=creds)
+            return fetch_stats(
+                t,
+                timeout=args.timeout,
+                token=token,
+                credentials=creds,
+                socket_owner=getattr(args, "socket_owner", None),
+            )
 
     get = fetch
     stream = out if out is not None else sys.stdout
