@@ -158,7 +158,7 @@ def unix_health_server(tmp_path) -> Iterator[tuple[str, health.HealthServicer, o
 def test_unix_socket_of_this_user_is_checked(unix_health_server) -> None:
     import os
 
-    target, _, d = unix_health_server
+    target, _, _ = unix_health_server
     assert _health.check(target, timeout=2) == "SERVING"
     # a socket another user owns (as seen with --socket-owner naming someone else)
     other = os.getuid() + 1
