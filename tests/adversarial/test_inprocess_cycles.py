@@ -9,19 +9,16 @@ Run in a fresh process so that its RSS is this Loader's alone.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from beton_serve.fields import IntField, RGBImageField
 from beton_serve.writer import DatasetWriter
+from helpers.child import child_env, run_child
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-ROOT = Path(__file__).resolve().parents[2]
 RSS_SLACK_MB = 8.0
 
 _SCRIPT = r"""
@@ -71,17 +68,7 @@ def test_thousand_inprocess_loaders_leave_nothing_behind(tmp_path: Path) -> None
     DatasetWriter(
         str(data), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
     ).from_indexed_dataset(_Images())
-    env = dict(os.environ)
-    paths = [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "proto")]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(data), "1000"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=360,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_child(_SCRIPT, str(data), "1000", env=child_env(), timeout=360)
     grown = json.loads(proc.stdout.strip().splitlines()[-1])
     assert grown["fds"] <= 0, grown
     assert grown["threads"] <= 0, grown

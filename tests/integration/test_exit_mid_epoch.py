@@ -10,7 +10,6 @@ fresh process; all must exit 0 with nothing on stderr about memory.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +18,9 @@ import numpy as np
 import pytest
 from beton_serve.fields import IntField, RGBImageField
 from beton_serve.writer import DatasetWriter
+from helpers.child import child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = r"""
 import sys
@@ -71,9 +69,7 @@ def _backends() -> list[str]:
 
 @pytest.mark.parametrize("backend", _backends())
 def test_exit_with_batches_in_flight_is_clean(data: Path, backend: str) -> None:
-    env = dict(os.environ)
-    paths = [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "proto")]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    env = child_env()
     for run in range(4):
         proc = subprocess.run(
             [sys.executable, "-X", "faulthandler", "-c", _SCRIPT, str(data), backend],

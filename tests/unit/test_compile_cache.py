@@ -23,6 +23,7 @@ from beton_serve.pipeline import compiler
 from beton_serve.pipeline._compile_key import fingerprint
 from beton_serve.pipeline.compile_cache import DiskStore, cache_dir, default_store
 from beton_serve.pipeline.compiler import Compiler
+from helpers.child import child_env, run_json
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -532,21 +533,10 @@ def test_an_overload_in_another_file_is_part_of_the_key(tmp_path: Path) -> None:
             f"    return lambda x: x + {k}\n"
         )
 
-    env = dict(os.environ, BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"), PYTHONDONTWRITEBYTECODE="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "proto")]
-    )
+    env = child_env(BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"), PYTHONDONTWRITEBYTECODE="1")
 
     def run() -> dict[str, Any]:
-        proc = subprocess.run(
-            [sys.executable, "-c", _OVERLOAD_CHILD, str(mods)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        return run_json(_OVERLOAD_CHILD, str(mods), env=env, timeout=120)  # type: ignore[no-any-return]
 
     write_ext(1)
     first = run()
@@ -584,21 +574,10 @@ _WARM_CHILD = textwrap.dedent(
 def test_a_warm_load_does_not_install_numbas_registries(tmp_path: Path) -> None:
     """Loading machine code needs the runtime, not Numba's typing and lowering registries
     (``refresh()``, ~0.25 s of a warm start-up): only a compile installs them."""
-    env = dict(os.environ, BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "proto")]
-    )
+    env = child_env(BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"))
 
     def run() -> dict[str, Any]:
-        proc = subprocess.run(
-            [sys.executable, "-c", _WARM_CHILD],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        return run_json(_WARM_CHILD, env=env, timeout=120)  # type: ignore[no-any-return]
 
     cold = run()
     assert cold == {"out": [0.0, 1.5, 3.0, 4.5], "hits": 0, "registries": True}

@@ -11,9 +11,7 @@ tests turn it on in their own processes.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -31,10 +29,9 @@ from beton_serve.fields.decoders import (
 )
 from beton_serve.loader import Loader
 from beton_serve.writer import DatasetWriter
+from helpers.child import child_env, run_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Images:
@@ -56,10 +53,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _env(cache: Path, prewarm: str = "1") -> dict[str, str]:
-    env = dict(os.environ, BETON_SERVE_CACHE_DIR=str(cache), BETON_SERVE_PREWARM=prewarm)
-    paths = [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "proto")]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
-    return env
+    return child_env(BETON_SERVE_CACHE_DIR=str(cache), BETON_SERVE_PREWARM=prewarm)
 
 
 _LOADER_SCRIPT = r"""
@@ -100,15 +94,7 @@ print(json.dumps({
 
 
 def _run_loader(data: Path, cache: Path, out: Path, prewarm: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-c", _LOADER_SCRIPT, str(data), str(out)],
-        env=_env(cache, prewarm),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_json(_LOADER_SCRIPT, str(data), str(out), env=_env(cache, prewarm))  # type: ignore[no-any-return]
 
 
 def _reference(data: Path) -> dict[str, np.ndarray]:

@@ -10,10 +10,6 @@ pixels are the same bytes either way.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +17,9 @@ import numpy as np
 import pytest
 from beton_serve.fields import IntField, RGBImageField
 from beton_serve.writer import DatasetWriter
+from helpers.child import child_env, run_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
 import hashlib, json, sys
@@ -67,20 +62,10 @@ def test_first_batch_runs_the_cached_kernel(tmp_path: Path) -> None:
     DatasetWriter(
         str(data), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
     ).from_indexed_dataset(_Images())
-    env = dict(os.environ, BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"))
-    paths = [str(ROOT / "server"), str(ROOT / "client"), str(ROOT / "proto")]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    env = child_env(BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"))
 
     def run() -> dict[str, Any]:
-        proc = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(data)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        return run_json(_CHILD, str(data), env=env)  # type: ignore[no-any-return]
 
     cold = run()
     if "skip" in cold:
