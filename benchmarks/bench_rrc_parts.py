@@ -3,8 +3,8 @@
     python benchmarks/bench_rrc_parts.py [--n 200] [--rounds 5] [--out 224]
 
 ``ImageNetLike`` JPEGs encoded as FFCV writes them (``bench_ops.make_images``), behind a fake
-``.beton`` storage state. Per image, best of ``--rounds`` (wall time of this thread; OpenCV on
-one thread): the RRC decoder op (TurboJPEG crop decode + resize, with and without DCT scaling),
+``.beton`` storage state. Per image, best of ``--rounds`` (CPU time of this thread, as
+``bench_ops.best_of``; OpenCV on one thread, so everything runs on it): the RRC decoder op (TurboJPEG crop decode + resize, with and without DCT scaling),
 a whole-image decode (simplejpeg fastdct, as ``bench_decode_limit.py``'s "full"; TurboJPEG), and
 the RRC's two parts apart: the planned crop decode, and the resize of the decoded crops (split
 into upscales, which go to ``cv2.resize``, and area downscales, ours; cv2's INTER_AREA and
@@ -15,23 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def best_of(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    best = {k: float("inf") for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            best[k] = min(best[k], time.perf_counter() - t)
-    return best
 
 
 def main() -> None:
@@ -43,7 +32,7 @@ def main() -> None:
 
     import cv2
     import simplejpeg
-    from bench_ops import fake_storage, make_images
+    from bench_ops import best_of, fake_storage, make_images
     from beton_serve import _tj3
     from beton_serve._kernels import resize as rz
     from beton_serve._kernels.crop import rrc_batch
