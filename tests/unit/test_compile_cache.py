@@ -583,3 +583,38 @@ def test_a_warm_load_does_not_install_numbas_registries(tmp_path: Path) -> None:
     assert cold == {"out": [0.0, 1.5, 3.0, 4.5], "hits": 0, "registries": True}
     warm = run()
     assert warm == {"out": [0.0, 1.5, 3.0, 4.5], "hits": 1, "registries": False}
+
+
+_LATER_GLOBAL_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import later_mod
+    from beton_serve.pipeline.compile_cache import default_store
+    print(json.dumps({"out": later_mod.f(10), "hits": default_store().hits}))
+    """
+)
+
+
+def test_a_kernel_is_keyed_on_globals_defined_below_it(tmp_path: Path) -> None:
+    """``Compiler.kernel`` runs at import, before the module's later globals exist: the key is
+    taken at the first compile, so a later global's value is in it (here it comes from the
+    environment, so the file does not change)."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "later_mod.py").write_text(
+        "import os\n"
+        "from beton_serve.pipeline.compiler import Compiler\n\n\n"
+        "@Compiler.kernel\n"
+        "def f(x):\n"
+        "    return x + K\n\n\n"
+        "K = int(os.environ['LATER_K'])\n"
+    )
+
+    def run(k: int) -> dict[str, Any]:
+        env = child_env(BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"), LATER_K=str(k))
+        return run_json(_LATER_GLOBAL_CHILD, str(mods), env=env, timeout=120)  # type: ignore[no-any-return]
+
+    assert run(1) == {"out": 11, "hits": 0}
+    assert run(1) == {"out": 11, "hits": 1}
+    assert run(2) == {"out": 12, "hits": 0}, "the machine code of another K was loaded"

@@ -53,29 +53,14 @@ class Compiler:
                 (``BETON_SERVE_CACHE_DIR``, read on the first compile), a
                 ``compile_cache.DiskStore`` uses that one, ``False`` compiles without a cache.
         """
-        import numba
-
-        if isinstance(fn, numba.core.dispatcher.Dispatcher):
-            return fn
-        key = _memo_key(fn, cache)
-        disp = None if key is None else _memo.get(key)
-        if disp is None:
-            disp = numba.njit(**JIT_OPTIONS)(fn)
-            if cache is not False:
-                from beton_serve.pipeline.compile_cache import attach
-
-                attach(disp, None if cache is True else cache, fingerprint=key and key[0])
-            if key is not None:
-                with _memo_lock:
-                    disp = _memo.setdefault(key, disp)
-        if signature is not None:
-            disp.compile(signature)
-        return disp  # type: ignore[no-any-return]
+        return _compile(fn, signature, cache, reuse=True)
 
     @staticmethod
     def kernel(fn: Callable[..., Any]) -> Any:
-        """Decorator for module-level kernels: :meth:`compile` with the default cache."""
-        return Compiler.compile(fn)
+        """Decorator for module-level kernels: :meth:`compile` with the default cache, without
+        the in-process reuse (a module-level function is decorated once; fingerprinting it at
+        import would be start-up work, and globals defined below it would not exist yet)."""
+        return _compile(fn, None, True, reuse=False)
 
     @staticmethod
     def get_iterator() -> Callable[..., Any]:
@@ -89,6 +74,29 @@ class Compiler:
     @staticmethod
     def set_num_threads(n: int) -> None:
         """Accepted for FFCV compatibility; the worker pool owns parallelism."""
+
+
+def _compile(fn: Callable[..., Any], signature: Any, cache: Any, *, reuse: bool) -> Any:
+    import numba
+
+    if isinstance(fn, numba.core.dispatcher.Dispatcher):
+        return fn
+    key = _memo_key(fn, cache) if reuse else None
+    disp = None if key is None else _memo.get(key)
+    if disp is None:
+        disp = numba.njit(**JIT_OPTIONS)(fn)
+        if cache is not False:
+            from beton_serve.pipeline.compile_cache import attach
+
+            # the cache fingerprints the function itself at its first compile, when every
+            # global it reads exists (not this one, taken when it was handed over)
+            attach(disp, None if cache is True else cache)
+        if key is not None:
+            with _memo_lock:
+                disp = _memo.setdefault(key, disp)
+    if signature is not None:
+        disp.compile(signature)
+    return disp
 
 
 #: fingerprint key -> the dispatcher compiled for it in this process (see the module docstring).
