@@ -232,12 +232,12 @@ _ext_cache: list[Any] = [None, b""]  # [registry sizes, digest]
 _EXTENDING = "numba.core.extending"  # register_jitable's wrapper lives there; its cell holds the user's function
 
 
-def _extension_functions() -> tuple[tuple[int, ...], list[Any]]:
+def _registry_sizes() -> tuple[int, ...]:
     from numba.core import imputils
     from numba.core.typing.templates import builtin_registry as reg
 
     low = imputils.builtin_registry
-    sizes = (
+    return (
         len(reg.functions),
         len(reg.attributes),
         len(reg.globals),
@@ -247,6 +247,14 @@ def _extension_functions() -> tuple[tuple[int, ...], list[Any]]:
         len(low.casts),
         len(low.constants),
     )
+
+
+def _extension_functions() -> list[Any]:
+    """The Python functions of every registered extension (see :func:`extensions_key`)."""
+    from numba.core import imputils
+    from numba.core.typing.templates import builtin_registry as reg
+
+    low = imputils.builtin_registry
     fns: list[Any] = []
     for tmpl in (*reg.functions, *reg.attributes):
         fns.append(getattr(tmpl, "_overload_func", None))
@@ -270,18 +278,18 @@ def _extension_functions() -> tuple[tuple[int, ...], list[Any]]:
                     out.append(v)
             continue
         out.append(fn)
-    return sizes, out
+    return out
 
 
 def extensions_key() -> bytes:
     """A digest of the Numba extensions registered by non-library modules (see the module
     docstring): for each, its module, name, code and source file. Recomputed when the
     registries grow."""
-    sizes, fns = _extension_functions()
+    sizes = _registry_sizes()  # the registries only grow: unchanged sizes, unchanged digest
     if _ext_cache[0] == sizes:
         return _ext_cache[1]  # type: ignore[no-any-return]
     parts = set()
-    for fn in fns:
+    for fn in _extension_functions():
         mod = fn.__module__ or ""
         if mod.split(".", 1)[0] in _LIBRARIES:
             continue

@@ -266,10 +266,7 @@ class DiskStore:
             return False
         finally:
             if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                _unlink(Path(tmp))
         self._count("saves")
         self.evict()
         return True
@@ -517,16 +514,11 @@ class _CFuncView:
     targetoptions: dict[str, Any] = field(default_factory=lambda: {"cfunc": True})
 
 
-def attach(dispatcher: Any, store: DiskStore | None = None, *, fingerprint: Any = None) -> Any:
+def attach(dispatcher: Any, store: DiskStore | None = None) -> Any:
     """Make ``dispatcher`` (a Numba ``Dispatcher``) load and save its overloads through the
-    compile cache: ``store``, or the :func:`default_store` at each compile. Returns it.
-
-    ``fingerprint``: the function's ``_compile_key.fingerprint`` when the caller has computed
-    it already (else it is computed at the first compile)."""
+    compile cache: ``store``, or the :func:`default_store` at each compile. Returns it."""
     global _cache_class
     if _cache_class is None:
         _cache_class = _make_cache_class()
     dispatcher._cache = _cache_class(dispatcher, store)
-    if isinstance(fingerprint, bytes):
-        dispatcher._cache._fp = fingerprint
     return dispatcher
