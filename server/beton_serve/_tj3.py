@@ -619,9 +619,22 @@ def kernel_cached(lib: ctypes.CDLL) -> bool:
         return False
 
 
+_made: dict[str, tuple[object, tuple[Any, ...]]] = {}
+
+
 def _kernel_and_args(lib: ctypes.CDLL) -> tuple[object, tuple[Any, ...]]:
     """The batch kernel's dispatcher (not compiled yet) and arguments of the types the
-    decoders pass (an empty batch)."""
+    decoders pass (an empty batch); made once per library and process (the look-ups of
+    :func:`kernel_cached` and ``_prewarm`` and the build share it)."""
+    key = str(lib._name)
+    with _kernel_lock:
+        made = _made.get(key)
+        if made is None:
+            made = _made[key] = _make_kernel_and_args(lib)
+    return made
+
+
+def _make_kernel_and_args(lib: ctypes.CDLL) -> tuple[object, tuple[Any, ...]]:
     import llvmlite.binding as llvm
     from numba import types
 
