@@ -83,3 +83,24 @@ def test_upscale_and_cv2_method_use_opencv() -> None:
         dst = np.empty((40, 25, 3), np.uint8)  # up in height, down in width
         resize_crop(img, 0, 0, 20, 30, dst, scratch, method)
         np.testing.assert_array_equal(dst, cv2.resize(img, (25, 40), interpolation=cv2.INTER_AREA))
+
+
+def test_exactly_sized_scratch_is_enough_and_nothing_past_it_is_touched() -> None:
+    # the horizontal pass reads and writes 4 lanes per RGB pixel: one float past the row in
+    # each half of the scratch, which scratch_size counts; a sentinel after it stays put
+    gen = np.random.default_rng(3)
+    img = gen.integers(0, 256, (61, 77, 3), dtype=np.uint8)
+    for top, left, h, w, oh, ow in [
+        (0, 0, 61, 77, 40, 50),
+        (5, 30, 56, 47, 31, 29),
+        (0, 76, 61, 1, 7, 1),
+    ]:
+        need = scratch_size(w, ow)
+        buf = np.full(need + 16, np.nan, np.float32)
+        dst = np.empty((oh, ow, 3), np.uint8)
+        resize_crop(img, top, left, h, w, dst, buf[:need])
+        assert np.isnan(buf[need:]).all()
+        ref = cv2.resize(
+            img[top : top + h, left : left + w], (ow, oh), interpolation=cv2.INTER_AREA
+        )
+        assert np.abs(dst.astype(int) - ref).max() <= 1

@@ -22,6 +22,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.core.extending import intrinsic
 from numpy.typing import NDArray
 
 from beton_serve.pipeline.compiler import Compiler
@@ -87,36 +90,67 @@ def _round_sat(v: np.float32) -> np.uint8:  # pragma: no cover - compiled
     return np.uint8((v + _MAGIC) - _MAGIC)
 
 
+_V4 = ir.VectorType(ir.FloatType(), 4)
+
+
+def _splat(builder: ir.IRBuilder, w: ir.Value) -> ir.Value:
+    v = builder.insert_element(ir.Constant(_V4, ir.Undefined), w, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), 4), [0, 0, 0, 0])
+    return builder.shuffle_vector(v, ir.Constant(_V4, ir.Undefined), zeros)
+
+
+@intrinsic
+def _hpass(typingctx, out, acc, xs, xc, xw, dw):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """One row's horizontal pass: ``out[3d : 3d+3] = sum_k acc[3 * (xs[d] + k) : +3] * xw[d, k]``
+    for ``d`` in ``range(dw)``, taps in order ``k = 0 .. xc[d] - 1``.
+
+    Each tap is one 4-lane float32 multiply and add over an RGB pixel plus the next value (the
+    lanes are IEEE float32 operations in the scalar order, so the sums are bit-identical to a
+    scalar loop). The 4th lane of column ``d`` lands on ``out[3d + 3]``, which column ``d + 1``
+    then overwrites: ``acc`` needs one readable element after ``3 * sw`` and ``out`` one after
+    ``3 * dw``. LLVM does not vectorise this gather itself (each column's taps start at a
+    different offset); this is ~2x faster than the scalar loop it replaces.
+    """
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        i64 = ir.IntType(64)
+        three = ir.Constant(i64, 3)
+        a_out, a_acc, a_xs, a_xc, a_xw = (
+            context.make_array(t)(context, builder, v)
+            for t, v in zip(sig.args[:5], args[:5], strict=True)
+        )
+        taps = cgutils.unpack_tuple(builder, a_xw.shape, 2)[1]
+        vsum = cgutils.alloca_once(builder, _V4)
+        with cgutils.for_range(builder, args[5]) as loop:
+            d = loop.index
+            first = builder.mul(builder.load(builder.gep(a_xs.data, [d])), three)
+            count = builder.load(builder.gep(a_xc.data, [d]))
+            wrow = builder.gep(a_xw.data, [builder.mul(d, taps)])
+            p = builder.bitcast(builder.gep(a_acc.data, [first]), _V4.as_pointer())
+            w = _splat(builder, builder.load(wrow))
+            builder.store(builder.fmul(builder.load(p, align=4), w), vsum)
+            one = ir.Constant(i64, 1)
+            with cgutils.for_range_slice(builder, one, count, one, inc=True) as (k, _):
+                src = builder.add(first, builder.mul(k, three))
+                p = builder.bitcast(builder.gep(a_acc.data, [src]), _V4.as_pointer())
+                w = _splat(builder, builder.load(builder.gep(wrow, [k])))
+                builder.store(
+                    builder.fadd(builder.load(vsum), builder.fmul(builder.load(p, align=4), w)),
+                    vsum,
+                )
+            q = builder.bitcast(builder.gep(a_out.data, [builder.mul(d, three)]), _V4.as_pointer())
+            builder.store(builder.load(vsum), q, align=4)
+        return context.get_dummy_value()
+
+    return types.void(out, acc, xs, xc, xw, dw), codegen
+
+
 @_jit
 def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out):  # pragma: no cover
     xs, xc, xw = area_table(sw, dw)
     ys, yc, yw = area_table(sh, dh)
-    # Taps 0..common-1 exist for every output column: those run as dense loops over independent
-    # columns (they pipeline/vectorise). The few extra taps of wider cells are a flat list,
-    # ordered by tap then column, so each column still sums its taps left to right.
-    common = xc[0]
-    for dx in range(dw):
-        common = min(common, xc[dx])
-    idx = np.empty((common, dw), np.int64)
-    wt = np.empty((common, dw), np.float32)
-    n_extra = 0
-    for dx in range(dw):
-        n_extra += xc[dx] - common
-        for k in range(common):
-            idx[k, dx] = (xs[dx] + k) * 3
-            wt[k, dx] = xw[dx, k]
-    e_dst = np.empty(n_extra, np.int64)
-    e_src = np.empty(n_extra, np.int64)
-    e_w = np.empty(n_extra, np.float32)
-    e = 0
-    for k in range(common, xw.shape[1]):
-        for dx in range(dw):
-            if k < xc[dx]:
-                e_dst[e] = 3 * dx
-                e_src[e] = (xs[dx] + k) * 3
-                e_w[e] = xw[dx, k]
-                e += 1
     n = sw * 3
+    acc[n] = 0.0  # read (times a weight) into the discarded 4th lane of the last column
     for dy in range(dh):
         # vertical pass first: contiguous source rows, vectorised
         # (slices, not flat[base + j]: an index that may be negative makes Numba emit
@@ -134,27 +168,8 @@ def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out):  # p
             row = flat[b : b + n]
             for j in range(n):
                 a[j] = a[j] + wk * np.float32(row[j])
-        # then the horizontal pass on one row
-        for dx in range(dw):
-            i = idx[0, dx]
-            w = wt[0, dx]
-            out[3 * dx] = acc[i] * w
-            out[3 * dx + 1] = acc[i + 1] * w
-            out[3 * dx + 2] = acc[i + 2] * w
-        for k in range(1, common):
-            for dx in range(dw):
-                i = idx[k, dx]
-                w = wt[k, dx]
-                out[3 * dx] = out[3 * dx] + acc[i] * w
-                out[3 * dx + 1] = out[3 * dx + 1] + acc[i + 1] * w
-                out[3 * dx + 2] = out[3 * dx + 2] + acc[i + 2] * w
-        for q in range(n_extra):
-            o = e_dst[q]
-            i = e_src[q]
-            w = e_w[q]
-            out[o] = out[o] + acc[i] * w
-            out[o + 1] = out[o + 1] + acc[i + 1] * w
-            out[o + 2] = out[o + 2] + acc[i + 2] * w
+        # then the horizontal pass on one row, 4 lanes at a time
+        _hpass(out, acc, xs, xc, xw, dw)
         drow = dflat[dy * dw * 3 : (dy + 1) * dw * 3]
         o = out[: dw * 3]
         for j in range(dw * 3):
@@ -190,7 +205,7 @@ def _area_int(src, dst, fy, fx):  # pragma: no cover - compiled
 
 def scratch_size(crop_width: int, out_width: int) -> int:
     """float32 elements of scratch :func:`area_resize` needs for crops up to ``crop_width``."""
-    return (max(crop_width, out_width) + out_width) * 3
+    return (max(crop_width, out_width) + out_width) * 3 + 2
 
 
 @_jit
@@ -223,7 +238,7 @@ def area_resize(src, flat, top, left, height, width, dst, dflat, scratch):  # pr
     if abs(scale_x - ix) < 2.220446049250313e-16 and abs(scale_y - iy) < 2.220446049250313e-16:
         _area_int(src[top : top + height, left : left + width], dst, iy, ix)
         return
-    n = max(width, dw) * 3
+    n = max(width, dw) * 3 + 1
     _area_generic(
         flat,
         src.shape[1],
@@ -235,7 +250,7 @@ def area_resize(src, flat, top, left, height, width, dst, dflat, scratch):  # pr
         dw,
         dflat,
         scratch[:n],
-        scratch[n : n + dw * 3],
+        scratch[n : n + dw * 3 + 1],
     )
 
 
