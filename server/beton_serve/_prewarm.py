@@ -185,6 +185,7 @@ def _spawn(groups: Sequence[str], root: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     env["BETON_SERVE_CACHE_DIR"] = str(root)
     env[ENV] = "0"
+    env[_PARENT_ENV] = str(os.getpid())
     try:
         proc = subprocess.Popen(
             _command(groups),
@@ -304,10 +305,37 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
+#: The pid of the process that started the helper (it may die before the helper looks).
+_PARENT_ENV = "BETON_SERVE_PREWARM_PARENT"
+#: Seconds between the helper's checks that the process that started it is still there.
+ORPHAN_POLL_S = 0.2
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """Exit this helper as soon as ``parent`` is gone (a trainer killed with SIGKILL runs no
+    atexit hook to stop it): its parent pid changes to a reaper's. Entries are written
+    atomically, so stopping between them loses nothing."""
+    import time
+
+    while True:
+        time.sleep(ORPHAN_POLL_S)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m beton_serve._prewarm GROUP...``: compile the groups into the compile cache,
-    printing ``done GROUP`` after each. Exit status 2 when the cache cannot be used."""
+    printing ``done GROUP`` after each. Exit status 2 when the cache cannot be used. It exits
+    within ``ORPHAN_POLL_S`` of its parent's death."""
     import fcntl
+
+    parent = os.environ.get(_PARENT_ENV, "")
+    ppid = int(parent) if parent.isdigit() else os.getppid()
+    if ppid != os.getppid():
+        return 0  # the process that started us died while we were starting
+    threading.Thread(
+        target=_exit_when_orphaned, args=(ppid,), name="prewarm-orphan", daemon=True
+    ).start()
 
     from beton_serve.pipeline.compile_cache import default_store
 

@@ -12,6 +12,8 @@ tests turn it on in their own processes.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -251,3 +253,48 @@ def test_start_does_nothing_when_off_or_without_a_cache(
     monkeypatch.setenv("BETON_SERVE_CACHE_DIR", "off")
     _prewarm.start()
     assert not _prewarm._pending
+
+
+_ORPHAN_PARENT = r"""
+import sys, time
+from beton_serve import _prewarm
+_prewarm._spawn(["tj3"], _prewarm.Path(sys.argv[1]))  # tj3 waits up to 30 s for entries
+print(_prewarm._procs[0].pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_helper_exits_when_the_process_that_started_it_is_killed(tmp_path: Path) -> None:
+    # SIGKILL runs no atexit hook: the helper notices its parent is gone by itself
+    cache = tmp_path / "cc"
+    cache.mkdir(mode=0o700)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_PARENT, str(cache)],
+        env=_env(cache, "0"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout is not None
+        helper = int(parent.stdout.readline())
+        time.sleep(1.5)  # the helper is up, waiting for the resize entries nobody writes
+        assert _alive(helper)
+    finally:
+        parent.kill()
+        parent.wait(10)
+    deadline = time.monotonic() + 5
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    orphaned = _alive(helper)
+    if orphaned:
+        os.kill(helper, signal.SIGKILL)  # the test stops what it started, even when failing
+    assert not orphaned, "the helper outlived its killed parent"
+
+
+def _alive(pid: int) -> bool:
+    # the helper is re-parented to a reaper that collects it: gone, or a zombie, means exited
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
