@@ -169,7 +169,7 @@ def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out):  # p
             for j in range(n):
                 a[j] = a[j] + wk * np.float32(row[j])
         # then the horizontal pass on one row, 4 lanes at a time
-        _hpass(out, acc, xs, xc, xw, dw)
+        _hpass(out, acc, xs, xc, xw, dw)  # type: ignore[call-arg]  # typingctx is numba's
         drow = dflat[dy * dw * 3 : (dy + 1) * dw * 3]
         o = out[: dw * 3]
         for j in range(dw * 3):
