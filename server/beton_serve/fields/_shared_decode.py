@@ -73,26 +73,38 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
 
     def run(batch_indices, dst, metadata, storage_state, seed_key=None):
         rbuf = scratch(dst.shape[2])
-        boxes = crops_of(batch_indices, seed_key)
+        boxes = crops_of(batch_indices, seed_key).tolist()
         bound = current_member(metadata)
+        # the batch's columns as Python ints, once: per-sample numpy scalar indexing and
+        # int() conversions were a visible share of a member's time (issue 16)
+        ids = np.asarray(batch_indices, np.int64)
+        rows = zip(
+            ids.tolist(),
+            cols.heights[ids].tolist(),
+            cols.widths[ids].tolist(),
+            cols.modes[ids].tolist(),
+            cols.ptrs[ids].tolist(),
+            strict=True,
+        )
+        samples = [(b, *row, boxes[b]) for b, row in enumerate(rows)]
         later = []
-        for b in range(len(batch_indices)):
-            if not one(b, batch_indices, dst, storage_state, boxes, rbuf, bound, False):
-                later.append(b)  # another member is decoding it: do the others first
-        for b in later:
-            one(b, batch_indices, dst, storage_state, boxes, rbuf, bound, True)
+        for sample in samples:
+            if not one(sample, dst, storage_state, rbuf, bound, False):
+                later.append(sample)  # another member is decoding it: do the others first
+        for sample in later:
+            one(sample, dst, storage_state, rbuf, bound, True)
         return dst
 
-    def one(b, batch_indices, dst, storage_state, boxes, rbuf, bound, wait) -> bool:
-        """Write row ``b``; ``False`` when its image is being decoded by another member and
-        ``wait`` is false."""
-        sid = int(batch_indices[b])
-        top, left, ch, cw = (int(v) for v in boxes[b])
-        height, width = int(cols.heights[sid]), int(cols.widths[sid])
-        data = mem_read(cols.ptrs[sid], storage_state)
-        if cols.modes[sid] != 0:
+    def one(sample, dst, storage_state, rbuf, bound, wait) -> bool:
+        """Write row ``b`` of ``dst`` from ``sample = (b, sid, height, width, mode, ptr,
+        box)``; ``False`` when its image is being decoded by another member and ``wait`` is
+        false."""
+        b, sid, height, width, mode, ptr, (top, left, ch, cw) = sample
+        if mode != 0:
+            data = mem_read(ptr, storage_state)
             img = data[: height * width * 3].reshape(height, width, 3)
         elif bound is None:
+            data = mem_read(ptr, storage_state)
             img = full_decode(data, sid, height, width, solo_buffer(height * width * 3))
         else:
             member, epoch = bound
@@ -100,12 +112,16 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
                 sid,
                 epoch,
                 height * width * 3,
-                partial(full_decode, data, sid, height, width),
+                # the file's bytes are read only by the member that decodes them
+                partial(read_and_decode, ptr, storage_state, sid, height, width),
                 wait=wait,
             )
             if img is None:
                 return False
         rz.resize_crop(img, top, left, ch, cw, dst[b], rbuf, method)
         return True
+
+    def read_and_decode(ptr, storage_state, sid, height, width) -> np.ndarray:
+        return full_decode(mem_read(ptr, storage_state), sid, height, width)
 
     return run
