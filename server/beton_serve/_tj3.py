@@ -521,7 +521,7 @@ def batch_kernel(lib: ctypes.CDLL, *, wait: bool = True, start: bool = True) -> 
             (measured: 7.9 s instead of 5.1 s to a cold first batch).
 
     ``kernel(handle, start, addrs, lens, eoi, heights, widths, boxes, dct_scale, dst, dflat,
-    jbuf, jflat, rbuf) -> (b, need_h, need_w)`` runs without the GIL and calls TurboJPEG
+    jbuf, jflat, rbuf, arena, atab) -> (b, need_h, need_w)`` runs without the GIL and calls TurboJPEG
     directly: for samples ``start, start+1, ...`` of the batch (JPEG bytes at ``addrs[b]``,
     ``lens[b]`` long, ``eoi[b]`` whether they end with EOI; metadata size ``heights[b] x
     widths[b]``; crop ``boxes[b]``) it decodes the planned region (:func:`plan_crop`) into the
@@ -529,9 +529,16 @@ def batch_kernel(lib: ctypes.CDLL, *, wait: bool = True, start: bool = True) -> 
     straight into ``dst[b]``, and area-resizes it into ``dst[b]`` (``dst``: C-contiguous ``(B,
     oh, ow, 3)`` uint8, ``dflat`` its flat view; ``rbuf``: the resize's float32 scratch). It
     stops at the first sample it does not finish and returns its index ``b`` (``B`` when all are
-    done): ``need_h > 0`` means ``jbuf`` must grow to at least ``need_h x need_w``; otherwise the
-    caller handles that sample itself (an upscale, a raw image, unknown subsampling, or any
+    done): ``need_h > 0`` means ``jbuf`` must grow to at least ``need_h x need_w``; ``need_h ==
+    -1`` that ``arena`` must grow to at least ``need_w`` bytes, keeping its first ``atab[B, 0]``;
+    otherwise the caller handles that sample itself (a raw image, unknown subsampling, or any
     TurboJPEG error: the caller's own decode then raises with libjpeg-turbo's message).
+
+    An upscale (a crop smaller than the output, which OpenCV resizes) is decoded too: its region
+    goes to ``arena`` (uint8, flat) at the running offset ``atab[B, 0]`` (``atab``: int64
+    ``(B + 1, ARENA_COLUMNS)``), in rows ``rw * 3`` bytes apart, and ``atab[b]`` gets ``(offset,
+    rh, rw, t2, l2, c2, w2)``: the caller resizes ``[t2:t2+c2, l2:l2+w2]`` of it into ``dst[b]``
+    once the kernel is done (rows it did not decode keep the caller's ``atab[b, 0] = -1``).
 
     The struct arguments of ``tj3SetScalingFactor`` and ``tj3SetCroppingRegion`` (two and four
     ``int``) are passed as packed 64-bit integers: that is their calling convention on x86-64
@@ -621,6 +628,9 @@ def kernel_cached(lib: ctypes.CDLL) -> bool:
 
 _made: dict[str, tuple[object, tuple[Any, ...]]] = {}
 
+#: Columns of the batch kernel's upscale table: offset, rh, rw, t2, l2, c2, w2.
+ARENA_COLUMNS = 7
+
 
 def _kernel_and_args(lib: ctypes.CDLL) -> tuple[object, tuple[Any, ...]]:
     """The batch kernel's dispatcher (not compiled yet) and arguments of the types the
@@ -665,7 +675,22 @@ def _make_kernel_and_args(lib: ctypes.CDLL) -> tuple[object, tuple[Any, ...]]:
     p_prec, p_lossless = _TJPARAM_PRECISION, _TJPARAM_LOSSLESS
 
     def kernel(
-        handle, start, addrs, lens, eoi, heights, widths, boxes, dct, dst, dflat, jbuf, jflat, rbuf
+        handle,
+        start,
+        addrs,
+        lens,
+        eoi,
+        heights,
+        widths,
+        boxes,
+        dct,
+        dst,
+        dflat,
+        jbuf,
+        jflat,
+        rbuf,
+        arena,
+        atab,
     ):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
         n = addrs.shape[0]
         oh = dst.shape[1]
@@ -674,8 +699,9 @@ def _make_kernel_and_args(lib: ctypes.CDLL) -> tuple[object, tuple[Any, ...]]:
         for b in range(start, n):
             top, left, ch, cw = boxes[b, 0], boxes[b, 1], boxes[b, 2], boxes[b, 3]
             nbytes = lens[b]
-            if ch < oh or cw < ow or nbytes == 0:
+            if nbytes == 0:
                 return b, 0, 0
+            up = ch < oh or cw < ow
             if header(handle, addrs[b], nbytes) != 0:
                 return b, 0, 0
             height = get(handle, p_h)
@@ -695,6 +721,19 @@ def _make_kernel_and_args(lib: ctypes.CDLL) -> tuple[object, tuple[Any, ...]]:
                 return b, 0, 0
             if set_crop(handle, (np.int64(y) << 32) | x, (np.int64(rh) << 32) | rw) != 0:
                 return b, 0, 0
+            if up:
+                # an upscale (OpenCV's, in the caller): the region goes to the arena, at the
+                # running position atab[n, 0], and its place and crop to atab[b]
+                pos = atab[n, 0]
+                size = rh * rw * 3
+                if pos + size > arena.shape[0]:
+                    return b, -1, pos + size
+                if decompress(handle, addrs[b], nbytes, arena[pos:].ctypes.data, rw * 3, 0) != 0:
+                    return b, 0, 0
+                atab[b, 0], atab[b, 1], atab[b, 2], atab[b, 3] = pos, rh, rw, t2
+                atab[b, 4], atab[b, 5], atab[b, 6] = l2, c2, w2
+                atab[n, 0] = pos + size
+                continue
             out = dst[b]
             if rh == oh and rw == ow and c2 == oh and w2 == ow:
                 # the region is the output: decode straight into the batch row
@@ -728,6 +767,8 @@ def _make_kernel_and_args(lib: ctypes.CDLL) -> tuple[object, tuple[Any, ...]]:
         jbuf,
         jbuf.reshape(-1),
         np.zeros(1, np.float32),
+        np.zeros(1, np.uint8),
+        np.zeros((1, ARENA_COLUMNS), np.int64),
     )
     return Compiler.compile(kernel), args
 

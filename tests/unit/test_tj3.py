@@ -388,3 +388,43 @@ def test_served_equals_in_process_with_tj3(lib: Any, daemon_factory, fixtures_di
     assert len(got) == len(want) > 2
     for (gi, gl), (wi, wl) in zip(got, want, strict=True):
         assert torch.equal(gi, wi) and torch.equal(gl, wl)
+
+
+@pytest.mark.parametrize("bound", [3_000, 20_000, 4 << 20])
+def test_upscales_through_the_kernels_arena_equal_the_ctypes_loop(
+    lib: Any, monkeypatch: pytest.MonkeyPatch, bound: int
+) -> None:
+    """The kernel decodes upscale regions into a bounded per-thread arena that OpenCV resizes
+    after it: with the arena flushed after each region, after several, or never, and with raw
+    images (which the kernel hands back) between them, the bytes equal the ctypes loop's."""
+    from beton_serve.fields import decoders
+
+    assert _tj3.batch_kernel(lib) is not None
+    monkeypatch.setattr(decoders, "UPSCALE_ARENA_BYTES", bound)
+    sizes = [(30, 25), (40, 31), (375, 500), (22, 60), (37, 37), (300, 20), (61, 47)] * 4
+    jpegs = [_jpeg(h, w, k, lo=15) for k, (h, w) in enumerate(sizes)]
+    raw_at = {3, 17}
+    for k in raw_at:  # raw samples: their pixels stored as they are (mode 1)
+        jpegs[k] = _image(*sizes[k], seed=k).reshape(-1)
+    md, state = _blob_file(jpegs, sizes)
+    md["mode"][sorted(raw_at)] = 1
+    ids = list(range(len(sizes)))
+    ops = [
+        RandomResizedCropRGBImageDecoder((48, 40), jpeg_backend="tj3"),
+        CenterCropRGBImageDecoder((64, 64), 224 / 256, jpeg_backend="tj3"),
+    ]
+    ctypes_decodes = []
+    decode = _tj3.Decompressor.decode
+
+    def counted(self: Any, *args: Any, **kw: Any) -> Any:
+        ctypes_decodes.append(1)
+        return decode(self, *args, **kw)
+
+    monkeypatch.setattr(_tj3.Decompressor, "decode", counted)
+    fast = [_run(op, md, state, ids, 4) for op in ops]
+    assert not ctypes_decodes  # every JPEG, upscales included, went through the kernel
+    monkeypatch.setattr(_tj3, "batch_kernel", lambda lib, **kw: None)
+    for op, want in zip(ops, fast, strict=True):
+        np.testing.assert_array_equal(_run(op, md, state, ids, 4), want)
+        assert (want != 7).any(axis=(1, 2, 3)).all()  # every row was written
+    assert ctypes_decodes

@@ -216,6 +216,10 @@ class _ImageColumns:
         self.max_w = int(self.widths.max()) if len(self.widths) else 0
 
 
+#: Bytes of upscale regions a TurboJPEG crop decoder's worker holds before it resizes them
+#: (more only for a single larger region): the bound of its per-thread arena.
+UPSCALE_ARENA_BYTES = 4 << 20
+
 #: JPEG images whose metadata size differs from the file's common size that
 #: SimpleRGBImageDecoder takes for bad samples rather than refusing the file (see _common_size).
 MAX_ODD_IMAGES = 16
@@ -546,8 +550,9 @@ class _CropDecoder(SimpleRGBImageDecoder):
             if not direct:
                 rz.resize_crop(out, t2, l2, c2, w2, dst[b], rbuf, method)
 
-        # The compiled loop (no GIL for the whole batch) does the area-resized samples; this
-        # Python loop does what it hands back (upscales, raw images, errors) and resize="cv2".
+        # The compiled loop (no GIL for the whole batch) decodes the JPEGs and area-resizes the
+        # downscales; the upscales' regions it leaves in an arena for OpenCV; this Python loop
+        # does what it hands back (raw images, errors) and resize="cv2".
         # (compiled in the background on first use: the first batches take the Python loop)
         use_kernel = method == "area"
 
@@ -558,6 +563,18 @@ class _CropDecoder(SimpleRGBImageDecoder):
                 old = (0, 0) if grid is None else grid.shape[:2]
                 grid = local.grid = np.empty((max(h, old[0], 1), max(w, old[1], 1), 3), np.uint8)
             return grid  # type: ignore[no-any-return]
+
+        def upscale_arena(nbytes: int, keep: int = 0) -> np.ndarray:
+            # the kernel's flat arena of upscale regions, per worker thread: grows (doubling, up
+            # to UPSCALE_ARENA_BYTES or one region) keeping its first ``keep`` bytes, this
+            # batch's regions so far
+            arena = getattr(local, "arena", None)
+            if arena is None or arena.shape[0] < nbytes:
+                old = np.zeros(0, np.uint8) if arena is None else arena
+                grown = min(2 * old.shape[0], UPSCALE_ARENA_BYTES)
+                arena = local.arena = np.empty(max(nbytes, grown, 1), np.uint8)
+                arena[:keep] = old[:keep]
+            return arena  # type: ignore[no-any-return]
 
         # The batch kernel's compile starts after a first batch (see _tj3.batch_kernel's start),
         # unless the compile cache has it: then the first batch loads and runs it.
@@ -597,6 +614,10 @@ class _CropDecoder(SimpleRGBImageDecoder):
             heights, widths = cols.heights[idx], cols.widths[idx]
             dflat = dst.reshape(-1)
             jbuf = region_grid(0, 0)
+            arena = upscale_arena(0)
+            atab = np.empty((n + 1, _tj3.ARENA_COLUMNS), np.int64)
+            atab[:, 0] = -1
+            atab[n, 0] = 0
             b = 0
             while b < n:
                 b, need_h, need_w = kernel(  # type: ignore[operator]
@@ -614,15 +635,36 @@ class _CropDecoder(SimpleRGBImageDecoder):
                     jbuf,
                     jbuf.reshape(-1),
                     rbuf,
+                    arena,
+                    atab,
                 )
                 if b >= n:
                     break
+                if need_h == -1:
+                    if need_w > UPSCALE_ARENA_BYTES and atab[n, 0] > 0:
+                        resize_upscales(atab, arena, dst, rbuf, n)  # empties the arena
+                    else:
+                        arena = upscale_arena(need_w, keep=int(atab[n, 0]))
+                    continue
                 if need_h:
                     jbuf = region_grid(need_h, need_w)
                     continue
                 one(tj, rbuf, dst, b, ids[b], boxes[b], datas[b])
                 b += 1
+            resize_upscales(atab, arena, dst, rbuf, n)
             return dst
+
+        def resize_upscales(
+            atab: np.ndarray, arena: np.ndarray, dst: np.ndarray, rbuf: np.ndarray, n: int
+        ) -> None:
+            # the upscales the kernel decoded into the arena: OpenCV resizes them (releasing
+            # the GIL); then the arena is empty again
+            for b in np.flatnonzero(atab[:n, 0] >= 0).tolist():
+                pos, rh, rw, t2, l2, c2, w2 = atab[b].tolist()
+                region = arena[pos : pos + rh * rw * 3].reshape(rh, rw, 3)
+                rz.resize_crop(region, t2, l2, c2, w2, dst[b], rbuf, method)
+                atab[b, 0] = -1
+            atab[n, 0] = 0
 
         return run
 
