@@ -216,9 +216,11 @@ class _ImageColumns:
         self.max_w = int(self.widths.max()) if len(self.widths) else 0
 
 
-#: Bytes of upscale regions a TurboJPEG crop decoder's worker holds before it resizes them
-#: (more only for a single larger region): the bound of its per-thread arena.
+#: Bytes of upscale regions a worker thread of the TurboJPEG crop decoders holds before it
+#: resizes them (more only for a single larger region, and not kept after that batch): the
+#: bound of the thread's arena, which all its decoders share.
 UPSCALE_ARENA_BYTES = 4 << 20
+_ARENAS = threading.local()  # that arena, per thread (shared by the thread's decoders)
 
 #: JPEG images whose metadata size differs from the file's common size that
 #: SimpleRGBImageDecoder takes for bad samples rather than refusing the file (see _common_size).
@@ -565,14 +567,15 @@ class _CropDecoder(SimpleRGBImageDecoder):
             return grid  # type: ignore[no-any-return]
 
         def upscale_arena(nbytes: int, keep: int = 0) -> np.ndarray:
-            # the kernel's flat arena of upscale regions, per worker thread: grows (doubling, up
-            # to UPSCALE_ARENA_BYTES or one region) keeping its first ``keep`` bytes, this
-            # batch's regions so far
-            arena = getattr(local, "arena", None)
+            # the kernel's flat arena of upscale regions, one per worker thread for every
+            # decoder (a thread runs one batch at a time, and a batch's upscales are resized
+            # before its run returns): grows (doubling, up to UPSCALE_ARENA_BYTES or one region)
+            # keeping its first ``keep`` bytes, this batch's regions so far
+            arena = getattr(_ARENAS, "arena", None)
             if arena is None or arena.shape[0] < nbytes:
                 old = np.zeros(0, np.uint8) if arena is None else arena
                 grown = min(2 * old.shape[0], UPSCALE_ARENA_BYTES)
-                arena = local.arena = np.empty(max(nbytes, grown, 1), np.uint8)
+                arena = _ARENAS.arena = np.empty(max(nbytes, grown, 1), np.uint8)
                 arena[:keep] = old[:keep]
             return arena  # type: ignore[no-any-return]
 
@@ -652,6 +655,8 @@ class _CropDecoder(SimpleRGBImageDecoder):
                 one(tj, rbuf, dst, b, ids[b], boxes[b], datas[b])
                 b += 1
             resize_upscales(atab, arena, dst, rbuf, n)
+            if arena.shape[0] > UPSCALE_ARENA_BYTES:
+                _ARENAS.arena = None  # grown for one large region: do not keep it
             return dst
 
         def resize_upscales(
