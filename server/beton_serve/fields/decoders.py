@@ -572,6 +572,8 @@ class _CropDecoder(SimpleRGBImageDecoder):
             # before its run returns): grows (doubling, up to UPSCALE_ARENA_BYTES or one region)
             # keeping its first ``keep`` bytes, this batch's regions so far
             arena = getattr(_ARENAS, "arena", None)
+            if arena is not None and keep == 0 and nbytes <= UPSCALE_ARENA_BYTES < arena.shape[0]:
+                arena = None  # grown for one large region of an earlier batch: not kept
             if arena is None or arena.shape[0] < nbytes:
                 old = np.zeros(0, np.uint8) if arena is None else arena
                 grown = min(2 * old.shape[0], UPSCALE_ARENA_BYTES)
@@ -655,8 +657,6 @@ class _CropDecoder(SimpleRGBImageDecoder):
                 one(tj, rbuf, dst, b, ids[b], boxes[b], datas[b])
                 b += 1
             resize_upscales(atab, arena, dst, rbuf, n)
-            if arena.shape[0] > UPSCALE_ARENA_BYTES:
-                _ARENAS.arena = None  # grown for one large region: do not keep it
             return dst
 
         def resize_upscales(
