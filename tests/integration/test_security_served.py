@@ -124,10 +124,8 @@ def test_tls_and_mutual_tls_handshakes(daemon_factory, short_tmp: Path, fixtures
         Loader("mixed_fields", 16, server=mtarget, tls_ca=files.ca_cert, transport="grpc")
 
 
-def test_non_loopback_listen_needs_protection_or_insecure(
-    daemon_factory, short_tmp: Path, fixtures_dir: Path
-) -> None:
-    port = free_port()
+def _serve_refused(fixtures_dir: Path, short_tmp: Path, listen: str) -> str:
+    """Run ``beton-serve ... --listen LISTEN``, which must refuse to start; its output."""
     cmd = [
         sys.executable,
         "-c",
@@ -137,11 +135,18 @@ def test_non_loopback_listen_needs_protection_or_insecure(
         "--socket",
         str(short_tmp / "refused.sock"),
         "--listen",
-        f"0.0.0.0:{port}",
+        listen,
     ]
     done = subprocess.run(cmd, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode != 0
-    err = (done.stdout + done.stderr).decode()
+    return (done.stdout + done.stderr).decode()
+
+
+def test_non_loopback_listen_needs_protection_or_insecure(
+    daemon_factory, short_tmp: Path, fixtures_dir: Path
+) -> None:
+    port = free_port()
+    err = _serve_refused(fixtures_dir, short_tmp, f"0.0.0.0:{port}")
     assert "--insecure" in err and "0.0.0.0" in err
     d = daemon_factory(
         [fixtures_dir / "mixed_fields.beton"],
@@ -160,20 +165,7 @@ def test_a_unix_listen_address_is_refused(
     """Every caller on a Unix socket counts as the daemon's user; an abstract socket (no
     permissions) or one made by --listen (the umask's mode) would admit other local users."""
     address = address.format(tmp=short_tmp)
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from beton_serve.cli import main; sys.exit(main())",
-        "serve",
-        str(fixtures_dir / "mixed_fields.beton"),
-        "--socket",
-        str(short_tmp / "refused.sock"),
-        "--listen",
-        address,
-    ]
-    done = subprocess.run(cmd, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert done.returncode != 0
-    err = (done.stdout + done.stderr).decode()
+    err = _serve_refused(fixtures_dir, short_tmp, address)
     assert "--socket PATH" in err and address in err
     assert not (short_tmp / "other.sock").exists()
 
