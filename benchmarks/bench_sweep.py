@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sweep.py [--n 2000] [--batch 64] [--epochs 1] [--workers 2]
                                      [--sizes 160,176,192,224] [--unshared-full] [--json]
+                                     [--share-min-side S] [--quality]
 
 One daemon (``--workers``) serves the ImageNet-like JPEG dataset of ``bench_loader.py``. Each job
 is a separate client process (``beton_client.Loader``), as the jobs of a real sweep are: the same
@@ -11,8 +12,10 @@ no two streams are alike. Each job runs one warm-up epoch (compilation), then al
 ``--epochs`` timed epochs together.
 
 Configurations:
-- ``shared``: the decoders have ``share_decode=True`` (full decode once per sample, shared by the
-  group; each job crops and resizes for itself);
+- ``shared``: the decoders have ``share_decode=True`` (one decode per sample, shared by the
+  group; each job crops and resizes for itself). The shared decode is the full image, or with
+  ``--share-min-side S`` (the decoders' ``share_min_side``) the image at the smallest DCT scale
+  of 1/8, 1/4, 1/2 whose shorter side stays >= S;
 - ``unshared``: the same jobs with the decoders' defaults (each job decodes for itself, with
   DCT-scaled decodes where the crop allows: the fastest unshared configuration);
 - ``unshared_full`` (``--unshared-full``): ``dct_scale=False``, the same pixels as ``shared``.
@@ -23,7 +26,10 @@ RPC's ``decode_groups``, per epoch of samples; 1.0 = each sample decoded once pe
 unshared run decodes ``len(sizes)``), ``aggregate_vs_unshared``, and daemon and client CPU
 seconds over the timed epochs (when the clients and the daemon together need more than the
 cores, the wall-clock ratio understates the decode saved: compare ``daemon_cpu_s``).
-``--json`` prints one JSON line. Targets (issue 16): decode <= 1.3 epochs per epoch, aggregate
+``--json`` prints one JSON line. ``--quality`` adds, per size, how far the shared pipeline's
+pixels are from full-size sharing (``dct_scale=False``'s pixels) and how far the unshared
+default's are, on the first 512 samples in process: mean absolute difference in grey levels and
+PSNR in dB. Targets (issue 16): decode <= 1.3 epochs per epoch, aggregate
 >= 2x unshared.
 
 The daemon decodes the first batches of the next epoch while the jobs wait at the start line
@@ -55,9 +61,10 @@ import json, sys, time
 from beton_client import Loader, OrderOption, ServeOptions
 from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
-path, address, batch, seed, epochs, size, mode = sys.argv[1:8]
+path, address, batch, seed, epochs, size, mode, min_side = sys.argv[1:9]
 size = int(size)
-kw = {"share": {"share_decode": True}, "default": {}, "full": {"dct_scale": False}}[mode]
+share = {"share_decode": True, "share_min_side": int(min_side)}
+kw = {"share": share, "default": {}, "full": {"dct_scale": False}}[mode]
 pipes = {
     "image": [RandomResizedCropRGBImageDecoder((size, size), **kw), RandomHorizontalFlip(),
               ToTensor()],
@@ -114,6 +121,7 @@ def run_jobs(daemon, path: Path, args, mode: str) -> dict:
                 str(args.epochs),
                 str(size),
                 mode,
+                str(args.share_min_side),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -171,6 +179,47 @@ def run_jobs(daemon, path: Path, args, mode: str) -> dict:
     }
 
 
+def quality(path: Path, args) -> dict:
+    """Per output size: mean |diff| (grey levels) and PSNR (dB) against full-size sharing's
+    pixels (= ``dct_scale=False``), of the shared configuration and of the unshared default,
+    over the first 512 samples (in process, 2 workers, the benchmark's seed and order)."""
+    import numpy as np
+    from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from beton_serve.loader import Loader, OrderOption
+
+    def images(size: int, **kw) -> np.ndarray:
+        pipes = {
+            "image": [RandomResizedCropRGBImageDecoder((size, size), **kw)],
+            "label": [IntDecoder()],
+        }
+        ld = Loader(
+            path,
+            batch_size=args.batch,
+            order=OrderOption.RANDOM,
+            seed=args.seed,
+            pipelines=pipes,
+            num_workers=2,
+            indices=list(range(min(512, args.n))),
+        )
+        try:
+            return np.concatenate([np.array(b[0]) for b in ld]).astype(np.int16)
+        finally:
+            ld.close()
+
+    def diff(a: np.ndarray, b: np.ndarray) -> dict:
+        d = np.abs(a - b).astype(np.float64)
+        mse = float((d**2).mean())
+        psnr = float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+        return {"mad": round(float(d.mean()), 3), "psnr_db": round(psnr, 1)}
+
+    out = {}
+    for size in (int(s) for s in args.sizes.split(",")):
+        ref = images(size, share_decode=True)
+        shared = images(size, share_decode=True, share_min_side=args.share_min_side)
+        out[str(size)] = {"shared": diff(shared, ref), "unshared_default": diff(images(size), ref)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2000, help="samples of the ImageNet-like dataset")
@@ -180,6 +229,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sizes", default="160,176,192,224", help="one RRC output size per job")
     ap.add_argument("--unshared-full", action="store_true", help="also run dct_scale=False jobs")
+    ap.add_argument(
+        "--share-min-side",
+        type=int,
+        default=0,
+        help="share_min_side of the shared jobs' decoders (0: share full-size decodes)",
+    )
+    ap.add_argument("--quality", action="store_true", help="also report pixel differences")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument(
         "--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)"
@@ -220,9 +276,11 @@ def main() -> None:
             "epochs": args.epochs,
             "workers": args.workers,
             "sizes": args.sizes,
+            "share_min_side": args.share_min_side,
             "jobs": "separate client processes, one daemon",
         },
         "runs": report,
+        **({"quality": quality(path, args)} if args.quality else {}),
     }
     print(
         json.dumps(summary, separators=(",", ":")) if args.json else json.dumps(summary, indent=1)

@@ -33,7 +33,7 @@ name                                       kind     labels           from ``Daem
 ``beton_uptime_seconds``                   gauge    -                ``uptime_s``
 ``beton_stats_stale``                      gauge    -                1 when the last snapshot failed
 ``beton_decode_group_*``                   both     dataset, field,  ``decode_groups`` (issue 16):
-                                                    order            members, detached, delivered,
+                                                    order, decode    members, detached, delivered,
                                                                      decoded, hits, evicted, bytes
 =========================================  =======  ===============  ==============================
 
@@ -165,7 +165,7 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
         busy.add_metric([str(op)], float(sec))
         runs.add_metric([str(op)], float(n))
 
-    labels = ("dataset", "field", "order")
+    labels = ("dataset", "field", "order", "decode")
     g_members = _gauge("beton_decode_group_members", "Streams in a decode group.", labels)
     g_detached = _gauge(
         "beton_decode_group_detached", "Members decoding alone for lagging.", labels
@@ -184,7 +184,7 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
     )
     g_bytes = _gauge("beton_decode_group_live_bytes", "Bytes of a group's cached images.", labels)
     for g in stats.decode_groups:
-        key = [str(g.dataset), str(g.field), str(g.order)]
+        key = [str(g.dataset), str(g.field), str(g.order), str(g.decode)]
         for fam, value in (
             (g_members, g.members),
             (g_detached, g.detached),

@@ -64,7 +64,7 @@ def cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[dc.DecodeCache]:
     yield fresh
 
 
-def _pipelines(size: int, share: bool = True, tensors: bool = False) -> dict:
+def _pipelines(size: int, share: bool = True, tensors: bool = False, min_side: int = 0) -> dict:
     from beton_serve.transforms import ToTensor
 
     def tail() -> list:
@@ -72,7 +72,9 @@ def _pipelines(size: int, share: bool = True, tensors: bool = False) -> dict:
 
     return {
         "image": [
-            RandomResizedCropRGBImageDecoder((size, size), share_decode=share),
+            RandomResizedCropRGBImageDecoder(
+                (size, size), share_decode=share, share_min_side=min_side
+            ),
             RandomHorizontalFlip(),
             *tail(),
         ],
@@ -163,16 +165,33 @@ def test_share_decode_is_a_wire_parameter_and_decodes_in_full(jpeg_file: Path, c
     _same(a, b)
 
 
-def test_four_pipelines_share_decodes_and_equal_their_solo_runs(jpeg_file: Path, cache) -> None:
-    refs = {s: _solo_with_batch(jpeg_file, s, BATCH + i) for i, s in enumerate(SIZES)}
+#: ``share_min_side`` that splits the 40..90 px test images between 1/2 scale and full size.
+MIN_SIDE = 30
+
+
+@pytest.mark.parametrize("min_side", [0, MIN_SIDE])
+def test_four_pipelines_share_decodes_and_equal_their_solo_runs(
+    jpeg_file: Path, cache, min_side: int
+) -> None:
+    refs = {s: _solo_with_batch(jpeg_file, s, BATCH + i, min_side) for i, s in enumerate(SIZES)}
     before = sum(g.decoded for g in cache.stats())
     engine = Engine(num_workers=2)
     try:
-        loaders = [_loader(jpeg_file, s, engine, batch_size=BATCH + i) for i, s in enumerate(SIZES)]
+        loaders = [
+            _loader(
+                jpeg_file,
+                s,
+                engine,
+                batch_size=BATCH + i,
+                pipelines=_pipelines(s, min_side=min_side),
+            )
+            for i, s in enumerate(SIZES)
+        ]
         outs = _together(loaders, 2)
         (st,) = cache.stats()
     finally:
         engine.close()
+    assert st.decode == ("full" if min_side == 0 else f"min_side={min_side}")
     # batch sizes differ (8..11): compare sample streams, not batches
     for s, out in zip(SIZES, outs, strict=True):
         got = np.concatenate([x for _, x, _ in out])
@@ -182,14 +201,42 @@ def test_four_pipelines_share_decodes_and_equal_their_solo_runs(jpeg_file: Path,
     assert decoded / delivered_per_member <= 1.3, st
 
 
-def _solo_with_batch(path: Path, size: int, batch: int) -> np.ndarray:
+def _solo_with_batch(path: Path, size: int, batch: int, min_side: int = 0) -> np.ndarray:
     out: list = []
     engine = Engine(num_workers=2)
     try:
-        _read(_loader(path, size, engine, batch_size=batch), 2, out)
+        pipes = _pipelines(size, min_side=min_side)
+        _read(_loader(path, size, engine, batch_size=batch, pipelines=pipes), 2, out)
     finally:
         engine.close()
     return np.concatenate([x for _, x, _ in out])
+
+
+def test_streams_that_share_decodes_differently_form_separate_groups(
+    jpeg_file: Path, cache
+) -> None:
+    """``share_min_side`` 0 and 30 decode the same JPEGs differently: two groups, each exact."""
+    scaled = _pipelines(160, min_side=MIN_SIDE)
+    refs = [_solo(jpeg_file, 160), []]
+    _read(_loader(jpeg_file, 160, pipelines=scaled), 2, refs[1])
+    # the scaled decode is used: some images come out otherwise than from full-size decodes
+    assert any(not np.array_equal(a[1], b[1]) for a, b in zip(*refs, strict=True))
+    engine = Engine(num_workers=2)
+    try:
+        loaders = [
+            _loader(jpeg_file, 160, engine),
+            _loader(jpeg_file, 160, engine, pipelines=_pipelines(160, min_side=MIN_SIDE)),
+        ]
+        outs = _together(loaders, 2)
+        groups = sorted(cache.stats(), key=lambda g: g.decode)
+    finally:
+        engine.close()
+    _same(outs[0], refs[0])
+    _same(outs[1], refs[1])
+    assert [(g.decode, g.members, g.hits) for g in groups] == [
+        ("full", 1, 0),
+        (f"min_side={MIN_SIDE}", 1, 0),
+    ]
 
 
 def test_a_laggard_detaches_and_stays_exact(jpeg_file: Path, monkeypatch) -> None:
@@ -261,14 +308,20 @@ def test_a_job_resumed_mid_epoch_joins_and_reads_exactly_once(jpeg_file: Path, c
 
 
 @pytest.mark.slow
-def test_served_jobs_share_decodes_and_equal_in_process(jpeg_file: Path, daemon_factory) -> None:
+@pytest.mark.parametrize("min_side", [0, MIN_SIDE])
+def test_served_jobs_share_decodes_and_equal_in_process(
+    jpeg_file: Path, daemon_factory, min_side: int
+) -> None:
     from beton_client import Loader as Client
     from beton_client import OrderOption as ClientOrder
+
+    def pipes(s: int) -> dict:
+        return _pipelines(s, tensors=True, min_side=min_side)
 
     refs = {}
     for s in SIZES:
         out: list = []
-        _read(_loader(jpeg_file, s, pipelines=_pipelines(s, tensors=True)), 2, out)
+        _read(_loader(jpeg_file, s, pipelines=pipes(s)), 2, out)
         refs[s] = out
     d = daemon_factory([jpeg_file])
     clients = [
@@ -277,7 +330,7 @@ def test_served_jobs_share_decodes_and_equal_in_process(jpeg_file: Path, daemon_
             batch_size=BATCH,
             order=ClientOrder.RANDOM,
             seed=SEED,
-            pipelines=_pipelines(s, tensors=True),
+            pipelines=pipes(s),
             server=d.address,
             spawn=False,
         )
@@ -292,6 +345,7 @@ def test_served_jobs_share_decodes_and_equal_in_process(jpeg_file: Path, daemon_
     for s, out in zip(SIZES, outs, strict=True):
         _same(out, refs[s])
     (g,) = [g for g in stats.decode_groups if g.field == "image"]
+    assert g.decode == ("full" if min_side == 0 else f"min_side={min_side}")
     # delivered counts the daemon's look-ahead into epoch 2 as well
     assert g.members == 4 and g.delivered >= 4 * 2 * N
     # Decode epochs per epoch (4.0 unshared). The four streams open one after the other, so the

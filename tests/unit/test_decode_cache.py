@@ -381,6 +381,7 @@ def test_stats_travel_on_the_stats_rpc() -> None:
         dataset="x.beton",
         field="image",
         order="abc",
+        decode="min_side=160",
         members=4,
         detached=1,
         delivered=400,
@@ -403,8 +404,9 @@ def test_stats_travel_on_the_stats_rpc() -> None:
         )
     )
     (g,) = msg.decode_groups
-    assert (g.dataset, g.members, g.detached, g.delivered, g.decoded, g.live_bytes) == (
+    assert (g.dataset, g.decode, g.members, g.detached, g.delivered, g.decoded, g.live_bytes) == (
         "x.beton",
+        "min_side=160",
         4,
         1,
         400,

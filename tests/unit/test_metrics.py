@@ -125,12 +125,12 @@ def test_decode_groups_are_exported(exporter_of) -> None:
     from beton_serve.daemon._messages import DecodeGroupRow
 
     row = DecodeGroupRow(
-        dataset="imagenet", field="image", order="ab12", members=4, detached=1,
+        dataset="imagenet", field="image", order="ab12", decode="full", members=4, detached=1,
         delivered=400, decoded=110, hits=290, evicted=3, live_bytes=1 << 20,
     )  # fmt: skip
     _, port = exporter_of(lambda: _stats([], [], decode_groups=(row,)))
     got = scrape(port)
-    key = (("dataset", "imagenet"), ("field", "image"), ("order", "ab12"))
+    key = (("dataset", "imagenet"), ("decode", "full"), ("field", "image"), ("order", "ab12"))
     assert got[("beton_decode_group_members", key)] == 4
     assert got[("beton_decode_group_detached", key)] == 1
     assert got[("beton_decode_group_delivered_samples_total", key)] == 400

@@ -686,6 +686,7 @@ class DatasetStats(_message.Message):
 class DecodeGroupStats(_message.Message):
     __slots__ = (
         "dataset",
+        "decode",
         "decoded",
         "delivered",
         "detached",
@@ -706,6 +707,7 @@ class DecodeGroupStats(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     field: str
     order: str
@@ -716,6 +718,7 @@ class DecodeGroupStats(_message.Message):
     hits: int
     evicted: int
     live_bytes: int
+    decode: str
     def __init__(
         self,
         dataset: str | None = ...,
@@ -728,6 +731,7 @@ class DecodeGroupStats(_message.Message):
         hits: int | None = ...,
         evicted: int | None = ...,
         live_bytes: int | None = ...,
+        decode: str | None = ...,
     ) -> None: ...
 
 class StatsResponse(_message.Message):

@@ -111,6 +111,7 @@ class DecodeGroupRow:
         dataset: the file's name (the group's label).
         field: the decoded field.
         order: a short digest of the group's order key (order, seed, indices, rank, world).
+        decode: how the group's shared decode is made (``"full"`` or ``"min_side=S"``).
         members: streams in the group now; ``detached``: those decoding alone for lagging.
         delivered: samples handed to members; ``decoded``: JPEG decodes run for them.
         hits: samples another member had decoded; ``evicted``: entries dropped by the bound.
@@ -120,6 +121,7 @@ class DecodeGroupRow:
     dataset: str
     field: str
     order: str
+    decode: str
     members: int
     detached: int
     delivered: int

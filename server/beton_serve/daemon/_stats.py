@@ -114,6 +114,7 @@ def _decode_groups() -> tuple[DecodeGroupRow, ...]:
             dataset=g.label or g.dataset[:12],
             field=g.field,
             order=hashlib.sha256(g.order.encode()).hexdigest()[:12],
+            decode=g.decode,
             members=g.members,
             detached=g.detached,
             delivered=g.delivered,

@@ -6,7 +6,7 @@ A :class:`~beton_serve.engine.BatchSource` whose plan has a decoder built with
 - the dataset's identity: device, inode, size and mtime of every file of the reader
   (``beton_wire.file_identity``; the daemon's ``Dataset.key`` is built from the same facts), so
   two readers of one file share and two files never do;
-- the field's name;
+- the field's name, and how the decoder's shared decode is made (``share_min_side``);
 - the order key: the order's name, seed, a digest of the index subset, the distributed rank and
   world size, and the batch size only for ``QUASI_RANDOM`` (whose windows depend on it). Batch
   sizes may otherwise differ. A custom ``TraversalOrder`` has no comparable key: such a stream
@@ -31,6 +31,7 @@ from beton_serve.fields.decode_cache import (
     DecodeBinding,
     DecodeCache,
     GroupKey,
+    decode_key,
     default_decode_cache,
 )
 
@@ -98,7 +99,7 @@ def bind_decode_groups(source: Any, cache: DecodeCache | None = None) -> DecodeB
     plan = source.plan
     fields = sorted(
         {
-            nd.field_name
+            (nd.field_name, decode_key(int(getattr(nd.op, "share_min_side", 0))))
             for nd in getattr(plan, "nodes", ())
             if nd.parent is None and getattr(nd.op, "share_decode", False)
         }
@@ -112,11 +113,11 @@ def bind_decode_groups(source: Any, cache: DecodeCache | None = None) -> DecodeB
     cache = default_decode_cache() if cache is None else cache
     n = int(plan.reader.num_samples)
     label = os.path.basename(str(getattr(plan.reader, "path", "") or ""))
-    members = {
-        _metadata_address(plan, f): cache.join(
-            GroupKey(dataset=ident, field=f, order=okey, label=label), n
+    members: dict[int | tuple[int, str], Any] = {
+        (_metadata_address(plan, f), dk): cache.join(
+            GroupKey(dataset=ident, field=f, order=okey, decode=dk, label=label), n
         )
-        for f in fields
+        for f, dk in fields
     }
     binding = DecodeBinding(members)
     weakref.finalize(source, binding.close)

@@ -1,13 +1,17 @@
 """The per-batch loop of a crop decoder built with ``share_decode=True`` (issue 16).
 
-Per sample: the *full* decoded image (never DCT-scaled, so the pixels do not depend on which
-member decoded them) from the stream's decode group (:mod:`beton_serve.fields.decode_cache`),
-decoded here on a miss or when the stream is in no group; then the decoder's own crop box
-(``decoder._crops``: its seeded draws) and the area/OpenCV resize kernel into ``dst``. Raw
+Per sample: the *shared decode* of the image from the stream's decode group
+(:mod:`beton_serve.fields.decode_cache`), decoded here on a miss or when the stream is in no
+group; then the decoder's own crop box (``decoder._crops``: its seeded draws, in full-size
+pixels, mapped onto the shared decode) and the area/OpenCV resize kernel into ``dst``. Raw
 (non-JPEG) samples are cropped straight from the file's bytes, as without sharing.
 
-So a stream gives the same batches alone as in a group, and the same pixels as the decoder with
-``dct_scale=False`` (FFCV's full decode + resize).
+The shared decode is a pure function of the sample's bytes and of the decoder's
+``share_min_side`` (which is part of the group's key): the full image when it is 0, else the
+image at the scale :func:`shared_scale` picks from its size. So its pixels never depend on which
+member decoded them, and a stream gives the same batches alone as in a group. With
+``share_min_side=0`` they are the pixels of the decoder with ``dct_scale=False`` (FFCV's full
+decode + resize).
 """
 
 from __future__ import annotations
@@ -18,9 +22,40 @@ from typing import Any
 
 import numpy as np
 
-from beton_serve.fields.decode_cache import current_member
+from beton_serve.fields.decode_cache import current_member, decode_key
 
-__all__ = ["make_shared_loop"]
+__all__ = ["make_shared_loop", "scaled_box", "shared_scale"]
+
+#: The DCT scales ``M/8`` a shared decode may use, cheapest first (``_tj3.SCALE_DECODE_COST``:
+#: 1/8, 1/4 and 1/2 cost 0.56-0.74 of a full decode; 3/8 and 5/8-7/8 cost more than 1/2).
+_SHARED_SCALES = (1, 2, 4)
+
+
+def shared_scale(height: int, width: int, min_side: int) -> int:
+    """Numerator ``M`` of the scale ``M/8`` at which an ``height x width`` JPEG is decoded for
+    its group: the smallest of 1/8, 1/4, 1/2 whose shorter side ``ceil(min(h, w) * M / 8)`` is
+    at least ``min_side``; 8 (full size) when none is, or when ``min_side`` is 0."""
+    if min_side > 0:
+        short = min(height, width)
+        for m in _SHARED_SCALES:
+            if -((-short * m) // 8) >= min_side:
+                return m
+    return 8
+
+
+def scaled_box(
+    top: int, left: int, ch: int, cw: int, m: int, sh: int, sw: int
+) -> tuple[int, int, int, int]:
+    """The crop ``(top, left, ch, cw)`` of the full-size image, in the pixels of its decode at
+    scale ``m/8`` (``sh x sw``): both edges rounded to the nearest scaled pixel, at least one
+    pixel, inside the image."""
+    if m == 8:
+        return top, left, ch, cw
+    t = min((top * m + 4) // 8, sh - 1)
+    lf = min((left * m + 4) // 8, sw - 1)
+    b = max(min(((top + ch) * m + 4) // 8, sh), t + 1)
+    r = max(min(((left + cw) * m + 4) // 8, sw), lf + 1)
+    return t, lf, b - t, r - lf
 
 
 def make_shared_loop(decoder: Any) -> Callable[..., Any]:
@@ -49,23 +84,30 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
     fast_up = decoder.fast_upsample
     name = type(decoder).__name__
     crops_of = decoder._crops
+    min_side = int(decoder.share_min_side)
+    dkey = decode_key(min_side)
     bufs = _WorkerBuffers(cols)
     scratch, solo_buffer = bufs.resize_scratch, bufs.jpeg
 
-    def full_decode(
-        data: np.ndarray, sid: int, height: int, width: int, buf: np.ndarray | None = None
+    def shared_decode(
+        data: np.ndarray, sid: int, height: int, width: int, m: int, buf: np.ndarray | None = None
     ) -> np.ndarray:
-        """The sample's full decode, ``(height, width, 3)``: into ``buf``, or a new array."""
+        """The sample's decode at scale ``m/8``: into ``buf``, or a new array."""
+        sh, sw = -((-height * m) // 8), -((-width * m) // 8)
         try:
             check_size(data, height, width)  # metadata that lies is a bad sample (issue 11)
             if buf is None:
-                buf = np.empty(height * width * 3, np.uint8)
-            img = decode_into(data, buf, 0, 0, fast_up)
+                buf = np.empty(sh * sw * 3, np.uint8)
+            if m == 8:
+                img = decode_into(data, buf, 0, 0, fast_up)
+            else:
+                img = decode_into(data, buf, sh, sw, fast_up, size=(height, width))
         except CorruptJPEGError as exc:
             raise _corrupt(exc, sid, name) from None
-        if img.shape != (height, width, 3):
+        if img.shape != (sh, sw, 3):
             raise CorruptJPEGError(
-                f"JPEG is {img.shape[0]}x{img.shape[1]} but metadata says {height}x{width}",
+                f"JPEG decoded to {img.shape[0]}x{img.shape[1]} at scale {m}/8, expected "
+                f"{sh}x{sw} from its metadata ({height}x{width})",
                 sample_index=sid,
                 op=name,
             )
@@ -74,7 +116,7 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
     def run(batch_indices, dst, metadata, storage_state, seed_key=None):
         rbuf = scratch(dst.shape[2])
         boxes = crops_of(batch_indices, seed_key).tolist()
-        bound = current_member(metadata)
+        bound = current_member(metadata, dkey)
         # the batch's columns as Python ints, once: per-sample numpy scalar indexing and
         # int() conversions were a visible share of a member's time (issue 16)
         ids = np.asarray(batch_indices, np.int64)
@@ -103,25 +145,30 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
         if mode != 0:
             data = mem_read(ptr, storage_state)
             img = data[: height * width * 3].reshape(height, width, 3)
-        elif bound is None:
-            data = mem_read(ptr, storage_state)
-            img = full_decode(data, sid, height, width, solo_buffer(height * width * 3))
         else:
-            member, epoch = bound
-            img = member.get(
-                sid,
-                epoch,
-                height * width * 3,
-                # the file's bytes are read only by the member that decodes them
-                partial(read_and_decode, ptr, storage_state, sid, height, width),
-                wait=wait,
-            )
-            if img is None:
-                return False
+            m = shared_scale(height, width, min_side) if min_side else 8
+            nbytes = -((-height * m) // 8) * -((-width * m) // 8) * 3
+            if bound is None:
+                data = mem_read(ptr, storage_state)
+                img = shared_decode(data, sid, height, width, m, solo_buffer(nbytes))
+            else:
+                member, epoch = bound
+                img = member.get(
+                    sid,
+                    epoch,
+                    nbytes,
+                    # the file's bytes are read only by the member that decodes them
+                    partial(read_and_decode, ptr, storage_state, sid, height, width, m),
+                    wait=wait,
+                )
+                if img is None:
+                    return False
+            if m != 8:
+                top, left, ch, cw = scaled_box(top, left, ch, cw, m, img.shape[0], img.shape[1])
         rz.resize_crop(img, top, left, ch, cw, dst[b], rbuf, method)
         return True
 
-    def read_and_decode(ptr, storage_state, sid, height, width) -> np.ndarray:
-        return full_decode(mem_read(ptr, storage_state), sid, height, width)
+    def read_and_decode(ptr, storage_state, sid, height, width, m) -> np.ndarray:
+        return shared_decode(mem_read(ptr, storage_state), sid, height, width, m)
 
     return run

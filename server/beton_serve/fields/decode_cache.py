@@ -72,6 +72,7 @@ __all__ = [
     "GroupKey",
     "Member",
     "current_member",
+    "decode_key",
     "decode_scope",
     "default_decode_cache",
     "set_default_decode_cache",
@@ -88,6 +89,11 @@ MAX_DECODE_CACHE_BYTES = 64 << 30
 DEFAULT_WAIT_S = 30.0
 
 
+def decode_key(min_side: int) -> str:
+    """``GroupKey.decode`` of the decoders with ``share_min_side=min_side``: ``"full"`` for 0."""
+    return "full" if min_side <= 0 else f"min_side={int(min_side)}"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GroupKey:
     """What makes streams share decodes: the same file(s), field and sample sequence.
@@ -97,12 +103,16 @@ class GroupKey:
         field: the field the decoder reads.
         order: canonical text of the order parameters (order, seed, indices digest, distributed
             rank and world size; the batch size only where the order depends on it).
+        decode: how the shared decode is made: ``"full"`` (the whole image at full size) or
+            ``"min_side=S"`` (a DCT scale picked from the image's size: the decoders'
+            ``share_min_side``); streams that decode otherwise never share.
         label: a name for stats and logs (the file's name); not part of the key.
     """
 
     dataset: str
     field: str
     order: str
+    decode: str = "full"
     label: str = dataclasses.field(default="", compare=False)
 
 
@@ -111,7 +121,7 @@ class DecodeGroupStats:
     """Counters of one decode group (a snapshot).
 
     Attributes:
-        dataset, field, order, label: the group's key and its label.
+        dataset, field, order, decode, label: the group's key and its label.
         members: members now (attached or detached).
         detached: members now detached.
         delivered: samples handed to members (one per ``get``).
@@ -126,6 +136,7 @@ class DecodeGroupStats:
     dataset: str
     field: str
     order: str
+    decode: str
     label: str
     members: int
     detached: int
@@ -308,6 +319,7 @@ class DecodeCache:
                     dataset=g.key.dataset,
                     field=g.key.field,
                     order=g.key.order,
+                    decode=g.key.decode,
                     label=g.key.label,
                     members=len(g.members),
                     detached=sum(1 for m in g.members if m.detached),
@@ -472,18 +484,26 @@ def set_default_decode_cache(cache: DecodeCache) -> None:
 
 
 class DecodeBinding:
-    """One stream's members, by the address of the metadata column each decoder reads.
+    """One stream's members, by the address of the metadata column each decoder reads and the
+    way it decodes (``GroupKey.decode``).
 
     Built by the stream's owner (``beton_serve.engine._decode_groups``); entered on a worker
     with :func:`decode_scope` around each unit of work.
+
+    Args:
+        members: ``{(address, decode): member}``; a bare ``address`` key stands for
+            ``(address, "full")``.
     """
 
-    def __init__(self, members: Mapping[int, Member]) -> None:
-        self.members = dict(members)
+    def __init__(self, members: Mapping[int | tuple[int, str], Member]) -> None:
+        self.members: dict[tuple[int, str], Member] = {
+            (k if isinstance(k, tuple) else (int(k), "full")): m for k, m in members.items()
+        }
 
-    def member_for(self, metadata: np.ndarray) -> Member | None:
-        """The member for a decoder called with ``metadata`` (``None``: decode alone)."""
-        return self.members.get(int(metadata.__array_interface__["data"][0]))
+    def member_for(self, metadata: np.ndarray, decode: str = "full") -> Member | None:
+        """The member for a decoder called with ``metadata`` that decodes as ``decode``
+        (``None``: decode alone)."""
+        return self.members.get((int(metadata.__array_interface__["data"][0]), decode))
 
     def activate(self) -> None:
         """Mark every member as running batches (from now on, entries are held for them)."""
@@ -514,11 +534,12 @@ def decode_scope(binding: DecodeBinding | None, epoch: int) -> Iterator[None]:
         _scope.value = prev
 
 
-def current_member(metadata: np.ndarray) -> tuple[Member, int] | None:
-    """``(member, epoch)`` for a decoder called with ``metadata`` on this thread, or ``None``."""
+def current_member(metadata: np.ndarray, decode: str = "full") -> tuple[Member, int] | None:
+    """``(member, epoch)`` for a decoder called with ``metadata`` on this thread that decodes as
+    ``decode`` (``GroupKey.decode``), or ``None``."""
     value = getattr(_scope, "value", None)
     if value is None:
         return None
     binding, epoch = value
-    m = binding.member_for(metadata)
+    m = binding.member_for(metadata, decode)
     return None if m is None or m.closed else (m, epoch)

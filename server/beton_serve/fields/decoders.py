@@ -740,8 +740,33 @@ class _CropDecoder(SimpleRGBImageDecoder):
         return run
 
 
+#: Largest ``share_min_side`` accepted (the largest JPEG side).
+_MAX_SHARE_MIN_SIDE = 65535
+
+
+def _share_args(op: _CropDecoder, share_decode: object, share_min_side: object) -> tuple[bool, int]:
+    """Checked ``(share_decode, share_min_side)`` of a crop decoder; raises ``SpecError``."""
+    name = type(op).__name__
+    if not isinstance(share_decode, bool | np.bool_):
+        raise SpecError(f"{name}: share_decode must be True or False, not {share_decode!r}")
+    if (
+        isinstance(share_min_side, bool)
+        or not isinstance(share_min_side, int)
+        or not 0 <= share_min_side <= _MAX_SHARE_MIN_SIDE
+    ):
+        raise SpecError(
+            f"{name}: share_min_side must be an int in [0, {_MAX_SHARE_MIN_SIDE}] "
+            f"(0: share full decodes), not {share_min_side!r}"
+        )
+    if share_min_side and not share_decode:
+        raise SpecError(
+            f"{name}: share_min_side={share_min_side} applies only with share_decode=True"
+        )
+    return bool(share_decode), int(share_min_side)
+
+
 def _shared_loop(decoder: _CropDecoder) -> Callable[..., Any]:
-    """``share_decode=True``: full decodes shared with the decode group (issue 16)."""
+    """``share_decode=True``: decodes shared with the decode group (issue 16)."""
     from beton_serve import _prewarm
     from beton_serve.fields._shared_decode import make_shared_loop
 
@@ -753,8 +778,21 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
     """Random crop (torchvision/FFCV sampler, §3.5) of each image, area-resized to ``output_size``.
 
     Crops are drawn from the counter RNG (``with_seed``): reproducible for any worker count.
-    ``share_decode=True`` takes each sample's full decode from the stream's decode group
-    (:mod:`beton_serve.fields.decode_cache`; pixels as ``dct_scale=False``, alone or shared).
+
+    Decode groups (issue 16): ``share_decode=True`` takes each sample's decode from the
+    stream's decode group (:mod:`beton_serve.fields.decode_cache`), so that the jobs of a sweep
+    decode each image once; a stream decodes the same way alone, so its batches do not depend
+    on who else runs.
+
+    - ``share_min_side=0`` (the default): the shared decode is the full image; the pixels are
+      those of ``dct_scale=False`` (FFCV's full decode + resize).
+    - ``share_min_side=S > 0``: the shared decode is the image at the smallest DCT scale of 1/8,
+      1/4 and 1/2 whose shorter side is still at least ``S`` pixels (full size when none is),
+      chosen from the image's size alone; each job crops and resizes that. About half the
+      decode and resize work of full-size sharing, at the cost of detail in crops that then
+      cover fewer source pixels than the output: set ``S`` to the largest output side of the
+      sweep to never upscale a whole image, or lower for speed (docs/architecture.md#decode-groups).
+      Only streams with the same ``S`` share.
     """
 
     spec_name = "RandomResizedCropRGBImageDecoder"
@@ -770,6 +808,7 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
         fast_upsample: bool = False,
         jpeg_backend: str = "auto",
         share_decode: bool = False,
+        share_min_side: int = 0,
     ) -> None:
         super().__init__(
             output_size,
@@ -778,8 +817,8 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
             fast_upsample=fast_upsample,
             jpeg_backend=jpeg_backend,
         )
-        #: Issue 16: take full decodes from the stream's decode group (fields.decode_cache).
-        self.share_decode = bool(share_decode)
+        #: Issue 16: take decodes from the stream's decode group (fields.decode_cache).
+        self.share_decode, self.share_min_side = _share_args(self, share_decode, share_min_side)
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
         if not (0 < self.scale[0] <= self.scale[1]) or min(self.ratio) <= 0:
@@ -824,14 +863,15 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
             # sent only when chosen, so that a default spec reads as before (and as FFCV's)
             **({"jpeg_backend": self.jpeg_backend} if self.jpeg_backend != "auto" else {}),
             **({"share_decode": True} if self.share_decode else {}),
+            **({"share_min_side": self.share_min_side} if self.share_min_side else {}),
         }
 
 
 class CenterCropRGBImageDecoder(_CropDecoder):
     """FFCV's centre crop (§3.6): ``c = int(ratio * min(H, W))`` square, resized to ``output_size``.
 
-    ``ratio`` is required, as in FFCV (ffcv-imagenet uses ``224/256``). ``share_decode``: as for
-    :class:`RandomResizedCropRGBImageDecoder`.
+    ``ratio`` is required, as in FFCV (ffcv-imagenet uses ``224/256``). ``share_decode`` and
+    ``share_min_side``: as for :class:`RandomResizedCropRGBImageDecoder`.
     """
 
     spec_name = "CenterCropRGBImageDecoder"
@@ -846,6 +886,7 @@ class CenterCropRGBImageDecoder(_CropDecoder):
         fast_upsample: bool = False,
         jpeg_backend: str = "auto",
         share_decode: bool = False,
+        share_min_side: int = 0,
     ) -> None:
         super().__init__(
             output_size,
@@ -854,8 +895,8 @@ class CenterCropRGBImageDecoder(_CropDecoder):
             fast_upsample=fast_upsample,
             jpeg_backend=jpeg_backend,
         )
-        #: Issue 16: take full decodes from the stream's decode group (fields.decode_cache).
-        self.share_decode = bool(share_decode)
+        #: Issue 16: take decodes from the stream's decode group (fields.decode_cache).
+        self.share_decode, self.share_min_side = _share_args(self, share_decode, share_min_side)
         self.ratio = float(ratio)
         if not 0 < self.ratio <= 1:
             raise SpecError(f"CenterCropRGBImageDecoder: ratio must be in (0, 1], got {ratio}")
@@ -892,4 +933,5 @@ class CenterCropRGBImageDecoder(_CropDecoder):
             # sent only when chosen, so that a default spec reads as before (and as FFCV's)
             **({"jpeg_backend": self.jpeg_backend} if self.jpeg_backend != "auto" else {}),
             **({"share_decode": True} if self.share_decode else {}),
+            **({"share_min_side": self.share_min_side} if self.share_min_side else {}),
         }

@@ -472,6 +472,7 @@ def stats_message(s: DaemonStats) -> pb.StatsResponse:
                 dataset=g.dataset,
                 field=g.field,
                 order=g.order,
+                decode=g.decode,
                 members=g.members,
                 detached=g.detached,
                 delivered=g.delivered,
