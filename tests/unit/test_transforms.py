@@ -87,6 +87,15 @@ def test_flip_matches_reference_and_is_slice_independent(h: int, w: int) -> None
     assert state.shape == x.shape[1:]
 
 
+@pytest.mark.parametrize("c", [1, 2, 3, 4])  # grey and RGB have their own branch of the loop
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_flip_of_small_images_matches_reference_for_each_channel_count(c: int, dtype) -> None:
+    x = np.random.default_rng(c).integers(0, 256, (len(IDS), 6, 7, c)).astype(dtype)
+    got, _ = run(RandomHorizontalFlip(0.5), x.copy(), IDS)
+    ref = np.stack([x[i][:, ::-1] if ru(s, 0) < 0.5 else x[i] for i, s in enumerate(IDS)])
+    np.testing.assert_array_equal(got, ref)
+
+
 def test_translate_matches_reference() -> None:
     x = images()
     pad, fill = 3, (10, 20, 30)

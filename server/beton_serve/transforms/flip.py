@@ -66,22 +66,36 @@ class RandomHorizontalFlip(Operation):
             # C-contiguous (N, H, W, C) seen as (N*H, W*C) rows (reshaped by the caller: a
             # reshape here pulls Numba's error formatting into the compile, seconds of it): row
             # views and unsigned offsets let LLVM drop Numba's negative-index checks (3x faster
-            # than the reversed-slice copy on 32x32 images)
+            # than the reversed-slice copy on 32x32 images). RGB and grey rows have their own
+            # branch with the channel count a constant: a 512-image batch of 32x32 RGB flips in
+            # 77-122 us, against 530-836 us with the channel loop (issue 15, CIFAR).
             n = mask.shape[0]
             m = w * c
+            one = np.uint64(1)
+            two = np.uint64(2)
             for i in range(n):
                 for y in range(h):
                     srow = src[i * h + y]
                     drow = out[i * h + y]
-                    if mask[i]:
+                    if not mask[i]:
+                        for j in range(m):
+                            drow[j] = srow[j]
+                    elif c == 3:
+                        for x in range(w):
+                            a = np.uint64((w - 1 - x) * 3)
+                            b = np.uint64(x * 3)
+                            drow[b] = srow[a]
+                            drow[b + one] = srow[a + one]
+                            drow[b + two] = srow[a + two]
+                    elif c == 1:
+                        for x in range(w):
+                            drow[np.uint64(x)] = srow[np.uint64(w - 1 - x)]
+                    else:
                         for x in range(w):
                             a = np.uint64((w - 1 - x) * c)
                             b = np.uint64(x * c)
                             for k in range(c):
                                 drow[b + np.uint64(k)] = srow[a + np.uint64(k)]
-                    else:
-                        for j in range(m):
-                            drow[j] = srow[j]
             return out
 
         mask_fn = Compiler.compile(mask_of)
