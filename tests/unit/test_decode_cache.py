@@ -6,6 +6,7 @@ test checks both how often samples were decoded and that each member got the rig
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from beton_serve.fields.decode_cache import (
     DecodeCache,
     GroupKey,
     current_member,
+    decode_key,
     decode_scope,
 )
 
@@ -346,7 +348,8 @@ def test_share_decode_gives_ffcv_pixels_alone_and_in_a_group(fixtures_dir, name:
         assert st.decoded == jpegs and st.hits == jpegs and cache.nbytes == 0  # raw: no decode
 
 
-def test_a_corrupt_jpeg_names_its_sample_alone_and_in_a_group() -> None:
+@pytest.mark.parametrize("min_side", [0, 4])  # full-size and 1/4-scale shared decodes
+def test_a_corrupt_jpeg_names_its_sample_alone_and_in_a_group(min_side: int) -> None:
     import simplejpeg
     from beton_serve.fields.decoders import RandomResizedCropRGBImageDecoder
     from beton_serve.jpeg import CorruptJPEGError
@@ -363,14 +366,18 @@ def test_a_corrupt_jpeg_names_its_sample_alone_and_in_a_group() -> None:
     md["width"], md["height"], md["data_ptr"] = 16, 16, ptrs
     state = (data, ptrs, sizes)
     cache = DecodeCache()
-    a, b = join(cache, n=2), join(cache, n=2)
-    addr = int(md.__array_interface__["data"][0])
+    key = dataclasses.replace(KEY, decode=decode_key(min_side))
+    a, b = join(cache, key, n=2), join(cache, key, n=2)
+    addr = (int(md.__array_interface__["data"][0]), decode_key(min_side))
     for binding in (None, DecodeBinding({addr: a}), DecodeBinding({addr: b})):
-        op = RandomResizedCropRGBImageDecoder((8, 8), share_decode=True)
+        op = RandomResizedCropRGBImageDecoder(
+            (8, 8), share_decode=True, share_min_side=min_side
+        )
         with decode_scope(binding, 0), pytest.raises(CorruptJPEGError) as info:
             _run(op, md, state, [0, 1], seed_key=np.uint64(7))
         assert info.value.sample_index == 1 and info.value.op == type(op).__name__
     assert cache.nbytes == 0  # sample 0 was freed by b, sample 1 never cached
+    assert cache.stats()[0].hits == 1  # b took a's decode of sample 0: the group was used
 
 
 def test_stats_travel_on_the_stats_rpc() -> None:
