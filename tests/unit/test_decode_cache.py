@@ -370,9 +370,7 @@ def test_a_corrupt_jpeg_names_its_sample_alone_and_in_a_group(min_side: int) -> 
     a, b = join(cache, key, n=2), join(cache, key, n=2)
     addr = (int(md.__array_interface__["data"][0]), decode_key(min_side))
     for binding in (None, DecodeBinding({addr: a}), DecodeBinding({addr: b})):
-        op = RandomResizedCropRGBImageDecoder(
-            (8, 8), share_decode=True, share_min_side=min_side
-        )
+        op = RandomResizedCropRGBImageDecoder((8, 8), share_decode=True, share_min_side=min_side)
         with decode_scope(binding, 0), pytest.raises(CorruptJPEGError) as info:
             _run(op, md, state, [0, 1], seed_key=np.uint64(7))
         assert info.value.sample_index == 1 and info.value.op == type(op).__name__
