@@ -68,7 +68,8 @@ class RandomHorizontalFlip(Operation):
             # views and unsigned offsets let LLVM drop Numba's negative-index checks (3x faster
             # than the reversed-slice copy on 32x32 images). RGB and grey rows have their own
             # branch with the channel count a constant: a 512-image batch of 32x32 RGB flips in
-            # 77-122 us, against 530-836 us with the channel loop (issue 15, CIFAR).
+            # 87-124 us, against 610-720 us with the channel loop (issue 15, CIFAR;
+            # benchmarks/bench_ops.py --cifar).
             n = mask.shape[0]
             m = w * c
             one = np.uint64(1)
