@@ -8,7 +8,7 @@ Their first op decodes the same JPEG of each sample. A crop decoder built with
 Data structure. A :class:`DecodeCache` holds *groups*, one per :class:`GroupKey` (dataset
 identity, field, order key: everything that makes two streams visit the same samples in the same
 sequence; batch sizes may differ). Each stream joins its group as a :class:`Member`. The cache
-keeps one table of *entries*, ``(group, sample id) -> full decoded image``, in LRU order, under
+keeps one table of *entries*, ``(group, sample id) -> decoded image``, in LRU order, under
 one byte budget shared by every group:
 
 - ``Member.get(sid, epoch, nbytes, decode)``: a ready entry is a *hit*; an entry another member
@@ -30,8 +30,10 @@ one byte budget shared by every group:
   sample some attached member has not taken yet in that epoch has caught up: it attaches again
   (and its decodes are shared from then on).
 
-Determinism. An entry is the *full* decode of the sample's JPEG (no DCT scaling), a pure
-function of the sample's bytes; a member that decodes alone makes the very same array. So the
+Determinism. An entry is the group's decode of the sample's JPEG: the full image, or (for
+``GroupKey.decode`` ``"min_side=S"``) the image at a DCT scale chosen from its size alone. Either
+is a pure function of the sample's bytes and the key; a member that decodes alone makes the very
+same array. So the
 pixels a member reads never depend on who else is in its group, whether an entry was evicted or
 which member decoded it, and the cache never changes which samples a batch holds (orders are
 the streams' own): resumption stays exactly-once.
@@ -206,20 +208,21 @@ class Member:
         *,
         wait: bool = True,
     ) -> NDArray[np.uint8] | None:
-        """The full decoded image of sample ``sid``, which this member reads in ``epoch``.
+        """The group's decode of sample ``sid``, which this member reads in ``epoch``.
 
         Args:
             sid: the sample id (``0 <= sid < num_samples``).
             epoch: the epoch of the batch being run (entries are held for the members that have
                 not yet taken ``sid`` in this epoch).
-            nbytes: the decoded size, ``H * W * 3`` from the metadata (reserved while decoding).
-            decode: makes a new ``(H, W, 3)`` uint8 array of the full image; called without any
+            nbytes: the decoded size, ``h * w * 3`` (reserved while decoding).
+            decode: makes a new ``(h, w, 3)`` uint8 array, the group's decode of the image
+                (``GroupKey.decode``); called without any
                 lock, on this thread; what it raises propagates (nothing is cached then).
             wait: ``False`` returns ``None`` at once, changing nothing, when another member is
                 decoding ``sid`` right now (so the caller can do other samples first).
 
         Returns:
-            A read-only ``(H, W, 3)`` uint8 array, shared with the other members (or ``None``,
+            A read-only ``(h, w, 3)`` uint8 array, shared with the other members (or ``None``,
             see ``wait``).
         """
         cache = self._cache
