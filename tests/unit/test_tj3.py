@@ -430,3 +430,58 @@ def test_upscales_through_the_kernels_arena_equal_the_ctypes_loop(
         np.testing.assert_array_equal(_run(op, md, state, ids, 4), want)
         assert (want != 7).any(axis=(1, 2, 3)).all()  # every row was written
     assert ctypes_decodes
+
+
+def _in_thread(fn: Any) -> Any:
+    """``fn()`` on a new thread (fresh per-thread scratch); its result."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and out
+    return out[0]
+
+
+def test_decoders_on_one_thread_share_its_scratch_and_stay_exact(lib: Any) -> None:
+    """One set of scratch arrays per worker thread, whatever the number of decoders it runs:
+    interleaved decoders of two files (other image sizes, other outputs, every loop: the batch
+    kernel, ctypes, simplejpeg, cv2, a shared decode) give what each gives on a thread alone."""
+    from beton_serve.fields import decoders as dec_mod
+
+    small = _blob_file([_jpeg(40, 40, k) for k in range(3)], [(40, 40)] * 3)
+    big_sizes = [(300, 200), (180, 260), (90, 120)]
+    big = _blob_file([_jpeg(h, w, 10 + k) for k, (h, w) in enumerate(big_sizes)], big_sizes)
+
+    def ops() -> list[tuple[Any, tuple[np.ndarray, Any]]]:
+        return [
+            (RandomResizedCropRGBImageDecoder((16, 16), jpeg_backend="tj3"), small),
+            (RandomResizedCropRGBImageDecoder((64, 48), jpeg_backend="tj3"), big),
+            (CenterCropRGBImageDecoder((24, 24), 0.875, jpeg_backend="tj3", resize="cv2"), big),
+            (RandomResizedCropRGBImageDecoder((32, 32), jpeg_backend="simplejpeg"), big),
+            (RandomResizedCropRGBImageDecoder((20, 20), share_decode=True), small),
+            (CenterCropRGBImageDecoder((8, 8), 1.0, jpeg_backend="tj3", dct_scale=False), big),
+        ]
+
+    alone = [_in_thread(lambda o=o, f=f: _run(o, *f, [0, 1, 2], 3)) for o, f in ops()]
+
+    def interleaved() -> tuple[list[np.ndarray], int, int]:
+        built = ops()
+        got: list[np.ndarray | None] = [None] * len(built)
+        for i in [*range(len(built)), *reversed(range(len(built)))]:  # each one twice
+            op, f = built[i]
+            got[i] = _run(op, *f, [0, 1, 2], 3)
+        held = [getattr(dec_mod._THREAD_SCRATCH, a, None) for a in ("jbuf", "grid", "rbuf")]
+        nbytes = sum(a.nbytes for a in held if a is not None)
+        for _ in range(20):  # more decoders on this thread: no more scratch
+            for op, f in ops():
+                _run(op, *f, [0, 1, 2], 3)
+        after = [getattr(dec_mod._THREAD_SCRATCH, a, None) for a in ("jbuf", "grid", "rbuf")]
+        return got, nbytes, sum(a.nbytes for a in after if a is not None)  # type: ignore[return-value]
+
+    got, nbytes, nbytes_after = _in_thread(interleaved)
+    for g, a in zip(got, alone, strict=True):
+        np.testing.assert_array_equal(g, a)
+    assert 0 < nbytes == nbytes_after
+    # one image's pixels (grown at most twice), one region grid, one resize scratch: not one
+    # set per decoder (6 decoders, then 120 more)
+    assert nbytes < 3 * (300 * 260 * 3) + 64 * 1024

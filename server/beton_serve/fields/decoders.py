@@ -227,8 +227,21 @@ _ARENAS = threading.local()  # that arena, per thread (shared by the thread's de
 MAX_ODD_IMAGES = 16
 
 
-class _WorkerBuffers(threading.local):
-    """Per worker thread scratch of a crop decoder, reused across batches and grown on demand.
+#: The scratch of the crop decoders on each worker thread (``_WorkerBuffers``): one set per
+#: thread, shared by every decoder the thread runs, freed when the thread ends.
+_THREAD_SCRATCH = threading.local()
+
+
+class _WorkerBuffers:
+    """The scratch of a crop decoder on the calling worker thread, reused across batches and
+    grown on demand: the resize scratch (``resize_scratch``), the decoded pixels or region
+    (``jpeg``) and the TurboJPEG kernel's region grid (``grid``).
+
+    The arrays are per *thread*, not per decoder: a daemon with many pipelines holds one set per
+    worker, each as large as the largest image or region that worker decoded, instead of one per
+    decoder and worker. This is safe because a thread runs one decoder call at a time and no
+    call keeps them past its return (results are written into the batch's buffer; the decode
+    groups' entries are arrays of their own).
 
     ``jpeg`` is sized by images whose header matched their metadata, never by the metadata's
     maximum: one lying sample must not make every worker map 12 GiB.
@@ -236,26 +249,35 @@ class _WorkerBuffers(threading.local):
 
     def __init__(self, cols: _ImageColumns) -> None:
         self.cols = cols
-        self.rbuf: np.ndarray | None = None
-        self.jbuf: np.ndarray | None = None
 
     def resize_scratch(self, ow: int) -> np.ndarray:
         """The area resize's float32 scratch for outputs ``ow`` wide."""
         from beton_serve._kernels import resize as rz
 
         need = rz.scratch_size(max(self.cols.max_w, 1), ow)
-        if self.rbuf is None or self.rbuf.shape[0] < need:
-            self.rbuf = np.empty(need, np.float32)
-        return self.rbuf
+        rbuf = getattr(_THREAD_SCRATCH, "rbuf", None)
+        if rbuf is None or rbuf.shape[0] < need:
+            rbuf = _THREAD_SCRATCH.rbuf = np.empty(need, np.float32)
+        return rbuf  # type: ignore[no-any-return]
 
     def jpeg(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of at least ``nbytes`` (decoded pixels, or a decoded region)."""
-        jbuf = self.jbuf
+        jbuf = getattr(_THREAD_SCRATCH, "jbuf", None)
         if jbuf is None or jbuf.shape[0] < nbytes:
             cols = self.cols
             grown = 0 if jbuf is None else min(2 * jbuf.shape[0], cols.max_h * cols.max_w * 3)
-            jbuf = self.jbuf = np.empty(max(nbytes, grown, 1), np.uint8)
-        return jbuf
+            jbuf = _THREAD_SCRATCH.jbuf = np.empty(max(nbytes, grown, 1), np.uint8)
+        return jbuf  # type: ignore[no-any-return]
+
+    def grid(self, h: int, w: int) -> np.ndarray:
+        """An ``(>= h, >= w, 3)`` uint8 region scratch (the TurboJPEG batch kernel's)."""
+        grid = getattr(_THREAD_SCRATCH, "grid", None)
+        if grid is None or grid.shape[0] < h or grid.shape[1] < w:
+            old = (0, 0) if grid is None else grid.shape[:2]
+            grid = _THREAD_SCRATCH.grid = np.empty(
+                (max(h, old[0], 1), max(w, old[1], 1), 3), np.uint8
+            )
+        return grid  # type: ignore[no-any-return]
 
 
 def _common_size(cols: _ImageColumns) -> tuple[int, int]:
@@ -471,9 +493,9 @@ class _CropDecoder(SimpleRGBImageDecoder):
         """The batch loop with TurboJPEG 3: per sample, decode only the crop, at the cheapest
         scale that covers the output (``beton_serve._tj3.plan_crop``), then resize.
 
-        Each worker thread owns one decompressor handle (in a ``threading.local``; freed when
-        the thread or this loop goes) and a region buffer that grows to the largest region
-        decoded so far. A region that is exactly the output is decoded straight into ``dst[b]``.
+        Each worker thread owns one decompressor handle per decoder (in a ``threading.local``;
+        freed when the thread or this loop goes) and region buffers, shared by the thread's
+        decoders (``_WorkerBuffers``), that grow to the largest region decoded so far. A region that is exactly the output is decoded straight into ``dst[b]``.
         With ``resize="area"`` the batch runs in ``_tj3.batch_kernel`` (numba, no GIL) once it
         is compiled; ``one`` (ctypes) does the samples it hands back, and everything before.
         """
@@ -558,13 +580,8 @@ class _CropDecoder(SimpleRGBImageDecoder):
         # (compiled in the background on first use: the first batches take the Python loop)
         use_kernel = method == "area"
 
-        def region_grid(h: int, w: int) -> np.ndarray:
-            # the kernel's (H, W, 3) region scratch; grows as regions need (as region_buffer)
-            grid = getattr(local, "grid", None)
-            if grid is None or grid.shape[0] < h or grid.shape[1] < w:
-                old = (0, 0) if grid is None else grid.shape[:2]
-                grid = local.grid = np.empty((max(h, old[0], 1), max(w, old[1], 1), 3), np.uint8)
-            return grid  # type: ignore[no-any-return]
+        # the kernel's (H, W, 3) region scratch; grows as regions need (as region_buffer)
+        region_grid = bufs.grid
 
         def upscale_arena(nbytes: int, keep: int = 0) -> np.ndarray:
             # the kernel's flat arena of upscale regions, one per worker thread for every
