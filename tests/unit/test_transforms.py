@@ -68,15 +68,18 @@ def rint_(sid: int, c: int, lo: int, hi: int) -> int:
     return lo + int(np.floor(ru(sid, c) * (hi - lo)))
 
 
-@pytest.mark.parametrize(("h", "w"), [(20, 17), (96, 80)])  # compiled loop / cv2.flip path
-def test_flip_matches_reference_and_is_slice_independent(h: int, w: int) -> None:
-    x = images(h=h, w=w)
+@pytest.mark.parametrize(
+    ("h", "w", "c"),
+    [(20, 17, 3), (96, 80, 3), (96, 80, 1), (96, 80, 4), (20, 17, 6)],
+)  # the compiled row loop (small or RGB or grey), cv2.flip (large RGBA), the loop's any-c branch
+def test_flip_matches_reference_and_is_slice_independent(h: int, w: int, c: int) -> None:
+    x = np.random.default_rng(c).integers(0, 256, (len(IDS), h, w, c), dtype=np.uint8)
     got, state = run(RandomHorizontalFlip(0.5), x.copy(), IDS)
     ref = np.stack([x[i][:, ::-1] if ru(s, 0) < 0.5 else x[i] for i, s in enumerate(IDS)])
     np.testing.assert_array_equal(got, ref)
     assert 0 < sum(ru(s, 0) < 0.5 for s in IDS) < len(IDS)
     # a non-contiguous input takes the generic compiled path: same result
-    wide = np.zeros((len(IDS), h, w + 3, 3), np.uint8)
+    wide = np.zeros((len(IDS), h, w + 3, c), np.uint8)
     wide[:, :, :w] = x
     strided, _ = run(RandomHorizontalFlip(0.5), wide[:, :, :w], IDS)
     np.testing.assert_array_equal(strided, ref)
