@@ -424,7 +424,7 @@ def test_upscales_through_the_kernels_arena_equal_the_ctypes_loop(
     fast = [_run(op, md, state, ids, 4) for op in ops]
     assert not ctypes_decodes  # every JPEG, upscales included, went through the kernel
     _run(ops[0], md, state, [2], 4)  # a batch without upscales: a grown arena is not kept
-    assert decoders._ARENAS.arena.shape[0] <= bound
+    assert decoders._THREAD_SCRATCH.arena.shape[0] <= bound
     monkeypatch.setattr(_tj3, "batch_kernel", lambda lib, **kw: None)
     for op, want in zip(ops, fast, strict=True):
         np.testing.assert_array_equal(_run(op, md, state, ids, 4), want)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from beton_serve._tj3 import scaled
 from beton_serve.fields.decode_cache import current_member, decode_key
 
 __all__ = ["make_shared_loop", "scaled_box", "shared_scale"]
@@ -38,7 +39,7 @@ def shared_scale(height: int, width: int, min_side: int) -> int:
     if min_side > 0:
         short = min(height, width)
         for m in _SHARED_SCALES:
-            if -((-short * m) // 8) >= min_side:
+            if scaled(short, m) >= min_side:
                 return m
     return 8
 
@@ -93,7 +94,7 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
         data: np.ndarray, sid: int, height: int, width: int, m: int, buf: np.ndarray | None = None
     ) -> np.ndarray:
         """The sample's decode at scale ``m/8``: into ``buf``, or a new array."""
-        sh, sw = -((-height * m) // 8), -((-width * m) // 8)
+        sh, sw = scaled(height, m), scaled(width, m)
         try:
             check_size(data, height, width)  # metadata that lies is a bad sample (issue 11)
             if buf is None:
@@ -147,7 +148,7 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
             img = data[: height * width * 3].reshape(height, width, 3)
         else:
             m = shared_scale(height, width, min_side) if min_side else 8
-            nbytes = -((-height * m) // 8) * -((-width * m) // 8) * 3
+            nbytes = scaled(height, m) * scaled(width, m) * 3
             if bound is None:
                 data = mem_read(ptr, storage_state)
                 img = shared_decode(data, sid, height, width, m, solo_buffer(nbytes))

@@ -220,7 +220,6 @@ class _ImageColumns:
 #: resizes them (more only for a single larger region, and not kept after that batch): the
 #: bound of the thread's arena, which all its decoders share.
 UPSCALE_ARENA_BYTES = 4 << 20
-_ARENAS = threading.local()  # that arena, per thread (shared by the thread's decoders)
 
 #: JPEG images whose metadata size differs from the file's common size that
 #: SimpleRGBImageDecoder takes for bad samples rather than refusing the file (see _common_size).
@@ -235,7 +234,7 @@ _THREAD_SCRATCH = threading.local()
 class _WorkerBuffers:
     """The scratch of a crop decoder on the calling worker thread, reused across batches and
     grown on demand: the resize scratch (``resize_scratch``), the decoded pixels or region
-    (``jpeg``) and the TurboJPEG kernel's region grid (``grid``).
+    (``jpeg``), and the TurboJPEG kernel's region grid (``grid``) and upscale arena (``arena``).
 
     The arrays are per *thread*, not per decoder: a daemon with many pipelines holds one set per
     worker, each as large as the largest image or region that worker decoded, instead of one per
@@ -268,6 +267,21 @@ class _WorkerBuffers:
             grown = 0 if jbuf is None else min(2 * jbuf.shape[0], cols.max_h * cols.max_w * 3)
             jbuf = _THREAD_SCRATCH.jbuf = np.empty(max(nbytes, grown, 1), np.uint8)
         return jbuf  # type: ignore[no-any-return]
+
+    def arena(self, nbytes: int, keep: int = 0) -> np.ndarray:
+        """The TurboJPEG batch kernel's flat arena of upscale regions, of at least ``nbytes``:
+        grows (doubling, up to ``UPSCALE_ARENA_BYTES`` or one region) keeping its first
+        ``keep`` bytes, the batch's regions so far. One grown past the bound for one large
+        region of an earlier batch is dropped when a batch starts (``keep=0``)."""
+        arena = getattr(_THREAD_SCRATCH, "arena", None)
+        if arena is not None and keep == 0 and nbytes <= UPSCALE_ARENA_BYTES < arena.shape[0]:
+            arena = None  # grown for one large region of an earlier batch: not kept
+        if arena is None or arena.shape[0] < nbytes:
+            old = np.zeros(0, np.uint8) if arena is None else arena
+            grown = min(2 * old.shape[0], UPSCALE_ARENA_BYTES)
+            arena = _THREAD_SCRATCH.arena = np.empty(max(nbytes, grown, 1), np.uint8)
+            arena[:keep] = old[:keep]
+        return arena  # type: ignore[no-any-return]
 
     def grid(self, h: int, w: int) -> np.ndarray:
         """An ``(>= h, >= w, 3)`` uint8 region scratch (the TurboJPEG batch kernel's)."""
@@ -583,20 +597,9 @@ class _CropDecoder(SimpleRGBImageDecoder):
         # the kernel's (H, W, 3) region scratch; grows as regions need (as region_buffer)
         region_grid = bufs.grid
 
-        def upscale_arena(nbytes: int, keep: int = 0) -> np.ndarray:
-            # the kernel's flat arena of upscale regions, one per worker thread for every
-            # decoder (a thread runs one batch at a time, and a batch's upscales are resized
-            # before its run returns): grows (doubling, up to UPSCALE_ARENA_BYTES or one region)
-            # keeping its first ``keep`` bytes, this batch's regions so far
-            arena = getattr(_ARENAS, "arena", None)
-            if arena is not None and keep == 0 and nbytes <= UPSCALE_ARENA_BYTES < arena.shape[0]:
-                arena = None  # grown for one large region of an earlier batch: not kept
-            if arena is None or arena.shape[0] < nbytes:
-                old = np.zeros(0, np.uint8) if arena is None else arena
-                grown = min(2 * old.shape[0], UPSCALE_ARENA_BYTES)
-                arena = _ARENAS.arena = np.empty(max(nbytes, grown, 1), np.uint8)
-                arena[:keep] = old[:keep]
-            return arena  # type: ignore[no-any-return]
+        # the kernel's flat arena of upscale regions (a batch's upscales are resized before
+        # its run returns)
+        upscale_arena = bufs.arena
 
         # The batch kernel's compile starts after a first batch (see _tj3.batch_kernel's start),
         # unless the compile cache has it: then the first batch loads and runs it.
