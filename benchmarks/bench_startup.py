@@ -16,6 +16,9 @@ Each figure is one new Python process, timed from ``Popen`` until it holds its f
 * ``inproc-warm``: the same, the compile cache filled by an earlier process.
 * ``client-warm-daemon``: a new ``beton_client.Loader`` of a daemon that already served it.
 * ``client-after-restart``: the first client of a daemon restarted with a warm cache.
+* ``client-resume``: a client that is running when its daemon restarts (SIGTERM, then a new
+  daemon on the same warm cache; the client's ``RetryPolicy(after_shutdown=True)``): seconds from
+  the restart, and from the new socket appearing, to the client's next batch made after it.
 
 ``after torch`` subtracts the child's ``import torch``: a trainer has imported torch before it
 builds a Loader, whichever loader it uses. The median of ``--repeats`` runs is reported.
@@ -86,6 +89,76 @@ sys.stdout.close()
 import os
 os._exit(0)  # the figure is taken; do not time (or hang in) worker shutdown
 """
+
+
+# A client that is running when its daemon restarts: it holds two batches, waits for "go" (sent
+# when the daemon has been stopped), then reads on and prints the monotonic time of each batch
+# (time.perf_counter is CLOCK_MONOTONIC, the parent's clock too). after_shutdown=True: the
+# daemon is stopped with SIGTERM, as an operator restarting it would.
+_RESUME = r"""
+import json, sys, time
+path, batch, server = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+import torch
+from beton_client import Loader, OrderOption, RetryPolicy, ServeOptions
+from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+from beton_serve.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
+pipes = {
+    "image": [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip(), ToTensor(),
+              ToTorchImage()],
+    "label": [IntDecoder(), ToTensor()],
+}
+policy = RetryPolicy(budget_s=30.0, initial_s=0.02, max_s=0.1, after_shutdown=True)
+ld = Loader(path, batch_size=batch, order=OrderOption.RANDOM, seed=0, pipelines=pipes,
+            serve=ServeOptions(server=server, spawn=False, reconnect=policy))
+it = iter(ld)
+next(it); next(it)
+print("READY", flush=True)
+sys.stdin.readline()
+stamps = [time.perf_counter() for _ in it]
+print(json.dumps({"stamps": stamps}), flush=True)
+sys.stdout.close()
+import os
+os._exit(0)
+"""
+
+
+def _resume(daemon: _Daemon, path: Path, batch: int, server: str, env: dict) -> dict:
+    """One restart under a running client: seconds from the restart (the new daemon's
+    ``Popen``) and from its socket appearing to the client's next batch made after it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RESUME, str(path), str(batch), server],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd="/tmp",
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        if proc.stdout.readline().strip() != "READY":
+            raise RuntimeError(f"resume child failed: {proc.communicate(timeout=30)[1][-2000:]}")
+        daemon.stop()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(0.3)  # the client drains what it holds and starts retrying
+        t_restart = time.perf_counter()
+        start_s = daemon.start()
+        t_ready = t_restart + start_s
+        stamps = json.loads(proc.stdout.readline())["stamps"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    after = [t for t in stamps if t > t_restart]
+    if not after:
+        raise RuntimeError("the client got no batch after the restart")
+    return {
+        "from_restart": after[0] - t_restart,
+        "from_socket": after[0] - t_ready,
+        "daemon_start": start_s,
+        "before_restart": len(stamps) - len(after),
+    }
 
 
 def _child(python: str, mode: str, path: Path, batch: int, server: str, env: dict) -> dict:
@@ -247,13 +320,22 @@ def main() -> int:
             restarted.append(_child(sys.executable, "client", path, args.batch, server, base_env))
         results["client-after-restart"] = _summary(restarted)
         results["client-after-restart"]["daemon_start_s"] = round(statistics.median(starts), 3)
+        resumes = [_resume(daemon, path, args.batch, server, base_env) for _ in range(args.repeats)]
+        results["client-resume"] = {
+            k: round(statistics.median(r[k] for r in resumes), 3)
+            for k in ("from_restart", "from_socket", "daemon_start")
+        }
+        results["client-resume"]["runs"] = [round(r["from_restart"], 3) for r in resumes]
+        results["client-resume"]["batches_before_restart"] = [r["before_restart"] for r in resumes]
     finally:
         if daemon is not None:
             daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
     if "ffcv" in results:
         ref = results["ffcv"]["wall"]
-        for r in results.values():
+        for name, r in results.items():
+            if name == "client-resume":
+                continue
             r["x_ffcv"] = round(r["wall"] / ref, 3)
     report = {
         "dataset": path.name,
@@ -275,10 +357,19 @@ def main() -> int:
         f"{'Loader()':>10}{'1st batch':>11}{'x FFCV':>8}"
     )
     for name, r in results.items():
+        if name == "client-resume":
+            continue
         x = f"{r['x_ffcv']:.3f}" if "x_ffcv" in r else "-"
         print(
             f"{name:<22}{r['wall']:>9.2f}{r['after_torch']:>13.2f}{r['torch']:>7.2f}"
             f"{r['imports']:>9.2f}{r['loader']:>10.2f}{r['first']:>11.2f}{x:>8}"
+        )
+    if "client-resume" in results:
+        r = results["client-resume"]
+        print(
+            f"a running client, its daemon restarted (SIGTERM, then a new daemon, warm cache): "
+            f"next batch {r['from_restart']:.2f} s after the restart, {r['from_socket']:.2f} s "
+            f"after the new socket appeared (daemon start {r['daemon_start']:.2f} s)"
         )
     return 0
 

@@ -175,6 +175,8 @@ def run_jobs(daemon, path: Path, args, mode: str) -> dict:
         "decoded_epochs_per_epoch": round(decodes / (per_epoch * args.epochs), 3),
         "daemon_cpu_s": round(d1 - d0, 2),
         "client_cpu_s": round(sum(b - a for a, b in zip(c0, c1, strict=True)), 2),
+        # each job's own wall time (in --sizes order): the spread is the tail one job runs alone
+        "job_wall_s": [round(r["wall"], 3) for r in results],
         **({"groups": groups} if mode == "share" else {}),
     }
 
