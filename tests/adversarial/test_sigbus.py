@@ -103,6 +103,28 @@ def test_a_fault_on_an_unguarded_mapping_still_kills(tmp_path: Path) -> None:
     assert proc.returncode == -7, (proc.returncode, proc.stderr.decode()[-2000:])  # SIGBUS
 
 
+def test_importing_the_handler_out_of_turn_is_an_import_error_not_an_abort() -> None:
+    """The handler links to two symbols the guard registers first; imported on its own (as a
+    documentation tool importing every module would), it used to abort the process with
+    "LLVM ERROR: Symbol not found". It must raise ImportError, and the guard must still work
+    afterwards in the same process."""
+    script = textwrap.dedent(
+        """
+        import mmap
+        try:
+            import beton_serve.format._guard_handler
+        except ImportError as exc:
+            print("ImportError", "import beton_serve.format instead" in str(exc))
+        from beton_serve.format import _guard
+        m = mmap.mmap(-1, mmap.PAGESIZE)
+        print("guarded", _guard._the_guard() is not None, _guard._FAILED)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr.decode()[-2000:])
+    assert proc.stdout.decode().split("\n")[:2] == ["ImportError True", "guarded True None"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_truncating_a_served_file_mid_decode_fails_only_its_streams(
