@@ -101,7 +101,7 @@ def counters(daemon, name: str) -> tuple[int, int, dict]:
     group = sum(int(g.decoded) for g in st.decode_groups)
     extra = {
         k: sum(int(getattr(g, k)) for g in st.decode_groups)
-        for k in ("members", "detached", "hits", "evicted")
+        for k in ("members", "detached", "hits", "waits", "evicted")
     }
     return produced, group, extra
 

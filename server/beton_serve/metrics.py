@@ -34,7 +34,8 @@ name                                       kind     labels           from ``Daem
 ``beton_stats_stale``                      gauge    -                1 when the last snapshot failed
 ``beton_decode_group_*``                   both     dataset, field,  ``decode_groups`` (issue 16):
                                                     order, decode    members, detached, delivered,
-                                                                     decoded, hits, evicted, bytes
+                                                                     decoded, hits, evicted, waits,
+                                                                     bytes
 =========================================  =======  ===============  ==============================
 
 The ``client`` label is the stream id (one stream is one client's Loader); the client's script
@@ -182,6 +183,9 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
     g_evicted = _counter(
         "beton_decode_group_evicted", "Decoded samples dropped by the byte bound.", labels
     )
+    g_waits = _counter(
+        "beton_decode_group_waits", "Times a member waited for another's decode.", labels
+    )
     g_bytes = _gauge("beton_decode_group_live_bytes", "Bytes of a group's cached images.", labels)
     for g in stats.decode_groups:
         key = [str(g.dataset), str(g.field), str(g.order), str(g.decode)]
@@ -192,6 +196,7 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
             (g_decoded, g.decoded),
             (g_hits, g.hits),
             (g_evicted, g.evicted),
+            (g_waits, g.waits),
             (g_bytes, g.live_bytes),
         ):
             fam.add_metric(key, float(value))
@@ -202,6 +207,7 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
         g_decoded,
         g_hits,
         g_evicted,
+        g_waits,
         g_bytes,
     ]
 

@@ -394,6 +394,7 @@ def test_stats_travel_on_the_stats_rpc() -> None:
         hits=290,
         evicted=3,
         live_bytes=1234,
+        waits=5,
     )
     msg = stats_message(
         DaemonStats(
@@ -409,12 +410,6 @@ def test_stats_travel_on_the_stats_rpc() -> None:
         )
     )
     (g,) = msg.decode_groups
-    assert (g.dataset, g.decode, g.members, g.detached, g.delivered, g.decoded, g.live_bytes) == (
-        "x.beton",
-        "min_side=160",
-        4,
-        1,
-        400,
-        110,
-        1234,
-    )
+    got = (g.dataset, g.decode, g.members, g.detached, g.delivered, g.decoded, g.live_bytes)
+    assert got == ("x.beton", "min_side=160", 4, 1, 400, 110, 1234)
+    assert (g.hits, g.evicted, g.waits) == (290, 3, 5)

@@ -126,7 +126,7 @@ def test_decode_groups_are_exported(exporter_of) -> None:
 
     row = DecodeGroupRow(
         dataset="imagenet", field="image", order="ab12", decode="full", members=4, detached=1,
-        delivered=400, decoded=110, hits=290, evicted=3, live_bytes=1 << 20,
+        delivered=400, decoded=110, hits=290, evicted=3, live_bytes=1 << 20, waits=7,
     )  # fmt: skip
     _, port = exporter_of(lambda: _stats([], [], decode_groups=(row,)))
     got = scrape(port)
@@ -137,6 +137,7 @@ def test_decode_groups_are_exported(exporter_of) -> None:
     assert got[("beton_decode_group_decoded_samples_total", key)] == 110
     assert got[("beton_decode_group_hits_total", key)] == 290
     assert got[("beton_decode_group_evicted_total", key)] == 3
+    assert got[("beton_decode_group_waits_total", key)] == 7
     assert got[("beton_decode_group_live_bytes", key)] == 1 << 20
 
 

@@ -696,6 +696,7 @@ class DecodeGroupStats(_message.Message):
         "live_bytes",
         "members",
         "order",
+        "waits",
     )
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FIELD_FIELD_NUMBER: _ClassVar[int]
@@ -708,6 +709,7 @@ class DecodeGroupStats(_message.Message):
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    WAITS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     field: str
     order: str
@@ -719,6 +721,7 @@ class DecodeGroupStats(_message.Message):
     evicted: int
     live_bytes: int
     decode: str
+    waits: int
     def __init__(
         self,
         dataset: str | None = ...,
@@ -732,6 +735,7 @@ class DecodeGroupStats(_message.Message):
         evicted: int | None = ...,
         live_bytes: int | None = ...,
         decode: str | None = ...,
+        waits: int | None = ...,
     ) -> None: ...
 
 class StatsResponse(_message.Message):

@@ -116,6 +116,7 @@ class DecodeGroupRow:
         delivered: samples handed to members; ``decoded``: JPEG decodes run for them.
         hits: samples another member had decoded; ``evicted``: entries dropped by the bound.
         live_bytes: bytes of the group's cached images now.
+        waits: times a member waited for another member's decode of the same sample.
     """
 
     dataset: str
@@ -129,6 +130,7 @@ class DecodeGroupRow:
     hits: int
     evicted: int
     live_bytes: int
+    waits: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -122,6 +122,7 @@ def _decode_groups() -> tuple[DecodeGroupRow, ...]:
             hits=g.hits,
             evicted=g.evicted,
             live_bytes=g.bytes,
+            waits=g.waits,
         )
         for g in default_decode_cache().stats()
     )

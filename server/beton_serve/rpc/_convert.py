@@ -480,6 +480,7 @@ def stats_message(s: DaemonStats) -> pb.StatsResponse:
                 hits=g.hits,
                 evicted=g.evicted,
                 live_bytes=g.live_bytes,
+                waits=g.waits,
             )
             for g in s.decode_groups
         ],
