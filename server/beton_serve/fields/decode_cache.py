@@ -292,8 +292,10 @@ class DecodeCache:
         self.wait_s = float(wait_s)
         self._lock = threading.Lock()
         self._groups: dict[GroupKey, _Group] = {}
-        #: Ready entries, least recently used first.
-        self._lru: OrderedDict[tuple[GroupKey, int], _Entry] = OrderedDict()
+        #: Ready entries, least recently used first, keyed by (group, sample id): the group
+        #: object hashes by identity in C, where a GroupKey (a dataclass) hashed in Python on
+        #: every hit.
+        self._lru: OrderedDict[tuple[_Group, int], _Entry] = OrderedDict()
         self._bytes = 0
         self.peak_bytes = 0
 
@@ -369,7 +371,7 @@ class DecodeCache:
             e.img, e.ok = img, True
             if g.entries.get(e.sid) is e:
                 if e.holders:
-                    self._lru[(g.key, e.sid)] = e
+                    self._lru[(g, e.sid)] = e
                 else:  # every holder left while it was decoded
                     self._drop(g, e)
         e.event.set()
@@ -387,23 +389,20 @@ class DecodeCache:
         if not e.holders and e.ok:
             self._drop(g, e)
         elif e.ok:
-            self._lru.move_to_end((g.key, e.sid))
+            self._lru.move_to_end((g, e.sid))
 
     def _drop(self, g: _Group, e: _Entry) -> None:
         if g.entries.get(e.sid) is e:
             del g.entries[e.sid]
             self._bytes -= e.nbytes
-        self._lru.pop((g.key, e.sid), None)
+        self._lru.pop((g, e.sid), None)
         if not g.members and not g.entries and self._groups.get(g.key) is g:
             del self._groups[g.key]
 
     def _evict(self, room: int) -> None:
         """Evict ready entries, least recently used first, until ``self._bytes <= room``."""
         while self._bytes > room and self._lru:
-            (gkey, sid), e = self._lru.popitem(last=False)
-            g = self._groups.get(gkey)
-            if g is None:  # pragma: no cover - groups outlive their entries
-                continue
+            (g, sid), e = self._lru.popitem(last=False)
             if g.entries.get(sid) is e:
                 del g.entries[sid]
                 self._bytes -= e.nbytes
