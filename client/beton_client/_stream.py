@@ -30,8 +30,8 @@ from beton_wire.v1 import beton_pb2 as pb
 
 from beton_client._tail import OutputInfo
 from beton_client._transport import Receiver, ShmReceiver, TensorInfo
-from beton_client._transport.shm import NoticeChannel
-from beton_client.errors import ServerError, ServerUnavailable, from_rpc_error
+from beton_client._transport.shm import NoticeChannel, SegmentGone
+from beton_client.errors import BetonClientError, ServerError, ServerUnavailable, from_rpc_error
 from beton_client.frontend import RawBatch, pipelines_key
 
 __all__ = ["End", "Ready"]
@@ -165,6 +165,23 @@ class _Stream:
             ) from None
         except grpc.RpcError as err:
             raise from_rpc_error(err, target=self.target) from None
+
+    def lost(self, why: BaseException, wait_s: float = 5.0) -> BetonClientError:
+        """The error to raise when a published batch can no longer be read (``why``): the
+        Batches call's final status once it comes (within ``wait_s``; a SIGTERM drain's is
+        ``ServerUnavailable`` with ``server_error == "ShuttingDown"``), else
+        ``ServerUnavailable``. Either way the batch was not yielded, so a reconnecting Loader
+        resumes at it."""
+        deadline = time.monotonic() + wait_s
+        done = getattr(self._call, "done", None)
+        while done is not None and not done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done is not None and done():
+            try:
+                self.recv()
+            except BetonClientError as err:
+                return err
+        return ServerUnavailable(f"the daemon at {self.target} stopped serving this stream: {why}")
 
     def next_ready(self) -> Ready | End:
         """The next published batch or end of epoch, from the notice channel if there is one.
@@ -300,7 +317,10 @@ class _LocalEpochFeed:
         if b.at is not None:
             if shm is None:
                 raise ServerError("a shared batch (BATCH_AT) on a stream that is not shm")
-            arrays = shm.arrays_at(b.at[0], b.at[1], b.tensors)
+            try:
+                arrays = shm.arrays_at(b.at[0], b.at[1], b.tensors)
+            except SegmentGone as exc:
+                raise s.lost(exc) from None
         elif shm is not None and b.tensors is s._full:  # views built once per slot
             arrays = shm.slot_arrays(b.slot, b.tensors)
         else:

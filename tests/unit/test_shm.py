@@ -135,3 +135,44 @@ def test_id_table_and_release_words_are_seen_by_the_client() -> None:
         if rx is not None:
             rx.close()
         ring.close()
+
+
+def test_a_vanished_shared_batch_segment_is_segment_gone_and_ends_the_stream() -> None:
+    """A SIGTERM drain frees a stream's segments while a notice for a batch in a sharing arena may
+    still be unread. The client must report the stream's end (the Batches call's status, e.g.
+    ShuttingDown), not a TransportError, so that a Loader allowed to reconnect resumes at that
+    batch (tests/integration/test_resume.py covers it end to end)."""
+    from types import SimpleNamespace
+
+    from beton_client._stream import _Stream
+    from beton_client._transport.shm import SegmentGone, ShmReceiver
+    from beton_client.errors import ServerUnavailable
+    from beton_client.errors import TransportError as ClientTransportError
+
+    ring = ShmFactory(ShmNamer()).create(_layout(), 2)
+    rx = None
+    try:
+        setup = ring.setup()
+        rx = ShmReceiver(setup.segment, setup.segment_bytes, 2, setup.slot_bytes)
+        owner = "-".join(setup.segment.split("-", 2)[:2])
+        with pytest.raises(SegmentGone, match="is gone"):
+            rx.arrays_at(f"{owner}-share-999", 0, [])
+        with pytest.raises(ClientTransportError, match="not a segment of this daemon"):
+            rx.arrays_at("beton-1-share-0" if owner != "beton-1" else "beton-2-share-0", 0, [])
+    finally:
+        if rx is not None:
+            rx.close()
+        ring.close()
+
+    # The stream's error is the call's final status when it comes ...
+    drained = ServerUnavailable("shutting down", server_error="ShuttingDown")
+
+    def recv() -> None:
+        raise drained
+
+    done = SimpleNamespace(_call=SimpleNamespace(done=lambda: True), recv=recv, target="t")
+    assert _Stream.lost(done, SegmentGone("gone"), wait_s=0.01) is drained  # type: ignore[arg-type]
+    # ... else a plain ServerUnavailable (retriable), after the bounded wait.
+    alive = SimpleNamespace(_call=SimpleNamespace(done=lambda: False), recv=recv, target="t")
+    err = _Stream.lost(alive, SegmentGone("gone"), wait_s=0.05)  # type: ignore[arg-type]
+    assert type(err) is ServerUnavailable and err.server_error == "" and "gone" in str(err)

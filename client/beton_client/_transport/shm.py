@@ -38,6 +38,12 @@ SHM_DIR = Path("/dev/shm")
 MAX_EXTRA_SEGMENTS = 32
 
 
+class SegmentGone(TransportError):
+    """A batch's segment was removed before this client mapped it: its daemon stopped (a
+    SIGTERM drain frees the streams' segments) or died and another daemon swept it. The stream is
+    lost, not the data corrupt: the Loader reports it as the stream's end (``_stream``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     """One tensor of a published batch: full shape (batch first), dtype name, place in the slot."""
@@ -205,6 +211,10 @@ class ShmReceiver:
         path = self._shm_dir / segment
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            # Only its daemon removes its segments: it stopped (or is stopping) with this batch
+            # published but not yet read.
+            raise SegmentGone(f"the daemon's shared memory {path} is gone") from None
         except OSError as exc:
             raise TransportError(f"cannot open the daemon's shared memory {path}: {exc}") from None
         got = (fd, os.fstat(fd).st_size)
