@@ -222,10 +222,14 @@ class RemoteEpochFeed:
             return None
         except AllDaemonsLostError as exc:
             self.done = True
+            # Every daemon drained (SIGTERM): say so, as the shm path does, so that only a
+            # RetryPolicy(after_shutdown=True) waits for replacements.
+            why = {getattr(e, "server_error", "") for e in exc.failures.values()}
             raise ServerUnavailable(
                 f"every daemon of the stream failed ({exc}); batch {self.index} of epoch "
                 f"{self.epoch} was not delivered",
                 code="UNAVAILABLE",
+                server_error=why.pop() if len(why) == 1 else "",
             ) from exc
         arrays_by_name = batch.arrays
         ids = arrays_by_name.get(SAMPLE_IDS)

@@ -124,8 +124,9 @@ def test_sigkilled_daemon_restarted_on_the_same_socket_resumes_exactly_once(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_a_daemon_restarted_with_sigterm_resumes_clients_that_allow_it_exactly_once(
-    daemon_factory, fixtures_dir: Path
+    daemon_factory, fixtures_dir: Path, transport: str
 ) -> None:
     """An operator's restart (SIGTERM, then a new daemon on the same socket): a client with
     ``RetryPolicy(after_shutdown=True)`` resumes at the batch it had reached and its epoch equals
@@ -137,8 +138,8 @@ def test_a_daemon_restarted_with_sigterm_resumes_clients_that_allow_it_exactly_o
     with _loader(d1.address) as ref_ld:
         reference = _epoch(ref_ld)
     policy = RetryPolicy(budget_s=60.0, initial_s=0.05, max_s=0.5, after_shutdown=True)
-    ld = _loader(d1.address, reconnect=policy)
-    strict = _loader(d1.address, reconnect=RetryPolicy(budget_s=60.0))
+    ld = _loader(d1.address, reconnect=policy, transport=transport)
+    strict = _loader(d1.address, reconnect=RetryPolicy(budget_s=60.0), transport=transport)
     try:
         it = iter(ld)
         got = []

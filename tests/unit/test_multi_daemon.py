@@ -133,6 +133,11 @@ def test_all_daemons_dying_raises_with_the_cause() -> None:
             got.append(b.index)
     assert isinstance(info.value.__cause__, ConnectionError)
     assert got == [0, 1, 2]  # delivered in order and without gaps up to the failure
+    # Every daemon's failure is kept, so the Loader can tell "all drained" from a crash.
+    assert sorted(info.value.failures) == [0, 1]
+    assert info.value.failures[1] is info.value.__cause__ or (
+        info.value.failures[0] is info.value.__cause__
+    )
 
 
 def test_randomized_failures_never_lose_or_repeat() -> None:

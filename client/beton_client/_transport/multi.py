@@ -67,7 +67,15 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 class AllDaemonsLostError(ConnectionError):
-    """Every daemon of a multi-daemon stream failed; the last failure is the ``__cause__``."""
+    """Every daemon of a multi-daemon stream failed; the last failure is the ``__cause__``.
+
+    Attributes:
+        failures: each lost daemon's failure, by daemon index, in the order they were lost.
+    """
+
+    def __init__(self, message: str, failures: dict[int, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, BaseException] = dict(failures or {})
 
 
 class DaemonLink(Protocol[T_co]):
@@ -160,6 +168,8 @@ class MultiDaemonReader(Generic[T]):
         self._on_lost = on_daemon_lost
         self._discard: Callable[[T], None] = discard or _keep
         self._dead: set[int] = set()
+        #: Why each lost daemon was lost (for the final error: a drain is not a crash).
+        self._failures: dict[int, BaseException] = {}
         self._alive: list[int] = list(range(len(self._links)))
         self._closed = False
 
@@ -188,10 +198,11 @@ class MultiDaemonReader(Generic[T]):
         if d not in self._dead:
             return d
         if not self._alive:
-            raise AllDaemonsLostError("no daemon is left")
+            raise AllDaemonsLostError("no daemon is left", self._failures)
         return self._alive[(batch_index // s) % len(self._alive)]
 
     def _lose(self, d: int, exc: BaseException) -> None:
+        self._failures[d] = exc
         self._dead.add(d)
         self._alive = [i for i in self._alive if i != d]
         try:
@@ -202,7 +213,8 @@ class MultiDaemonReader(Generic[T]):
             self._on_lost(d, exc)
         if not self._alive:
             raise AllDaemonsLostError(
-                f"all {len(self._links)} daemons failed; the last one, {d}, with: {exc}"
+                f"all {len(self._links)} daemons failed; the last one, {d}, with: {exc}",
+                self._failures,
             ) from exc
 
     def iter_epoch(self, epoch: int, num_batches: int, start: int = 0) -> Iterator[T]:

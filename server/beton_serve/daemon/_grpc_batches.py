@@ -67,7 +67,12 @@ class StreamProducer:
         self._outs: dict[int, concurrent.futures.Future[OutgoingBatch]] = {}
         self._inflight = 0
         self._closed = False
+        self._abort_listeners: list[Callable[[BaseException], None]] = []
         stream.begin(0)  # credits: the whole ring (WANTs beyond it wait in order)
+        # A drain (SIGTERM) aborts the stream: the WANTs waiting for a slot fail with its error
+        # now, so the call ends with ShuttingDown as its status instead of being cancelled when
+        # the server stops (the client tells a drain from a crash by that status).
+        stream.on_abort = self._on_abort
 
     # -- BatchProducer -----------------------------------------------------------------------
     def submit(self, epoch: int, batch_index: int) -> concurrent.futures.Future[OutgoingBatch]:
@@ -92,6 +97,18 @@ class StreamProducer:
             self.stream.stream_id,
             self.stream.counters.batches_sent,
         )
+
+    def add_abort_listener(self, callback: Callable[[BaseException], None]) -> None:
+        """``callback(exc)`` when the stream is aborted (the batch method's handler ends its
+        call with ``exc``'s status: ``transport.grpc_codec.BatchProducer``)."""
+        self._abort_listeners.append(callback)
+
+    def _on_abort(self, exc: BaseException) -> None:
+        """The stream was aborted (event-loop thread): fail what waits for a slot, and end the
+        call even when its client is not waiting for a batch."""
+        self._pump()
+        for callback in self._abort_listeners:
+            callback(exc)
 
     # -- Publisher (called by Stream.finish, event-loop thread) -------------------------------
     def publish(self, batch: Finished) -> None:

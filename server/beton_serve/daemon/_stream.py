@@ -195,6 +195,9 @@ class Stream:
     #: Batches of the next epoch a pump submitted ahead of the client's Start, adopted or
     #: discarded by the next epoch's start.
     lookahead: Lookahead | None = None
+    #: Called by :meth:`abort` (event-loop thread): the grpc batch method's producer fails the
+    #: batches its client is waiting for, so that its call ends with the abort's status.
+    on_abort: Callable[[BaseException], None] | None = None
 
     async def attach_notices(self, on_hangup: Callable[[], None]) -> NoticeConn:
         """Wait for the client's notice connection and route its releases to this stream.
@@ -258,6 +261,8 @@ class Stream:
         self._wake.set()
         if self.pump is not None:
             self.pump.fail(exc)
+        if self.on_abort is not None:
+            self.on_abort(exc)
 
     @property
     def num_batches(self) -> int:

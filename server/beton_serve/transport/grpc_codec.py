@@ -121,6 +121,11 @@ class BatchProducer(Protocol):
     (aio), once per wanted batch, in the client's order, as soon as the WANT arrives: start the
     work and return a future. ``close`` is called once, from the handler, when the call ends for
     any reason; cancel what is pending. Futures the stream never consumed are released by it.
+
+    A producer may also have ``add_abort_listener(callback)``: the aio handler registers a
+    callback there, which the producer calls (event-loop thread) with an exception when its
+    stream must end now (a drain); the call then ends with that exception's status even while
+    no batch is being waited for.
     """
 
     def submit(self, epoch: int, batch_index: int) -> concurrent.futures.Future[OutgoingBatch]: ...
@@ -326,6 +331,9 @@ def _make_aio_handler(
         except Exception as exc:
             await _abort_aio(context, exc, status_for)
         q: asyncio.Queue[Any] = asyncio.Queue()
+        add_abort_listener = getattr(producer, "add_abort_listener", None)
+        if add_abort_listener is not None:
+            add_abort_listener(q.put_nowait)  # an exception: ends the call with its status
 
         async def read_wants() -> None:
             try:
