@@ -352,3 +352,65 @@ def test_served_jobs_share_decodes_and_equal_in_process(
     # first batches of a 6-batch epoch are decoded more than once: the benchmark's longer epochs
     # hold the issue's target of 1.3.
     assert g.decoded * g.members / g.delivered <= 1.5, g
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_served_members_resume_exactly_across_a_sigterm_restart(
+    jpeg_file: Path, daemon_factory
+) -> None:
+    """An operator restarts the daemon (SIGTERM, then a new one on the same socket) while four
+    group members are mid-epoch. Each client (``RetryPolicy(after_shutdown=True)``) resumes at the
+    batch it had reached; every job's two epochs equal its solo in-process run bit for bit, and
+    the four form a group again on the new daemon."""
+    import signal
+
+    from beton_client import Loader as Client
+    from beton_client import OrderOption as ClientOrder
+    from beton_client import RetryPolicy
+
+    def pipes(s: int) -> dict:
+        return _pipelines(s, tensors=True, min_side=MIN_SIDE)
+
+    refs = {}
+    for s in SIZES:
+        out: list = []
+        _read(_loader(jpeg_file, s, pipelines=pipes(s)), 2, out)
+        refs[s] = out
+    d1 = daemon_factory([jpeg_file])
+    policy = RetryPolicy(budget_s=60.0, initial_s=0.05, max_s=0.5, after_shutdown=True)
+    clients = [
+        Client(
+            "sweep",
+            batch_size=BATCH,
+            order=ClientOrder.RANDOM,
+            seed=SEED,
+            pipelines=pipes(s),
+            server=d1.address,
+            spawn=False,
+            reconnect=policy,
+        )
+        for s in SIZES
+    ]
+    outs: list[list] = [[] for _ in SIZES]
+    d2 = None
+    try:
+        for e in range(2):
+            its = [iter(c) for c in clients]
+            for b in range(-(-N // BATCH)):
+                if e == 0 and b == 3:
+                    d1.proc.send_signal(signal.SIGTERM)
+                    assert d1.proc.wait(30) == 0
+                    d2 = daemon_factory([jpeg_file], socket=d1.socket, wait=False)
+                for i, it in enumerate(its):
+                    x, y = next(it)
+                    outs[i].append((e, _np(x), _np(y)))
+            assert all(next(it, None) is None for it in its)
+        assert d2 is not None
+        groups = [g for g in d2.stats().decode_groups if g.field == "image"]
+    finally:
+        for c in clients:
+            c.close()
+    for s, out in zip(SIZES, outs, strict=True):
+        _same(out, refs[s])
+    assert [g.members for g in groups] == [4]
