@@ -307,35 +307,44 @@ def test_a_job_resumed_mid_epoch_joins_and_reads_exactly_once(jpeg_file: Path, c
     assert sorted([*ids.tolist(), *before.tolist()]) == list(range(N))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("min_side", [0, MIN_SIDE])
-def test_served_jobs_share_decodes_and_equal_in_process(
-    jpeg_file: Path, daemon_factory, min_side: int
-) -> None:
-    from beton_client import Loader as Client
-    from beton_client import OrderOption as ClientOrder
-
-    def pipes(s: int) -> dict:
-        return _pipelines(s, tensors=True, min_side=min_side)
-
+def _served_refs(path: Path, min_side: int) -> dict[int, list]:
+    """Each size's solo in-process run of two epochs, with the served pipelines' tensor tail."""
     refs = {}
     for s in SIZES:
         out: list = []
-        _read(_loader(jpeg_file, s, pipelines=pipes(s)), 2, out)
+        _read(_loader(path, s, pipelines=_pipelines(s, tensors=True, min_side=min_side)), 2, out)
         refs[s] = out
-    d = daemon_factory([jpeg_file])
-    clients = [
+    return refs
+
+
+def _clients(address: str, min_side: int, **kw) -> list:
+    """One served Loader per size, ``share_decode=True``, on the daemon at ``address``."""
+    from beton_client import Loader as Client
+    from beton_client import OrderOption as ClientOrder
+
+    return [
         Client(
             "sweep",
             batch_size=BATCH,
             order=ClientOrder.RANDOM,
             seed=SEED,
-            pipelines=pipes(s),
-            server=d.address,
+            pipelines=_pipelines(s, tensors=True, min_side=min_side),
+            server=address,
             spawn=False,
+            **kw,
         )
         for s in SIZES
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("min_side", [0, MIN_SIDE])
+def test_served_jobs_share_decodes_and_equal_in_process(
+    jpeg_file: Path, daemon_factory, min_side: int
+) -> None:
+    refs = _served_refs(jpeg_file, min_side)
+    d = daemon_factory([jpeg_file])
+    clients = _clients(d.address, min_side)
     try:
         outs = _together(clients, 2)
         stats = d.stats()
@@ -365,33 +374,12 @@ def test_served_members_resume_exactly_across_a_sigterm_restart(
     the four form a group again on the new daemon."""
     import signal
 
-    from beton_client import Loader as Client
-    from beton_client import OrderOption as ClientOrder
     from beton_client import RetryPolicy
 
-    def pipes(s: int) -> dict:
-        return _pipelines(s, tensors=True, min_side=MIN_SIDE)
-
-    refs = {}
-    for s in SIZES:
-        out: list = []
-        _read(_loader(jpeg_file, s, pipelines=pipes(s)), 2, out)
-        refs[s] = out
+    refs = _served_refs(jpeg_file, MIN_SIDE)
     d1 = daemon_factory([jpeg_file])
     policy = RetryPolicy(budget_s=60.0, initial_s=0.05, max_s=0.5, after_shutdown=True)
-    clients = [
-        Client(
-            "sweep",
-            batch_size=BATCH,
-            order=ClientOrder.RANDOM,
-            seed=SEED,
-            pipelines=pipes(s),
-            server=d1.address,
-            spawn=False,
-            reconnect=policy,
-        )
-        for s in SIZES
-    ]
+    clients = _clients(d1.address, MIN_SIDE, reconnect=policy)
     outs: list[list] = [[] for _ in SIZES]
     d2 = None
     try:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -67,6 +68,22 @@ def _same(a: list, b: list) -> None:
         assert torch.equal(xi, yi)
 
 
+def _restart_and_read_on(
+    daemon_factory, beton: Path, d1, ld: Loader, it, got: list
+) -> tuple[Any, float]:
+    """Start a new daemon on ``d1``'s socket without waiting for it, read the rest of the epoch
+    from ``it`` into ``got``; return the new daemon and how long its first batch took (the
+    client's next() retries with backoff until the new daemon answers)."""
+    d2 = daemon_factory([beton], socket=d1.socket, wait=False)
+    t0 = time.monotonic()
+    image, label = next(it)
+    waited = time.monotonic() - t0
+    got.append((image.clone(), label.clone(), ld.last_sample_ids.copy()))
+    got.extend((i.clone(), lab.clone(), ld.last_sample_ids.copy()) for i, lab in it)
+    assert d2.proc.poll() is None and d2.pid != d1.pid
+    return d2, waited
+
+
 def test_sigkilled_daemon_restarted_on_the_same_socket_resumes_exactly_once(
     daemon_factory, fixtures_dir: Path
 ) -> None:
@@ -96,13 +113,7 @@ def test_sigkilled_daemon_restarted_on_the_same_socket_resumes_exactly_once(
         # test's, another user's session) may sweep them first: only their absence once d2
         # serves is checked below, not who removed them.
         # Restart without waiting: the client's next() retries with backoff until it answers.
-        d2 = daemon_factory([beton], socket=d1.socket, wait=False)
-        t0 = time.monotonic()
-        image, label = next(it)
-        waited = time.monotonic() - t0
-        got.append((image.clone(), label.clone(), ld.last_sample_ids.copy()))
-        got.extend((i.clone(), lab.clone(), ld.last_sample_ids.copy()) for i, lab in it)
-        assert d2.proc.poll() is None and d2.pid != d1.pid
+        d2, waited = _restart_and_read_on(daemon_factory, beton, d1, ld, it, got)
         assert waited > 0.0
         _same(first, reference[0])
         _same(got, reference[1])  # the interrupted epoch equals the uninterrupted one
@@ -154,13 +165,7 @@ def test_a_daemon_restarted_with_sigterm_resumes_clients_that_allow_it_exactly_o
             for _ in it_strict:  # what was already published may still be read first
                 pass
         assert stopped.value.server_error == "ShuttingDown", stopped.value
-        d2 = daemon_factory([beton], socket=d1.socket, wait=False)
-        t0 = time.monotonic()
-        image, label = next(it)
-        waited = time.monotonic() - t0
-        got.append((image.clone(), label.clone(), ld.last_sample_ids.copy()))
-        got.extend((i.clone(), lab.clone(), ld.last_sample_ids.copy()) for i, lab in it)
-        assert d2.proc.poll() is None and d2.pid != d1.pid
+        _, waited = _restart_and_read_on(daemon_factory, beton, d1, ld, it, got)
         assert waited < 30
         _same(got, reference)
         seen = np.concatenate([s for _, _, s in got])
