@@ -116,6 +116,50 @@ def test_render_table() -> None:
     assert "(no open streams)" in empty.getvalue()
 
 
+def test_decode_groups_show_their_work_in_json_and_in_the_table() -> None:
+    """Issue 16 §3 where a user looks: samples decoded per group against samples delivered."""
+    from rich.console import Console
+
+    resp = fake_response()
+    resp.decode_groups.append(
+        pb.DecodeGroupStats(
+            dataset="imagenet.beton",
+            field="image",
+            order="ab12cd34ef56",
+            decode="min_side=160",
+            members=4,
+            detached=1,
+            delivered=8000,
+            decoded=2100,
+            hits=5900,
+            evicted=3,
+            live_bytes=5 * 1024 * 1024,
+            waits=7,
+        )
+    )
+    d = snapshot_dict(resp, now=1.0)
+    (g,) = d["decode_groups"]
+    for k, v in (("delivered", 8000), ("decoded", 2100), ("hits", 5900), ("waits", 7)):
+        assert g[k] == v and isinstance(g[k], int), k  # not JSON strings of 64-bit ints
+    assert g["decode_epochs_per_epoch"] == pytest.approx(2100 * 4 / 8000)
+    json.dumps(d)
+    buf = io.StringIO()
+    Console(file=buf, width=200, color_system=None).print(render(d))
+    row = next(line for line in buf.getvalue().splitlines() if "imagenet.beton" in line)
+    for cell in ("image", "min_side=160", "8,000", "2,100", "1.05", "5,900", "5.0 MiB"):
+        assert cell in row, (cell, row)
+    assert "decode groups" in buf.getvalue()
+    assert "decode groups" not in _rendered(fake_response())  # no table without groups
+
+
+def _rendered(resp: pb.StatsResponse) -> str:
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(file=buf, width=200, color_system=None).print(render(snapshot_dict(resp, now=1.0)))
+    return buf.getvalue()
+
+
 def test_run_json_prints_one_snapshot() -> None:
     out = io.StringIO()
     seen: list[str] = []

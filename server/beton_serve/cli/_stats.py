@@ -4,7 +4,11 @@ It calls the daemon's ``Stats`` RPC (``beton_wire.v1.BetonServe/Stats``) and sho
 
 - the daemon: pid, uptime, workers, shared-memory bytes, compiled plans, streams opened;
 - per stream: dataset, client, transport, batches/s, images/s, data-stall %, slots in use;
-- per dataset: samples decoded (in total and per second), batches decoded.
+- per dataset: samples decoded (in total and per second), batches decoded;
+- per decode group (issue 16, jobs whose pipelines differ sharing decodes): members, detached,
+  samples delivered, JPEG decodes, and the decode work in epochs per epoch
+  (``decoded * members / delivered``: 1.0 means each sample decoded once for the whole group),
+  hits, waits, evictions and cached bytes.
 
 Rates. In the live view (the default) rates are the difference between two consecutive
 snapshots divided by the time between them (``--interval``, 1 s by default). A single snapshot
@@ -18,7 +22,8 @@ share is that wait over the wall time it covers: the stream's age, or the interv
 
 ``--json`` prints one snapshot: every field of the ``StatsResponse`` (proto field names, all
 present) plus the derived ``batches_per_s``, ``images_per_s`` and ``stall_pct`` per stream and
-``samples_per_s`` per dataset. Each dataset's total ``samples_decoded`` is there.
+``samples_per_s`` per dataset, ``decode_epochs_per_epoch`` per decode group. Each dataset's
+total ``samples_decoded`` is there.
 
 The address is resolved as for ``beton-serve health``: ``--server``, then
 ``BETON_SERVE_ADDRESS``, then the per-user default socket. A daemon started with a token wants
@@ -175,6 +180,7 @@ def _int(v: Any) -> int:
 _INT64_STREAM = ("batches_sent", "samples_sent", "client_wait_us")
 _INT64_DATASET = ("samples_decoded", "batches_decoded", "bad_samples")
 _INT64_TOP = ("shm_bytes", "streams_opened", "workers_replaced")
+_INT64_GROUP = ("delivered", "decoded", "hits", "evicted", "live_bytes", "waits")
 
 
 def snapshot_dict(
@@ -230,6 +236,12 @@ def snapshot_dict(
         else:
             up = float(d.get("uptime_s", 0.0))
             x["samples_per_s"] = x["samples_decoded"] / up if up > 0 else 0.0
+    for g in d.get("decode_groups", []):
+        for k in _INT64_GROUP:
+            g[k] = _int(g.get(k))
+        members, delivered = int(g.get("members", 0)), g["delivered"]
+        # lifetime figure: the group's decodes per sample each member read, in epochs
+        g["decode_epochs_per_epoch"] = g["decoded"] * members / delivered if delivered else 0.0
     d["taken_at"] = now
     d["rate_basis"] = "interval" if interval else "lifetime"
     return d
@@ -251,7 +263,8 @@ def _human_duration(s: float) -> str:
 
 
 def render(snap: Mapping[str, Any], *, target: str = "") -> Any:
-    """The rich renderable of one :func:`snapshot_dict`: a header line and two tables."""
+    """The rich renderable of one :func:`snapshot_dict`: a header line and two tables, and a
+    third for decode groups when there are any."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -314,7 +327,41 @@ def render(snap: Mapping[str, Any], *, target: str = "") -> Any:
             f"{x.get('samples_per_s', 0.0):.0f}",
             f"{x.get('batches_decoded', 0):,}",
         )
-    return Group(head, streams, datasets)
+    groups = snap.get("decode_groups", [])
+    if not groups:
+        return Group(head, streams, datasets)
+    table = Table(title="decode groups (lifetime)", title_justify="left", expand=False)
+    for col, just in (
+        ("dataset", "left"),
+        ("field", "left"),
+        ("decode", "left"),
+        ("members", "right"),
+        ("detached", "right"),
+        ("delivered", "right"),
+        ("decoded", "right"),
+        ("epochs/epoch", "right"),
+        ("hits", "right"),
+        ("waits", "right"),
+        ("evicted", "right"),
+        ("cached", "right"),
+    ):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for g in sorted(groups, key=lambda g: (g.get("dataset", ""), g.get("field", ""))):
+        table.add_row(
+            str(g.get("dataset", "")),
+            str(g.get("field", "")),
+            str(g.get("decode", "")),
+            str(g.get("members", 0)),
+            str(g.get("detached", 0)),
+            f"{g.get('delivered', 0):,}",
+            f"{g.get('decoded', 0):,}",
+            f"{g.get('decode_epochs_per_epoch', 0.0):.2f}",
+            f"{g.get('hits', 0):,}",
+            f"{g.get('waits', 0):,}",
+            f"{g.get('evicted', 0):,}",
+            _human_bytes(float(g.get("live_bytes", 0))),
+        )
+    return Group(head, streams, datasets, table)
 
 
 def run(
