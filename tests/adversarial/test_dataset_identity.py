@@ -156,3 +156,49 @@ def test_file_identity_across_hosts_compares_size_and_fingerprint(tmp_path: Path
     assert not ia.same_file(ic, same_host=True)  # a copy is another file on one host
     assert ia.same_file(ic, same_host=False)  # ... and the same data seen from another host
     assert not ia.same_file(io, same_host=False)
+
+
+@pytest.mark.timeout(180)
+def test_a_file_replaced_during_a_restart_is_refused_not_resumed(
+    daemon_factory, tmp_path: Path
+) -> None:
+    """An operator regenerates the dataset (a new file renamed over the old one) and restarts the
+    daemon while a trainer is mid-epoch. The trainer's Loader must not resume its epoch on the
+    new file's samples: that would be another dataset's batches with no error."""
+    import signal
+
+    from beton_client import RetryPolicy
+
+    n = 640  # 80 batches: more than the client's ring holds, so the new daemon serves some
+    served = _write(tmp_path / "served" / "train.beton", n, 0)
+    d1 = daemon_factory([served])
+    policy = RetryPolicy(budget_s=30.0, initial_s=0.05, max_s=0.5, after_shutdown=True)
+    loader = ServedLoader(
+        str(served),
+        BATCH,
+        pipelines=_pipelines(True),
+        server=d1.address,
+        spawn=False,
+        seed=3,
+        reconnect=policy,
+    )
+    try:
+        it = iter(loader)
+        labels = [np.asarray(next(it)[1]).reshape(-1).copy() for _ in range(2)]
+        assert all((x < n).all() for x in labels)
+        d1.proc.send_signal(signal.SIGTERM)
+        assert d1.proc.wait(30) == 0
+        fresh = _write(tmp_path / "tmp" / "train.beton", n, 9000)
+        os.replace(fresh, served)
+        daemon_factory([served], socket=d1.socket)
+        rest = []
+        with pytest.raises(ClientSpecError, match="it was replaced") as info:
+            for _, y in it:
+                rest.append(np.asarray(y).reshape(-1).copy())
+        # What was read after the restart came from the original file (batches the old daemon
+        # had published), in order; the reconnect itself is refused, naming both files.
+        got = np.concatenate([*labels, *rest])
+        assert np.array_equal(got, np.arange(len(got))), got
+        assert str(served) in str(info.value)
+    finally:
+        loader.close()
