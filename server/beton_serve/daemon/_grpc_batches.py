@@ -89,6 +89,8 @@ class StreamProducer:
         if self._closed:
             return
         self._closed = True
+        self.stream.on_abort = None  # nothing left to end; and no stream -> producer cycle
+        self._abort_listeners.clear()
         while self._waiting:
             self._waiting.popleft()[2].cancel()
         self.table.remove(self.stream)
