@@ -19,6 +19,8 @@ Each figure is one new Python process, timed from ``Popen`` until it holds its f
 * ``client-resume``: a client that is running when its daemon restarts (SIGTERM, then a new
   daemon on the same warm cache; the client's ``RetryPolicy(after_shutdown=True)``): seconds from
   the restart, and from the new socket appearing, to the client's next batch made after it.
+  Its columns differ from the others': it is printed on its own line, and in ``--json`` it is
+  ``client_resume``, beside ``results``.
 
 ``after torch`` subtracts the child's ``import torch``: a trainer has imported torch before it
 builds a Loader, whichever loader it uses. The median of ``--repeats`` runs is reported.
@@ -51,6 +53,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+# The benchmark's pipeline, in every child (the names come from FFCV's or our imports).
+_PIPES = """
+pipes = {
+    "image": [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip(), ToTensor(),
+              ToTorchImage()],
+    "label": [IntDecoder(), ToTensor()],
+}
+"""
+
 _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -72,12 +83,7 @@ else:
         from beton_serve.loader import Loader, OrderOption
         kw = {}
 t_imp = time.perf_counter()
-pipes = {
-    "image": [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip(), ToTensor(),
-              ToTorchImage()],
-    "label": [IntDecoder(), ToTensor()],
-}
-ld = Loader(path, batch_size=batch, num_workers=2, order=OrderOption.RANDOM, seed=0,
+@PIPES@ld = Loader(path, batch_size=batch, num_workers=2, order=OrderOption.RANDOM, seed=0,
             pipelines=pipes, **kw)
 t_ld = time.perf_counter()
 it = iter(ld)
@@ -88,7 +94,7 @@ print(json.dumps({"torch": t_torch - t0, "imports": t_imp - t_torch, "loader": t
 sys.stdout.close()
 import os
 os._exit(0)  # the figure is taken; do not time (or hang in) worker shutdown
-"""
+""".replace("@PIPES@", _PIPES.lstrip("\n"))
 
 
 # A client that is running when its daemon restarts: it holds two batches, waits for "go" (sent
@@ -102,12 +108,7 @@ import torch
 from beton_client import Loader, OrderOption, RetryPolicy, ServeOptions
 from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
-pipes = {
-    "image": [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip(), ToTensor(),
-              ToTorchImage()],
-    "label": [IntDecoder(), ToTensor()],
-}
-policy = RetryPolicy(budget_s=30.0, initial_s=0.02, max_s=0.1, after_shutdown=True)
+@PIPES@policy = RetryPolicy(budget_s=30.0, initial_s=0.02, max_s=0.1, after_shutdown=True)
 ld = Loader(path, batch_size=batch, order=OrderOption.RANDOM, seed=0, pipelines=pipes,
             serve=ServeOptions(server=server, spawn=False, reconnect=policy))
 it = iter(ld)
@@ -119,7 +120,7 @@ print(json.dumps({"stamps": stamps}), flush=True)
 sys.stdout.close()
 import os
 os._exit(0)
-"""
+""".replace("@PIPES@", _PIPES.lstrip("\n"))
 
 
 def _resume(daemon: _Daemon, path: Path, batch: int, server: str, env: dict) -> dict:
@@ -280,6 +281,7 @@ def main() -> int:
     os.chmod(work, 0o700)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("BETON_SERVE_")}
     results: dict[str, dict] = {}
+    resume: dict = {}  # the client-resume row (its own columns), reported apart
     daemon = None
     try:
         if not args.skip_ffcv and Path(args.ffcv_python).exists():
@@ -321,21 +323,19 @@ def main() -> int:
         results["client-after-restart"] = _summary(restarted)
         results["client-after-restart"]["daemon_start_s"] = round(statistics.median(starts), 3)
         resumes = [_resume(daemon, path, args.batch, server, base_env) for _ in range(args.repeats)]
-        results["client-resume"] = {
+        resume = {
             k: round(statistics.median(r[k] for r in resumes), 3)
             for k in ("from_restart", "from_socket", "daemon_start")
         }
-        results["client-resume"]["runs"] = [round(r["from_restart"], 3) for r in resumes]
-        results["client-resume"]["batches_before_restart"] = [r["before_restart"] for r in resumes]
+        resume["runs"] = [round(r["from_restart"], 3) for r in resumes]
+        resume["batches_before_restart"] = [r["before_restart"] for r in resumes]
     finally:
         if daemon is not None:
             daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
     if "ffcv" in results:
         ref = results["ffcv"]["wall"]
-        for name, r in results.items():
-            if name == "client-resume":
-                continue
+        for r in results.values():
             r["x_ffcv"] = round(r["wall"] / ref, 3)
     report = {
         "dataset": path.name,
@@ -344,6 +344,7 @@ def main() -> int:
         "smoke": args.smoke,
         "bytecode_compiled": bytecode,
         "results": results,
+        "client_resume": resume,
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -357,19 +358,17 @@ def main() -> int:
         f"{'Loader()':>10}{'1st batch':>11}{'x FFCV':>8}"
     )
     for name, r in results.items():
-        if name == "client-resume":
-            continue
         x = f"{r['x_ffcv']:.3f}" if "x_ffcv" in r else "-"
         print(
             f"{name:<22}{r['wall']:>9.2f}{r['after_torch']:>13.2f}{r['torch']:>7.2f}"
             f"{r['imports']:>9.2f}{r['loader']:>10.2f}{r['first']:>11.2f}{x:>8}"
         )
-    if "client-resume" in results:
-        r = results["client-resume"]
+    if resume:
         print(
             f"a running client, its daemon restarted (SIGTERM, then a new daemon, warm cache): "
-            f"next batch {r['from_restart']:.2f} s after the restart, {r['from_socket']:.2f} s "
-            f"after the new socket appeared (daemon start {r['daemon_start']:.2f} s)"
+            f"next batch {resume['from_restart']:.2f} s after the restart, "
+            f"{resume['from_socket']:.2f} s after the new socket appeared (daemon start "
+            f"{resume['daemon_start']:.2f} s)"
         )
     return 0
 
