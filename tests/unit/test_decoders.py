@@ -230,3 +230,45 @@ def test_decoder_reused_on_another_file_uses_new_metadata(fixtures_dir: Path) ->
         fresh = run_all(CenterCropRGBImageDecoder((16, 16), 1.0), r, "image", 16)
     np.testing.assert_array_equal(b, fresh)
     assert (a != b).any()
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "make"),
+    [
+        ("image_pairs", "input", SimpleRGBImageDecoder),
+        ("images_jpg", "image", lambda: RandomResizedCropRGBImageDecoder((16, 16))),
+    ],
+)
+def test_image_columns_are_built_once_per_file_not_per_epoch(
+    fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch, name: str, field: str, make: Any
+) -> None:
+    """The plan hands a decoder its metadata again before every epoch; the columns (and
+    SimpleRGBImageDecoder's common size) are derived from it once, and epochs stay the same."""
+    import beton_serve.fields.decoders as dec
+    from beton_serve.loader import Loader, OrderOption
+
+    built: list[int] = []
+    real = dec._ImageColumns
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, md: np.ndarray) -> None:
+            built.append(len(md))
+            super().__init__(md)
+
+    monkeypatch.setattr(dec, "_ImageColumns", Counting)
+    pipes = {field: [make()]}
+    with Loader(
+        str(fixtures_dir / f"{name}.beton"),
+        batch_size=4,
+        order=OrderOption.SEQUENTIAL,
+        pipelines=pipes,
+        num_workers=1,
+    ) as ld:
+        first = [x[0].copy() for x in ld]
+        after_one = len(built)
+        for _ in range(3):
+            again = [x[0].copy() for x in ld]
+    assert after_one >= 1 and len(built) == after_one, built
+    if name == "image_pairs":  # no random draws: every epoch equal
+        for a, b in zip(first, again, strict=True):
+            np.testing.assert_array_equal(a, b)

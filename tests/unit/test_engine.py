@@ -229,3 +229,65 @@ def test_numba_compile_error_names_the_op_and_the_fix():
             src.submit(0, 0).result(60)
     assert info.value.op == "_Uncompilable#1 (pipeline 'image')"
     assert src.bad_samples == []
+
+
+def test_the_next_epochs_order_is_ready_once_the_last_batch_is_queued(monkeypatch):
+    """Built-in orders: epoch e + 1's order and seed keys are computed when epoch e's last batch
+    is submitted (while workers run it), so the next epoch's start does not wait for them; the
+    batches are those of a source that computed them at the start."""
+    import beton_serve.engine._source as source_mod
+
+    calls: list[int] = []
+    real = source_mod.make_order
+
+    def counting(order, cfg, epoch):
+        calls.append(epoch)
+        return real(order, cfg, epoch)
+
+    monkeypatch.setattr(source_mod, "make_order", counting)
+    r = FakeReader(n=20)
+    plan = _plan(r, 8)
+
+    def epochs(src: BatchSource, prepared: bool) -> list:
+        out = []
+        for e in range(3):
+            for b in range(len(src)):
+                if b == len(src) - 1 and prepared:
+                    assert e + 1 not in src._orders  # not before the last batch
+                out.append(src.submit(e, b).result(60))
+            assert (e + 1 in src._orders) is prepared
+        return out
+
+    with Engine(2) as eng:
+        src = BatchSource(engine=eng, plan=plan, order=OrderOption.RANDOM, batch_size=8, seed=4)
+        got = epochs(src, True)
+        assert calls == [0, 1, 2, 3]  # each epoch's order once, the next one early
+        monkeypatch.setattr(source_mod.BatchSource, "_prepare_epoch", lambda self, e: None)
+        ref = BatchSource(engine=eng, plan=plan, order=OrderOption.RANDOM, batch_size=8, seed=4)
+        want = epochs(ref, False)
+    for (xi, xl), (yi, yl) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(xi, yi)
+        np.testing.assert_array_equal(xl, yl)
+
+
+def test_a_custom_order_is_not_asked_for_the_next_epoch_early():
+    """A TraversalOrder may read state its user sets between epochs (a curriculum): its
+    ``sample_order(e + 1)`` is called at epoch e + 1's start, never ahead."""
+    from beton_serve.engine import TraversalOrder
+
+    asked: list[int] = []
+
+    class Recorded(TraversalOrder):
+        def sample_order(self, epoch):
+            asked.append(epoch)
+            return self.indices
+
+    r = FakeReader(n=8)
+    plan = _plan(r, 4)
+    with Engine(1) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=4, seed=0)
+        src.order = Recorded(src.config)
+        src._orders.clear()  # the built-in order's epoch 0, taken for len()
+        for b in range(len(src)):
+            src.submit(0, b).result(60)
+    assert asked == [0]
