@@ -239,6 +239,44 @@ def test_a_failed_decode_propagates_and_caches_nothing() -> None:
         b.get(3, 0, NBYTES, bad)  # b decodes for itself and fails the same way
 
 
+def test_a_member_waiting_on_a_decode_that_fails_wakes_and_decodes_itself() -> None:
+    """The waiter's Event is made only when someone waits; a failed decode still wakes it at
+    once (well before ``wait_s``), and it then decodes for itself."""
+    cache = DecodeCache(max_bytes=1 << 20, wait_s=30.0)
+    a, b = join(cache), join(cache)
+    go = threading.Event()
+    errors: list[BaseException] = []
+
+    def bad() -> np.ndarray:
+        go.wait(10)
+        raise ValueError("corrupt")
+
+    def run_a() -> None:
+        try:
+            a.get(4, 0, NBYTES, bad)
+        except ValueError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run_a)
+    t.start()
+    while not cache.nbytes:  # a's decode is in flight
+        time.sleep(0.001)
+    waiter_result: list[np.ndarray] = []
+    w = threading.Thread(target=lambda: waiter_result.append(b.get(4, 0, NBYTES, Decoder()(4))))
+    w.start()
+    while not cache.stats()[0].waits:  # b is waiting on a's entry
+        time.sleep(0.001)
+    start = time.monotonic()
+    go.set()
+    t.join(10)
+    w.join(10)
+    assert time.monotonic() - start < 5  # woken by the failure, not by the 30 s timeout
+    assert len(errors) == 1 and len(waiter_result) == 1
+    assert (waiter_result[0] == 4).all()  # b's own decode (Decoder fills with the id)
+    st = cache.stats()[0]
+    assert (st.hits, st.decoded, st.waits) == (0, 2, 1) and cache.nbytes == 0
+
+
 def test_groups_are_separate_and_the_budget_is_shared() -> None:
     cache = DecodeCache(max_bytes=6 * NBYTES)
     other = GroupKey(dataset="d", field="image", order="RANDOM/2")

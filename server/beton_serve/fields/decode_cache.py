@@ -152,7 +152,7 @@ class DecodeGroupStats:
 
 
 class _Entry:
-    __slots__ = ("epoch", "event", "holders", "img", "nbytes", "ok", "sid")
+    __slots__ = ("done", "epoch", "event", "holders", "img", "nbytes", "ok", "sid")
 
     def __init__(self, sid: int, epoch: int, nbytes: int, holders: set[Member]) -> None:
         self.sid = sid
@@ -160,8 +160,14 @@ class _Entry:
         self.nbytes = nbytes
         self.holders = holders
         self.img: NDArray[np.uint8] | None = None
+        #: The decode succeeded (``img`` is set) / finished, either way. Both change under
+        #: the cache's lock.
         self.ok = False
-        self.event = threading.Event()
+        self.done = False
+        #: Made (under the lock) by the first member that must wait for the decode, set by the
+        #: decoding member once ``done``: few entries are ever waited for, and an Event per
+        #: entry cost more than the rest of a cache hit.
+        self.event: threading.Event | None = None
 
 
 class _Group:
@@ -227,30 +233,43 @@ class Member:
         """
         cache = self._cache
         g = self._group
+        ev: threading.Event | None = None
         with cache._lock:
             e = g.entries.get(sid)
-            if not wait and e is not None and not e.event.is_set():
+            if not wait and e is not None and not e.done:
                 return None
             g.delivered += 1
-            self.epoch = max(self.epoch, epoch)
+            if epoch > self.epoch:
+                self.epoch = epoch
             self.active = True
-            if 0 <= sid < self._last.shape[0]:
-                self._last[sid] = max(int(self._last[sid]), epoch)
+            last = self._last
+            if 0 <= sid < last.shape[0] and last[sid] < epoch:
+                last[sid] = epoch
             if self.detached and cache._caught_up(self, g, sid, epoch):
                 self.detached = False
-            e = g.entries.get(sid)
-            mine: _Entry | None = None
             if e is None:
                 g.decoded += 1
+                # None: nobody else needs it, or it cannot fit: decode alone
                 e = mine = cache._publish(self, g, sid, epoch, nbytes)
+            elif e.done:
+                if e.ok and e.img is not None:  # the common case: another member's decode
+                    g.hits += 1
+                    cache._taken(self, g, e)
+                    return e.img
+                g.decoded += 1  # its decode failed: decode for ourselves (the same error)
+                e = mine = None
+            else:
+                mine = None
+                g.waits += 1
+                if e.event is None:
+                    e.event = threading.Event()
+                ev = e.event
         if e is None:
             return _readonly(decode())
         if mine is not None:
             return cache._fill(g, mine, decode)
-        if not e.event.is_set():
-            with cache._lock:
-                g.waits += 1
-            e.event.wait(cache.wait_s)
+        assert ev is not None
+        ev.wait(cache.wait_s)
         with cache._lock:
             if e.ok and e.img is not None:
                 g.hits += 1
@@ -365,16 +384,21 @@ class DecodeCache:
         except BaseException:
             with self._lock:
                 self._drop(g, e)
-            e.event.set()  # waiters decode for themselves (and raise the same error)
+                e.done = True
+                ev = e.event
+            if ev is not None:
+                ev.set()  # waiters decode for themselves (and raise the same error)
             raise
         with self._lock:
-            e.img, e.ok = img, True
+            e.img, e.ok, e.done = img, True, True
             if g.entries.get(e.sid) is e:
                 if e.holders:
                     self._lru[(g, e.sid)] = e
                 else:  # every holder left while it was decoded
                     self._drop(g, e)
-        e.event.set()
+            ev = e.event
+        if ev is not None:
+            ev.set()
         return img
 
     @staticmethod
