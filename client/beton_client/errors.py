@@ -12,6 +12,7 @@ class                  when                                        daemon status
 ``ServerUnavailable``  no daemon answers, or it is shutting down   ``UNAVAILABLE``, deadlines
 ``DataError``          the dataset file is damaged                 ``DATA_LOSS``
 ``PipelineError``      a batch failed in the daemon                ``INTERNAL``
+``ResourceExhausted``  the daemon's stream memory budget is full   ``RESOURCE_EXHAUSTED``
 ``AuthError``          missing or wrong token                      ``UNAUTHENTICATED`` ...
 ``ServerError``        anything else the daemon reported           other codes
 =====================  ==========================================  =============================
@@ -29,6 +30,7 @@ __all__ = [
     "BetonClientError",
     "DataError",
     "PipelineError",
+    "ResourceExhausted",
     "ServerError",
     "ServerUnavailable",
     "SpecError",
@@ -72,6 +74,13 @@ class PipelineError(BetonClientError):
     """A batch failed in the daemon (the message names the sample and the op)."""
 
 
+class ResourceExhausted(BetonClientError):
+    """The daemon cannot hold this stream's buffers now (its ``max_ring_bytes`` budget, or a
+    gRPC message limit): the message says what it needs and what is held. Not retried: ask for
+    less (``batch_size``, ``batches_ahead``), wait for other streams to close, or raise the
+    daemon's ``--max-ring-bytes``."""
+
+
 class AuthError(BetonClientError, PermissionError):
     """The daemon refused the credentials."""
 
@@ -98,6 +107,7 @@ _BY_CODE: dict[str, type[BetonClientError]] = {
     "CANCELLED": ServerUnavailable,
     "DATA_LOSS": DataError,
     "INTERNAL": PipelineError,
+    "RESOURCE_EXHAUSTED": ResourceExhausted,
     "UNAUTHENTICATED": AuthError,
     "PERMISSION_DENIED": AuthError,
 }

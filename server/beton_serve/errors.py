@@ -17,6 +17,7 @@ __all__ = [
     "ConfigError",
     "FormatError",
     "PipelineError",
+    "ResourceExhausted",
     "ShuttingDown",
     "SpecError",
     "TransportError",
@@ -98,6 +99,12 @@ class TransportError(BetonError):
 
 class ShuttingDown(TransportError):
     """The daemon is draining (SIGTERM) and accepts no new streams; retry against a new one."""
+
+
+class ResourceExhausted(BetonError):
+    """The daemon cannot take this stream now: its memory budget for stream buffers
+    (``max_ring_bytes``) is full. The message says how much the stream needs and what is held;
+    it fits once other streams close, or with a smaller ``batch_size`` / ``batches_ahead``."""
 
 
 class ConfigError(BetonError, ValueError):

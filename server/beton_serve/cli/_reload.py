@@ -1,7 +1,7 @@
 """SIGHUP: re-read the daemon's config file and apply the keys that are safe to change live.
 
-Reloadable (:data:`RELOADABLE`): ``log_level``, ``log_format``, ``bad_sample_budget`` (streams
-opened afterwards), ``share_max_lag`` and ``share_retain`` (sharing groups formed afterwards).
+Reloadable (:data:`RELOADABLE`): ``log_level``, ``log_format``, ``bad_sample_budget`` and
+``max_ring_bytes`` (streams opened afterwards), ``share_max_lag`` and ``share_retain`` (sharing groups formed afterwards).
 Every other key (datasets, files, sockets, addresses, workers, plugins, TLS, token, sharing on or
 off) needs a restart: a change to one of them is logged as refused, naming the keys, and the
 daemon keeps its running value.
@@ -28,7 +28,14 @@ __all__ = ["RELOADABLE", "ConfigReloader"]
 log = logging.getLogger("beton_serve.serve")
 
 #: Keys SIGHUP applies (see the module docstring).
-RELOADABLE = ("log_level", "log_format", "bad_sample_budget", "share_max_lag", "share_retain")
+RELOADABLE = (
+    "log_level",
+    "log_format",
+    "bad_sample_budget",
+    "max_ring_bytes",
+    "share_max_lag",
+    "share_retain",
+)
 
 
 class ConfigReloader:
@@ -91,6 +98,10 @@ class ConfigReloader:
         d = self.daemon
         if "bad_sample_budget" in apply:
             d.bad_sample_budget = int(apply["bad_sample_budget"])
+        if "max_ring_bytes" in apply:
+            from beton_serve.daemon import ring_budget
+
+            d.max_ring_bytes = ring_budget(int(apply["max_ring_bytes"]))
         sharing = d.sharing
         if sharing is not None:
             if "share_max_lag" in apply:

@@ -165,6 +165,14 @@ def register(subparsers: Any) -> None:
         "--no-share", action="store_true", help="decode every stream on its own, never shared"
     )
     p.add_argument(
+        "--max-ring-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="bytes of batch buffers all open streams may hold together; a stream that would "
+        "exceed it is refused (ResourceExhausted). Default 0: half the size of /dev/shm",
+    )
+    p.add_argument(
         "--bad-sample-budget",
         type=int,
         default=None,
@@ -337,6 +345,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "share_retain": getattr(args, "share_retain", None),
             "decode_cache_bytes": getattr(args, "decode_cache_bytes", None),
             "bad_sample_budget": getattr(args, "bad_sample_budget", None),
+            "max_ring_bytes": getattr(args, "max_ring_bytes", None),
             "verify_checksums": getattr(args, "verify_checksums", None),
             "data_roots": tuple(args.data_root) if getattr(args, "data_root", None) else None,
             "open_on_demand": False if getattr(args, "no_open_on_demand", False) else None,
@@ -400,6 +409,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "share_max_lag": cfg.share_max_lag,
             "share_retain": cfg.share_retain,
             "bad_sample_budget": cfg.bad_sample_budget,
+            "max_ring_bytes": cfg.max_ring_bytes,
             "verify_checksums": cfg.verify_checksums,
             "open_on_demand": cfg.open_on_demand,
             "data_roots": cfg.data_roots,
@@ -525,10 +535,11 @@ async def _serve(
             a.rsplit(":", 1)[0] + f":{handle.port}" if a.endswith(":0") else a for a in cfg.listen
         ]
         log.info(
-            "serving addresses=%s workers=%d pid=%d",
+            "serving addresses=%s workers=%d pid=%d max_ring_bytes=%d",
             ",".join(addresses),
             daemon.workers,
             os.getpid(),
+            daemon.max_ring_bytes,
         )
         if cfg.metrics_port >= 0:
             from beton_serve.metrics import serve_daemon_metrics

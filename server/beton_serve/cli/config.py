@@ -17,6 +17,8 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     share_max_lag = 8                         # batches behind before a stream is detached
     share_retain = 4                          # batches a group keeps for late joiners
     decode_cache_bytes = 1073741824           # decoded images share_decode groups may cache
+    max_ring_bytes = 0                        # stream buffers all streams may hold; 0 = half
+                                              # of /dev/shm
     bad_sample_budget = 0                     # failing samples a stream may skip; 0 = fail
     verify_checksums = false                  # check samples against FILE.crc32c sidecars
     open_on_demand = true                     # open a .beton a client names (see data_roots)
@@ -76,6 +78,10 @@ class ServeConfig:
         share_retain: batches a sharing group keeps for late joiners (reloadable).
         decode_cache_bytes: bytes of decoded images the decode groups of ``share_decode=True``
             streams may cache (default 1 GiB, at most 64 GiB; 0 turns the cache off).
+        max_ring_bytes: bytes of batch buffers (each stream's ring: shared memory, or the
+            daemon's own memory for grpc streams) all open streams may hold together; a stream
+            that would exceed it is refused with ``ResourceExhausted``. 0 (the default) means
+            half the size of ``/dev/shm``, so that the daemon never fills it for everyone else.
         bad_sample_budget: failing samples each stream may skip, counted in stats; 0 fails the
             stream with an error naming the sample (reloadable; new streams).
         verify_checksums: check every sample against its file's CRC32C sidecar (``beton-serve
@@ -118,6 +124,7 @@ class ServeConfig:
     share_max_lag: int = 8
     share_retain: int = 4
     decode_cache_bytes: int = 1 << 30
+    max_ring_bytes: int = 0
     bad_sample_budget: int = 0
     verify_checksums: bool = False
     open_on_demand: bool = True
@@ -141,7 +148,7 @@ class ServeConfig:
             raise ConfigError(f"idle_close must be > 0 seconds, got {self.idle_close}")
         if self.idle_timeout < 0:
             raise ConfigError(f"idle_timeout must be >= 0 seconds, got {self.idle_timeout}")
-        for key in ("share_max_lag", "share_retain", "bad_sample_budget"):
+        for key in ("share_max_lag", "share_retain", "bad_sample_budget", "max_ring_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.decode_cache_bytes <= 64 << 30:

@@ -14,7 +14,13 @@ credits, the slots and the booking of every batch (``daemon._publish``).
 from __future__ import annotations
 
 from beton_serve.daemon._backend import Backend, EngineBackend, OutputInfo, SourceParams
-from beton_serve.daemon._daemon import MAX_BATCH_SIZE, Daemon, ShuttingDown, local_identity
+from beton_serve.daemon._daemon import (
+    MAX_BATCH_SIZE,
+    Daemon,
+    ShuttingDown,
+    local_identity,
+    ring_budget,
+)
 from beton_serve.daemon._datasets import Dataset, DatasetTable, expand_dataset_args
 from beton_serve.daemon._events import (
     ClientEvent,
@@ -42,8 +48,6 @@ from beton_serve.daemon._precompile import (
 from beton_serve.daemon._publish import BatchOut, EpochEnd, Finished, Publisher, TensorOut
 
 __all__ = [
-    "MAX_BATCH_SIZE",
-    "SAMPLE_IDS",
     "Backend",
     "BatchOut",
     "ClientEvent",
@@ -56,6 +60,7 @@ __all__ = [
     "EngineBackend",
     "EpochEnd",
     "Finished",
+    "MAX_BATCH_SIZE",
     "OpRequest",
     "OutputInfo",
     "PipelineRequest",
@@ -64,6 +69,7 @@ __all__ = [
     "PrecompileSpec",
     "Publisher",
     "ReleaseSlot",
+    "SAMPLE_IDS",
     "ShuttingDown",
     "SourceParams",
     "StartEpoch",
@@ -75,5 +81,6 @@ __all__ = [
     "local_identity",
     "parse_precompile",
     "producer_factory",
+    "ring_budget",
     "start_precompile",
 ]

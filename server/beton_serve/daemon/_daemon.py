@@ -64,7 +64,7 @@ from beton_serve.daemon._stream import Stream
 from beton_serve.daemon._streams import ARENA_EXTRA, StreamTable, ring_size
 from beton_serve.daemon._transports import default_factories, with_cuda_facts
 from beton_serve.daemon._validate import batch_layout, validate_request
-from beton_serve.errors import ShuttingDown, TransportError
+from beton_serve.errors import ResourceExhausted, ShuttingDown, TransportError
 from beton_serve.transport.base import SlotTransport, TransportFactory, TransportSetup
 from beton_serve.transport.grpc_ring import GrpcFactory
 from beton_serve.transport.negotiate import (
@@ -92,6 +92,7 @@ __all__ = [
     "StreamRequest",
     "StreamStats",
     "local_identity",
+    "ring_budget",
 ]
 
 log = logging.getLogger("beton_serve.daemon")
@@ -152,6 +153,9 @@ class Daemon:
     sharing: SharingRegistry[Produced] | None = None
     #: Failing samples each stream may skip (``--bad-sample-budget``; 0: fail the stream).
     bad_sample_budget: int = 0
+    #: Bytes of ring buffers all open streams may hold together (``--max-ring-bytes``, resolved
+    #: by :func:`ring_budget`); 0: no bound (a daemon built without ``create``).
+    max_ring_bytes: int = 0
     #: Called on SIGHUP by ``beton-serve serve`` (``cli._reload.ConfigReloader``), if set.
     reloader: Callable[[], object] | None = None
     #: CUDA facts not gathered yet: done by the first stream that wants CUDA (``_transports``).
@@ -177,6 +181,7 @@ class Daemon:
         share_max_lag: int = 8,
         share_retain: int = 4,
         bad_sample_budget: int = 0,
+        max_ring_bytes: int = 0,
         verify_checksums: bool = False,
         open_on_demand: bool = True,
         data_roots: Sequence[str] = (),
@@ -191,6 +196,8 @@ class Daemon:
         were not given here, and when they are closed again (``_on_demand``).
         ``allow_op_imports``: any peer, not only the daemon's user, may make it import a user
         op's module from its own disk (``_on_demand.OpImportPolicy``; docs/custom-ops.md).
+        ``max_ring_bytes``: the bound on every open stream's ring together (:func:`ring_budget`:
+        0 means half of ``/dev/shm``); a stream that would exceed it is refused.
 
         Raises:
             FormatError: a file is invalid (the reader's error), or ``verify_checksums`` and a
@@ -235,6 +242,7 @@ class Daemon:
             stats_book=StatsBook(workers=workers),
             sharing=sharing_registry(share_max_lag, share_retain) if share else None,
             bad_sample_budget=max(0, int(bad_sample_budget)),
+            max_ring_bytes=ring_budget(max_ring_bytes),
             cuda_pending=cuda_pending,
         )
 
@@ -367,6 +375,7 @@ class Daemon:
     ) -> Stream:
         """The stream's source (in its sharing group) and ring, made into a :class:`Stream`."""
         slots = ring_size(req.batches_ahead, layout.slot_bytes)
+        self._check_ring_budget(req, slots, layout.slot_bytes)
         shm = factory if neg.transport == "shm" and isinstance(factory, ShmFactory) else None
         source = self._make_source(req, ds, entry, layout, slots, shm)
         try:
@@ -383,6 +392,38 @@ class Daemon:
             outputs=entry.outputs,
             client_pid=req.offer.identity.pid if same_host else 0,
             client_name=req.client_name,
+        )
+
+    def _check_ring_budget(self, req: StreamRequest, slots: int, slot_bytes: int) -> None:
+        """Refuse a stream whose ring would take the open streams' rings past
+        :attr:`max_ring_bytes` (checked and added on the event loop, with no await between).
+        A ring counts as its batch slots (``slots * slot_bytes``): a transport's bookkeeping
+        beside them (the shm ring's sample ids and release words) is a few bytes per sample.
+
+        Raises:
+            ResourceExhausted: it does not fit (the message says what it needs and what is held).
+        """
+        budget = self.max_ring_bytes
+        need = slots * slot_bytes
+        if budget <= 0:
+            return
+        held = sum(s.ring.slot_count * s.layout.slot_bytes for s in self.streams)
+        if held + need <= budget:
+            return
+        what = (
+            f"this stream needs {_size(need)} ({slots} slots of {_size(slot_bytes)}: "
+            f"batch_size {req.batch_size}, batches_ahead {req.batches_ahead})"
+        )
+        if need > budget:
+            raise ResourceExhausted(
+                f"{what}, more than the daemon's whole stream memory budget of {_size(budget)} "
+                "(max_ring_bytes): use a smaller batch_size or batches_ahead, or start the "
+                "daemon with a larger --max-ring-bytes"
+            )
+        raise ResourceExhausted(
+            f"{what}, and the {len(self.streams)} open streams hold {_size(held)} of the "
+            f"daemon's {_size(budget)} stream memory budget (max_ring_bytes): retry once "
+            "streams close, ask for less, or raise the daemon's --max-ring-bytes"
         )
 
     def _make_source(
@@ -459,3 +500,23 @@ def _samples_per_epoch(req: StreamRequest, ds: Dataset) -> int:
     """Samples one epoch of ``req`` holds (its share of them when distributed)."""
     n = len(req.indices) if req.indices is not None else ds.num_samples
     return math.ceil(n / req.world_size) if req.distributed else n
+
+
+def ring_budget(max_ring_bytes: int, shm_dir: str = "/dev/shm") -> int:
+    """The bytes all open streams' rings may hold: ``max_ring_bytes`` if positive, else half
+    the size of the ``shm_dir`` filesystem (0, no bound, where it cannot be read)."""
+    if max_ring_bytes > 0:
+        return int(max_ring_bytes)
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize // 2
+
+
+def _size(n: int) -> str:
+    """``n`` bytes for a message: ``"1.5 GiB"``, ``"38.5 MiB"``, ``"512 B"``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"

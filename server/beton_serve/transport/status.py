@@ -12,6 +12,8 @@ error                                   status                   meaning for the
 ``FramingError``                                                 how)
 ``TransportError``                      ``FAILED_PRECONDITION``  the transport cannot work here
 ``FormatError``                         ``DATA_LOSS``            the dataset file is damaged
+``ResourceExhausted``                   ``RESOURCE_EXHAUSTED``   the daemon's stream memory is
+                                                                 full: wait, or ask for less
 ``PipelineError``                       ``INTERNAL``             a batch failed (sample, op named)
 other ``BetonError``                    ``UNKNOWN``
 anything else                           ``INTERNAL``             a bug: logged with its traceback
@@ -31,6 +33,7 @@ from beton_serve.errors import (
     ConfigError,
     FormatError,
     PipelineError,
+    ResourceExhausted,
     ShuttingDown,
     SpecError,
     TransportError,
@@ -52,6 +55,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (TransportError, grpc.StatusCode.FAILED_PRECONDITION),
     (FormatError, grpc.StatusCode.DATA_LOSS),
     (PipelineError, grpc.StatusCode.INTERNAL),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (BetonError, grpc.StatusCode.UNKNOWN),
 )
 

@@ -1,0 +1,107 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""The daemon's stream memory budget (``max_ring_bytes``): streams cannot fill /dev/shm.
+
+Every stream holds a ring of batch slots (shared memory, or the daemon's own memory for grpc
+streams). Before the budget, any client of the daemon could open streams with large batches
+until ``/dev/shm`` (half the RAM) was full, for every program on the host. Now a stream that
+would take the open streams' rings past the budget is refused with ``ResourceExhausted``
+(``RESOURCE_EXHAUSTED``), naming what it needs and what is held, and allocates nothing; it fits
+again once other streams close.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from beton_client import Loader, OrderOption, ResourceExhausted
+from beton_serve.daemon import ring_budget
+from beton_serve.fields.decoders import SimpleRGBImageDecoder
+from helpers.daemon import daemon_factory, short_tmp, wait_for  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+#: 16 pairs of 32x24 RGB images: a 4-image batch slot is ~37 KB, so a ring is its slots.
+FILE = "image_pairs"
+
+
+def _loader(address: str, batch_size: int = 4, transport: str = "shm") -> Loader:
+    return Loader(
+        FILE,
+        batch_size=batch_size,
+        order=OrderOption.SEQUENTIAL,
+        pipelines={"input": [SimpleRGBImageDecoder()], "target": [SimpleRGBImageDecoder()]},
+        server=address,
+        transport=transport,
+        spawn=False,
+    )
+
+
+def _batches(batches) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(np.array(x), np.array(y)) for x, y in batches]
+
+
+def _same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for (x1, y1), (x2, y2) in zip(a, b, strict=True):
+        assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
+
+
+def _ring_of_one_stream(daemon_factory, fixtures_dir: Path) -> tuple[int, list]:
+    """Bytes of one stream's ring (from a daemon with the default budget), and its epoch."""
+    d = daemon_factory([fixtures_dir / f"{FILE}.beton"])
+    with _loader(d.address) as ld:
+        it = iter(ld)
+        next(it)
+        ring = d.stats().shm_bytes
+        it.close()
+        epoch = _batches(ld)
+    assert ring > 100_000 and len(epoch) == 4
+    d.stop()  # the next daemon takes its socket
+    return ring, epoch
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_a_stream_past_the_budget_is_refused_until_another_closes(
+    daemon_factory, fixtures_dir: Path, transport: str
+) -> None:
+    ring, epoch = _ring_of_one_stream(daemon_factory, fixtures_dir)
+    budget = ring + ring // 2  # room for one stream, not two
+    d = daemon_factory([fixtures_dir / f"{FILE}.beton"], args=["--max-ring-bytes", str(budget)])
+    wait_for(lambda: f"max_ring_bytes={budget}" in d.log(), 15)  # logged at start
+    first = _loader(d.address, transport=transport)
+    try:
+        it = iter(first)
+        next(it)
+        rings_before = sorted(d.segments())
+        with pytest.raises(ResourceExhausted) as info:
+            _loader(d.address, transport=transport)
+        msg = str(info.value)
+        assert "this stream needs" in msg and "1 open streams hold" in msg
+        assert "--max-ring-bytes" in msg and info.value.code == "RESOURCE_EXHAUSTED"
+        assert info.value.server_error == "ResourceExhausted"
+        assert sorted(d.segments()) == rings_before  # the refused stream allocated nothing
+        assert len(d.stats().streams) == 1
+        _same(_batches(it), epoch[1:])  # the admitted stream reads on, unharmed
+    finally:
+        first.close()
+    wait_for(lambda: not d.stats().streams, 15)
+    with _loader(d.address, transport=transport) as again:  # fits now, and reads right
+        _same(_batches(again), epoch)
+    assert d.proc.poll() is None
+
+
+def test_a_stream_larger_than_the_whole_budget_says_so(daemon_factory, fixtures_dir: Path) -> None:
+    d = daemon_factory([fixtures_dir / f"{FILE}.beton"], args=["--max-ring-bytes", "65536"])
+    with pytest.raises(ResourceExhausted, match="more than the daemon's whole stream memory"):
+        _loader(d.address, batch_size=16)
+    assert not d.stats().streams and not d.segments()
+
+
+def test_the_default_budget_is_half_of_dev_shm(tmp_path: Path) -> None:
+    st = os.statvfs("/dev/shm")
+    assert ring_budget(0) == st.f_blocks * st.f_frsize // 2
+    assert ring_budget(123) == 123
+    assert ring_budget(0, str(tmp_path / "missing")) == 0  # unreadable: no bound
