@@ -1,0 +1,59 @@
+# ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
+"""Clients that ask for ever new pipeline specs cannot grow a long-lived daemon without bound.
+
+Every distinct spec (an RRC ``scale`` of a parameter sweep, an output size) is a plan of its own,
+with ~0.35 MB of workspaces. The daemon keeps at most ``MAX_CACHED_PLANS`` of them, the least
+recently asked-for going first; a stream whose plan was dropped keeps it, and the next stream
+with that spec compiles it again (from the compile cache), with the same batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from beton_client import Loader, OrderOption
+from beton_serve.daemon._plans import MAX_CACHED_PLANS
+from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _loader(address: str, i: int) -> Loader:
+    return Loader(
+        "images_jpg",
+        batch_size=4,
+        order=OrderOption.RANDOM,
+        seed=3,
+        pipelines={
+            "image": [RandomResizedCropRGBImageDecoder((24, 24), scale=(0.08 + i / 1e4, 1.0))],
+            "label": [IntDecoder()],
+        },
+        server=address,
+        spawn=False,
+    )
+
+
+def _first_two(address: str, i: int) -> list[tuple[np.ndarray, ...]]:
+    with _loader(address, i) as ld:
+        it = iter(ld)
+        return [tuple(np.array(t) for t in next(it)) for _ in range(2)]
+
+
+def test_a_parameter_sweep_keeps_at_most_the_bound_of_plans(daemon_factory, fixtures_dir) -> None:
+    d = daemon_factory([fixtures_dir / "images_jpg.beton"])
+    first = _first_two(d.address, 0)
+    held = _loader(d.address, 1)  # a stream that stays open while its plan is dropped
+    it = iter(held)
+    head = next(it)
+    for i in range(2, MAX_CACHED_PLANS + 20):
+        _first_two(d.address, i)
+    assert d.stats().compiled_plans == MAX_CACHED_PLANS
+    rest = list(it)  # the open stream is unharmed by its plan leaving the registry
+    held.close()
+    assert len(rest) == len(held) - 1 and all(np.array(b[0]).any() for b in rest)
+    assert np.array(head[0]).shape == (4, 24, 24, 3)
+    again = _first_two(d.address, 0)  # dropped long ago: compiled again, the same batches
+    for a, b in zip(first, again, strict=True):
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert d.stats().compiled_plans == MAX_CACHED_PLANS
