@@ -291,3 +291,25 @@ def test_a_custom_order_is_not_asked_for_the_next_epoch_early():
         for b in range(len(src)):
             src.submit(0, b).result(60)
     assert asked == [0]
+
+
+def test_an_error_computing_the_next_order_early_reaches_only_that_epoch(monkeypatch):
+    """The last batch's ``submit`` has queued its batch: a failure of the early order must not
+    escape from it (its caller would take the batch for unsubmitted); the next epoch raises it
+    when it starts."""
+    import beton_serve.engine._source as source_mod
+
+    real = source_mod.make_order
+
+    def failing(order, cfg, epoch):
+        if epoch == 1:
+            raise RuntimeError("no order for epoch 1")
+        return real(order, cfg, epoch)
+
+    monkeypatch.setattr(source_mod, "make_order", failing)
+    plan = _plan(FakeReader(n=8), 4)
+    with Engine(1) as eng:
+        src = BatchSource(engine=eng, plan=plan, order=OrderOption.RANDOM, batch_size=4, seed=1)
+        assert [len(src.submit(0, b).result(60)[0]) for b in range(2)] == [4, 4]
+        with pytest.raises(RuntimeError, match="epoch 1"):
+            src.submit(1, 0)
