@@ -17,14 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from beton_serve.engine import Engine, OrderOption
-from beton_serve.fields import IntField, RGBImageField
 from beton_serve.fields import decode_cache as dc
 from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
 from beton_serve.loader import Loader
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
-from beton_serve.writer import DatasetWriter
 from helpers.child import child_env
 from helpers.daemon import daemon_factory, short_tmp, wait_for  # noqa: F401
+from helpers.sweep_images import write_sweep_file
 
 N = 48
 BATCH = 8
@@ -32,29 +31,9 @@ SEED = 11
 SIZES = (160, 176, 192)  # the survivors; the victim runs 224
 
 
-class _Images:
-    """Smooth random images of 40..90 px a side."""
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        g = np.random.default_rng(100 + i)
-        h, w = (int(v) for v in g.integers(40, 91, 2))
-        yy, xx = np.mgrid[0:h, 0:w]
-        img = np.stack([(yy * (c + 2) + xx * (4 - c) + 30 * c) % 256 for c in range(3)], -1)
-        return np.clip(img + g.normal(0, 4, img.shape), 0, 255).astype(np.uint8), i
-
-
 @pytest.fixture(scope="module")
 def jpeg_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("dga") / "sweep.beton"
-    DatasetWriter(
-        str(path),
-        {"image": RGBImageField(write_mode="jpg", jpeg_quality=90), "label": IntField()},
-        num_workers=1,
-    ).from_indexed_dataset(_Images())
-    return path
+    return write_sweep_file(tmp_path_factory.mktemp("dga") / "sweep.beton", N, offset=100)
 
 
 def _pipelines(size: int) -> dict:
