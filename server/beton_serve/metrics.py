@@ -29,6 +29,8 @@ name                                       kind     labels           from ``Daem
 ``beton_worker_utilisation``               gauge    -                ``worker_utilisation``
 ``beton_workers_replaced_total``           counter  -                ``workers_replaced``
 ``beton_shm_bytes``                        gauge    -                ``shm_bytes``
+``beton_ring_bytes``                       gauge    -                ``ring_bytes``
+``beton_max_ring_bytes``                   gauge    -                ``max_ring_bytes`` (0: none)
 ``beton_compiled_plans``                   gauge    -                ``compiled_plans``
 ``beton_uptime_seconds``                   gauge    -                ``uptime_s``
 ``beton_stats_stale``                      gauge    -                1 when the last snapshot failed
@@ -232,6 +234,20 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
         (
             _gauge("beton_shm_bytes", "Bytes of shared memory the daemon's rings hold."),
             stats.shm_bytes,
+        ),
+        (
+            _gauge(
+                "beton_ring_bytes",
+                "Bytes of batch slots the open streams hold, counted against max_ring_bytes.",
+            ),
+            stats.ring_bytes,
+        ),
+        (
+            _gauge(
+                "beton_max_ring_bytes",
+                "The stream memory budget: a stream past it is refused (0: no budget).",
+            ),
+            stats.max_ring_bytes,
         ),
         (
             _gauge("beton_compiled_plans", "Compiled pipeline plans in the daemon's cache."),

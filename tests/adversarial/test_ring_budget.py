@@ -83,7 +83,9 @@ def test_a_stream_past_the_budget_is_refused_until_another_closes(
         assert "--max-ring-bytes" in msg and info.value.code == "RESOURCE_EXHAUSTED"
         assert info.value.server_error == "ResourceExhausted"
         assert sorted(d.segments()) == rings_before  # the refused stream allocated nothing
-        assert len(d.stats().streams) == 1
+        st = d.stats()
+        assert len(st.streams) == 1 and st.max_ring_bytes == budget
+        assert 0 < st.ring_bytes <= st.shm_bytes  # what the budget counts: the batch slots
         _same(_batches(it), epoch[1:])  # the admitted stream reads on, unharmed
     finally:
         first.close()

@@ -160,6 +160,16 @@ def _rendered(resp: pb.StatsResponse) -> str:
     return buf.getvalue()
 
 
+def test_the_ring_budget_shows_in_json_and_in_the_head_line() -> None:
+    resp = fake_response()
+    resp.max_ring_bytes = 4 << 30
+    resp.ring_bytes = 1 << 30
+    d = snapshot_dict(resp, now=1.0)
+    assert (d["max_ring_bytes"], d["ring_bytes"]) == (4 << 30, 1 << 30)  # ints, not strings
+    assert "ring budget 1.0 GiB of 4.0 GiB (25%)" in _rendered(resp)
+    assert "ring budget" not in _rendered(fake_response())  # no budget reported: no mention
+
+
 def test_run_json_prints_one_snapshot() -> None:
     out = io.StringIO()
     seen: list[str] = []

@@ -743,8 +743,10 @@ class StatsResponse(_message.Message):
         "compiled_plans",
         "datasets",
         "decode_groups",
+        "max_ring_bytes",
         "pid",
         "queue_depth",
+        "ring_bytes",
         "shm_bytes",
         "streams",
         "streams_opened",
@@ -765,6 +767,8 @@ class StatsResponse(_message.Message):
     WORKER_UTILISATION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_REPLACED_FIELD_NUMBER: _ClassVar[int]
     DECODE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     pid: int
     uptime_s: float
     workers: int
@@ -777,6 +781,8 @@ class StatsResponse(_message.Message):
     worker_utilisation: float
     workers_replaced: int
     decode_groups: _containers.RepeatedCompositeFieldContainer[DecodeGroupStats]
+    max_ring_bytes: int
+    ring_bytes: int
     def __init__(
         self,
         pid: int | None = ...,
@@ -791,4 +797,6 @@ class StatsResponse(_message.Message):
         worker_utilisation: float | None = ...,
         workers_replaced: int | None = ...,
         decode_groups: _Iterable[DecodeGroupStats | _Mapping] | None = ...,
+        max_ring_bytes: int | None = ...,
+        ring_bytes: int | None = ...,
     ) -> None: ...

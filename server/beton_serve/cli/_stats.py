@@ -179,7 +179,7 @@ def _int(v: Any) -> int:
 
 _INT64_STREAM = ("batches_sent", "samples_sent", "client_wait_us")
 _INT64_DATASET = ("samples_decoded", "batches_decoded", "bad_samples")
-_INT64_TOP = ("shm_bytes", "streams_opened", "workers_replaced")
+_INT64_TOP = ("shm_bytes", "streams_opened", "workers_replaced", "max_ring_bytes", "ring_bytes")
 _INT64_GROUP = ("delivered", "decoded", "hits", "evicted", "live_bytes", "waits")
 
 
@@ -247,6 +247,12 @@ def snapshot_dict(
     return d
 
 
+def _budget(snap: Mapping[str, Any]) -> str:
+    """``"154.0 MiB of 6.0 GiB (3%)"``: the rings counted against ``max_ring_bytes``."""
+    used, cap = float(snap.get("ring_bytes", 0)), float(snap["max_ring_bytes"])
+    return f"{_human_bytes(used)} of {_human_bytes(cap)} ({100 * used / cap:.0f}%)"
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -277,6 +283,7 @@ def render(snap: Mapping[str, Any], *, target: str = "") -> Any:
         f"workers {snap.get('workers', 0)}  ",
         *([f"queue {snap['queue_depth']}  "] if "queue_depth" in snap else []),
         f"shm {_human_bytes(float(snap.get('shm_bytes', 0)))}  ",
+        *([f"ring budget {_budget(snap)}  "] if snap.get("max_ring_bytes") else []),
         f"plans {snap.get('compiled_plans', 0)}  streams opened {snap.get('streams_opened', 0)}",
     )
     streams = Table(title=f"streams (rates: {basis})", title_justify="left", expand=False)

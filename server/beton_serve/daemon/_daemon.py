@@ -59,7 +59,7 @@ from beton_serve.daemon._opener import DatasetOpener
 from beton_serve.daemon._plans import PlanEntry, PlanRegistry
 from beton_serve.daemon._publish import BatchOut, EpochEnd
 from beton_serve.daemon._sources import ArenaBook, shared, sharing_registry, source_params
-from beton_serve.daemon._stats import StatsBook
+from beton_serve.daemon._stats import StatsBook, ring_slot_bytes
 from beton_serve.daemon._stream import Stream
 from beton_serve.daemon._streams import ARENA_EXTRA, StreamTable, ring_size
 from beton_serve.daemon._transports import default_factories, with_cuda_facts
@@ -407,7 +407,7 @@ class Daemon:
         need = slots * slot_bytes
         if budget <= 0:
             return
-        held = sum(s.ring.slot_count * s.layout.slot_bytes for s in self.streams)
+        held = ring_slot_bytes(self.streams)
         if held + need <= budget:
             return
         what = (
@@ -479,6 +479,7 @@ class Daemon:
             datasets=self.all_datasets(),
             plans=self.plans.compiled(),
             engine=self.engine,
+            max_ring_bytes=self.max_ring_bytes,
         )
 
 

@@ -467,6 +467,8 @@ def stats_message(s: DaemonStats) -> pb.StatsResponse:
         queue_depth=s.queue_depth,
         worker_utilisation=s.worker_utilisation,
         workers_replaced=s.workers_replaced,
+        max_ring_bytes=s.max_ring_bytes,
+        ring_bytes=s.ring_bytes,
         decode_groups=[
             pb.DecodeGroupStats(
                 dataset=g.dataset,
