@@ -18,7 +18,11 @@ import numpy as np
 import pytest
 from beton_client import Loader, OrderOption, ResourceExhausted
 from beton_serve.daemon import ring_budget
-from beton_serve.fields.decoders import SimpleRGBImageDecoder
+from beton_serve.fields.decoders import (
+    CenterCropRGBImageDecoder,
+    IntDecoder,
+    SimpleRGBImageDecoder,
+)
 from helpers.daemon import daemon_factory, short_tmp, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -107,3 +111,46 @@ def test_the_default_budget_is_half_of_dev_shm(tmp_path: Path) -> None:
     assert ring_budget(0) == st.f_blocks * st.f_frsize // 2
     assert ring_budget(123) == 123
     assert ring_budget(0, str(tmp_path / "missing")) == 0  # unreadable: no bound
+
+
+def _smart(address: str, batch_size: int = 4) -> Loader:
+    """A stream of the 24x24 centre crops of images_smart (as test_zero_copy_sharing's)."""
+    return Loader(
+        "images_smart",
+        batch_size=batch_size,
+        order=OrderOption.RANDOM,
+        seed=3,
+        pipelines={"image": [CenterCropRGBImageDecoder((24, 24), 0.8)], "label": [IntDecoder()]},
+        server=address,
+        spawn=False,
+    )
+
+
+def test_a_sharing_groups_arena_counts_against_the_budget(daemon_factory, fixtures_dir) -> None:
+    """Two identical shm streams share decoding through an arena of ``slots + 2`` slots; once
+    made it counts, so a third stream that fits beside two rings no longer fits beside them and
+    the arena."""
+    files = [fixtures_dir / "images_smart.beton"]
+    d0 = daemon_factory(files)
+    with _smart(d0.address) as ld:
+        it = iter(ld)
+        next(it)
+        ring = d0.stats().ring_bytes  # one stream's slots: what the budget counts
+        it.close()
+    d0.stop()
+    budget = 3 * ring + ring // 2  # three rings fit; two rings, an arena and a ring do not
+    d = daemon_factory(files, args=["--max-ring-bytes", str(budget), "--share-retain", "16"])
+    a, b = _smart(d.address), _smart(d.address)  # both open before either reads: a group
+    try:
+        ia, ib = iter(a), iter(b)
+        for _ in range(3):
+            got_a, got_b = next(ia), next(ib)
+            assert all(np.array_equal(x, y) for x, y in zip(got_a, got_b, strict=True))
+        wait_for(lambda: any("-share-" in s for s in d.segments()), 15)  # the group's arena
+        held = d.stats().ring_bytes
+        assert held > 2 * ring + ring // 2  # the arena counts
+        with pytest.raises(ResourceExhausted, match="2 open streams hold"):
+            _smart(d.address, batch_size=2)
+    finally:
+        a.close()
+        b.close()

@@ -399,6 +399,8 @@ class Daemon:
         :attr:`max_ring_bytes` (checked and added on the event loop, with no await between).
         A ring counts as its batch slots (``slots * slot_bytes``): a transport's bookkeeping
         beside them (the shm ring's sample ids and release words) is a few bytes per sample.
+        The zero-copy arenas of sharing groups count too, once made (a group makes its arena
+        when it first decodes, after its first stream opened: that one is not refused for it).
 
         Raises:
             ResourceExhausted: it does not fit (the message says what it needs and what is held).
@@ -407,7 +409,7 @@ class Daemon:
         need = slots * slot_bytes
         if budget <= 0:
             return
-        held = ring_slot_bytes(self.streams)
+        held = ring_slot_bytes(self.streams) + self.arenas.nbytes()
         if held + need <= budget:
             return
         what = (
@@ -480,6 +482,7 @@ class Daemon:
             plans=self.plans.compiled(),
             engine=self.engine,
             max_ring_bytes=self.max_ring_bytes,
+            arena_bytes=self.arenas.nbytes(),
         )
 
 

@@ -157,7 +157,7 @@ class DaemonStats:
     op_seconds: tuple[tuple[str, float, int], ...] = ()
     #: Decode groups (issue 16): samples decoded against samples delivered, per group.
     decode_groups: tuple[DecodeGroupRow, ...] = ()
-    #: The stream memory budget (``max_ring_bytes``; 0: none) and the open streams' batch
-    #: slots counted against it.
+    #: The stream memory budget (``max_ring_bytes``; 0: none) and what counts against it: the
+    #: open streams' batch slots and the sharing groups' arenas.
     max_ring_bytes: int = 0
     ring_bytes: int = 0

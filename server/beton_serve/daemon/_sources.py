@@ -59,6 +59,10 @@ class ArenaBook:
 
         return make
 
+    def nbytes(self) -> int:
+        """Bytes of the arenas not yet unlinked (counted against ``max_ring_bytes``)."""
+        return sum(a.size for a in list(self._arenas) if not a.unlinked)
+
     def close(self) -> None:
         """Unlink every arena (every stream is gone: nothing may still read them)."""
         for arena in self._arenas:

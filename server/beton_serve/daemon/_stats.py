@@ -48,6 +48,7 @@ class StatsBook:
         plans: Sequence[PlanLike],
         engine: EngineLike | None,
         max_ring_bytes: int = 0,
+        arena_bytes: int = 0,
     ) -> DaemonStats:
         """A snapshot of the daemon made of these parts (``plans``: the compiled ones)."""
         now = time.monotonic()
@@ -67,7 +68,7 @@ class StatsBook:
             op_seconds=_op_seconds(plans),
             decode_groups=_decode_groups(),
             max_ring_bytes=max_ring_bytes,
-            ring_bytes=ring_slot_bytes(streams),
+            ring_bytes=ring_slot_bytes(streams) + arena_bytes,
         )
 
     def _utilisation(self, now: float, engine: EngineLike | None) -> float:
