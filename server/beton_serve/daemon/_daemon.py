@@ -74,7 +74,7 @@ from beton_serve.transport.negotiate import (
     Negotiation,
     negotiate,
 )
-from beton_serve.transport.shm import ShmFactory, ShmNamer, sweep_stale_segments
+from beton_serve.transport.shm import SHM_DIR, ShmFactory, ShmNamer, sweep_stale_segments
 
 if TYPE_CHECKING:
     from beton_serve.engine.shared_source import Produced
@@ -506,7 +506,7 @@ def _samples_per_epoch(req: StreamRequest, ds: Dataset) -> int:
     return math.ceil(n / req.world_size) if req.distributed else n
 
 
-def ring_budget(max_ring_bytes: int, shm_dir: str = "/dev/shm") -> int:
+def ring_budget(max_ring_bytes: int, shm_dir: str | os.PathLike[str] = SHM_DIR) -> int:
     """The bytes all open streams' rings may hold: ``max_ring_bytes`` if positive, else half
     the size of the ``shm_dir`` filesystem (0, no bound, where it cannot be read)."""
     if max_ring_bytes > 0:
