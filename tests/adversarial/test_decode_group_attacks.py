@@ -211,3 +211,75 @@ def test_members_leaving_mid_epoch_1000_times_leave_no_group_or_bytes(jpeg_file:
     assert (grown["groups"], grown["bytes"], grown["lru"]) == (0, 0, 0), grown
     assert grown["fds"] <= 0, grown
     assert grown["rss"] <= 8.0, grown
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_thousand_served_members_leave_no_group_fd_or_memory_in_the_daemon(
+    jpeg_file: Path, daemon_factory
+) -> None:
+    """1,000 served share_decode streams, in pairs that form a group and leave it mid-epoch
+    (one closed, one dropped without close): the daemon ends with no group, no decoded bytes,
+    its baseline descriptors and RSS within 8 MB."""
+    import gc
+    import os
+
+    from beton_client import Loader as Client
+    from beton_client import OrderOption as ClientOrder
+
+    d = daemon_factory([jpeg_file])
+
+    def client(size: int, seed: int) -> Client:
+        return Client(
+            "sweep",
+            batch_size=4,
+            order=ClientOrder.RANDOM,
+            seed=seed,
+            pipelines={
+                "image": [
+                    RandomResizedCropRGBImageDecoder((size, size), share_decode=True),
+                    ToTensor(),
+                ],
+                "label": [IntDecoder(), ToTensor()],
+            },
+            server=d.address,
+            spawn=False,
+        )
+
+    def pair(i: int) -> int:
+        a, b = client(24, i % 3), client(16, i % 3)
+        ia, ib = iter(a), iter(b)
+        x, _ = next(ia)
+        assert tuple(x.shape) == (4, 24, 24, 3) and bool(x.any())
+        y, _ = next(ib)
+        assert tuple(y.shape) == (4, 16, 16, 3) and bool(y.any())
+        a.close()
+        if i % 2:
+            b.close()
+        else:
+            del ib, b  # dropped without close: the stream ends with the client's last reference
+        return 0
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{d.pid}/fd"))
+
+    def rss_mb() -> float:
+        for line in open(f"/proc/{d.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    for i in range(30):  # warm-up: plans, allocator pools
+        pair(i)
+    gc.collect()
+    wait_for(lambda: not d.stats().streams, 15)
+    base_fds, base_rss = fds(), rss_mb()
+    for i in range(30, 530):
+        pair(i)
+    gc.collect()
+    wait_for(lambda: not d.stats().streams, 15)
+    st = d.stats()
+    assert not [g for g in st.decode_groups if g.members], st.decode_groups
+    wait_for(lambda: fds() <= base_fds, 10)
+    assert rss_mb() <= base_rss + 8.0, (base_rss, rss_mb())
+    assert st.streams_opened >= 2 * 530

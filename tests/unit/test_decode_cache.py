@@ -451,3 +451,29 @@ def test_stats_travel_on_the_stats_rpc() -> None:
     got = (g.dataset, g.decode, g.members, g.detached, g.delivered, g.decoded, g.live_bytes)
     assert got == ("x.beton", "min_side=160", 4, 1, 400, 110, 1234)
     assert (g.hits, g.evicted, g.waits) == (290, 3, 5)
+
+
+@pytest.mark.timeout(30)
+def test_a_collected_streams_members_leave_without_taking_the_lock() -> None:
+    """The source's finalizer (``DecodeBinding.close_later``) may run, under the garbage
+    collector, inside a section of this very thread that holds the cache's lock (it is not
+    reentrant). It only queues the members; the next operation of the cache makes them leave.
+    Before, it left at once and the daemon deadlocked (a 1,000-stream attack found it)."""
+    cache = DecodeCache(max_bytes=1 << 20)
+    a, b = join(cache), join(cache)
+    b.active = True
+    take(a, 1, 0, Decoder())  # an entry held for b
+    assert cache.nbytes == NBYTES
+    binding = DecodeBinding({0: b})
+    with cache._lock:  # as if the collector ran the finalizer inside a locked section
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (binding.close_later(), done.set()))
+        t.start()
+        assert done.wait(5), "close_later blocked on the cache's lock"
+        binding.close_later()  # and on this thread too, holding the lock: returns at once
+        t.join(5)
+    assert not b.closed  # not yet: queued
+    (st,) = cache.stats()  # the next operation: b leaves, and the entry held for it goes
+    assert st.members == 1 and b.closed and cache.nbytes == 0
+    a.close()
+    assert cache.stats() == []

@@ -13,7 +13,9 @@ A :class:`~beton_serve.engine.BatchSource` whose plan has a decoder built with
   decodes alone.
 
 The binding is made once per source and left when the source is garbage-collected
-(``weakref.finalize``), or earlier with :func:`unbind`.
+(``weakref.finalize``), or earlier with :func:`unbind`. The finalizer only queues the members
+(``DecodeBinding.close_later``): the collector may run it inside a section of the cache that
+holds its lock, on any thread, and taking the lock there deadlocked the daemon.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def bind_decode_groups(source: Any, cache: DecodeCache | None = None) -> DecodeB
         for f, dk in fields
     }
     binding = DecodeBinding(members)
-    weakref.finalize(source, binding.close)
+    # close_later: the collector may run this inside a locked section of the cache
+    weakref.finalize(source, binding.close_later)
     return binding
 
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -235,6 +235,8 @@ class Member:
         g = self._group
         ev: threading.Event | None = None
         with cache._lock:
+            if cache._later:
+                cache._drain()
             e = g.entries.get(sid)
             if not wait and e is not None and not e.done:
                 return None
@@ -271,6 +273,8 @@ class Member:
         assert ev is not None
         ev.wait(cache.wait_s)
         with cache._lock:
+            if cache._later:
+                cache._drain()
             if e.ok and e.img is not None:
                 g.hits += 1
                 cache._taken(self, g, e)
@@ -317,11 +321,28 @@ class DecodeCache:
         self._lru: OrderedDict[tuple[_Group, int], _Entry] = OrderedDict()
         self._bytes = 0
         self.peak_bytes = 0
+        #: Members whose stream was garbage-collected, to leave at the next locked operation:
+        #: their finalizer may run on any thread at any allocation, also inside a section that
+        #: holds ``_lock`` (which is not reentrant), so it must not take it (see
+        #: :meth:`leave_later`).
+        self._later: deque[Member] = deque()
+
+    def leave_later(self, m: Member) -> None:
+        """Queue ``m`` to leave its group at the next operation of this cache. Takes no lock:
+        safe from a garbage-collection finalizer, wherever it interrupts this thread."""
+        self._later.append(m)
+
+    def _drain(self) -> None:
+        """Leave the queued members (``_lock`` held)."""
+        while self._later:
+            self._leave_locked(self._later.popleft())
 
     def join(self, key: GroupKey, num_samples: int) -> Member:
         """A new member of ``key``'s group (created if needed), attached, for a file of
         ``num_samples`` samples."""
         with self._lock:
+            if self._later:
+                self._drain()
             g = self._groups.get(key)
             if g is None:
                 g = self._groups[key] = _Group(key)
@@ -333,11 +354,15 @@ class DecodeCache:
     def nbytes(self) -> int:
         """Bytes of every entry now (ready or being decoded)."""
         with self._lock:
+            if self._later:
+                self._drain()
             return self._bytes
 
     def stats(self) -> list[DecodeGroupStats]:
         """A snapshot of every group with at least one member."""
         with self._lock:
+            if self._later:
+                self._drain()
             return [
                 DecodeGroupStats(
                     dataset=g.key.dataset,
@@ -383,6 +408,8 @@ class DecodeCache:
             img = _readonly(decode())
         except BaseException:
             with self._lock:
+                if self._later:
+                    self._drain()
                 self._drop(g, e)
                 e.done = True
                 ev = e.event
@@ -390,6 +417,8 @@ class DecodeCache:
                 ev.set()  # waiters decode for themselves (and raise the same error)
             raise
         with self._lock:
+            if self._later:
+                self._drain()
             e.img, e.ok, e.done = img, True, True
             if g.entries.get(e.sid) is e:
                 if e.holders:
@@ -455,14 +484,18 @@ class DecodeCache:
 
     def _leave(self, m: Member) -> None:
         with self._lock:
-            if m.closed:
-                return
-            m.closed = True
-            g = m._group
-            g.members.discard(m)
-            self._forget(m, g)
-            if not g.members and not g.entries:
-                self._groups.pop(g.key, None)
+            self._drain()
+            self._leave_locked(m)
+
+    def _leave_locked(self, m: Member) -> None:
+        if m.closed:
+            return
+        m.closed = True
+        g = m._group
+        g.members.discard(m)
+        self._forget(m, g)
+        if not g.members and not g.entries:
+            self._groups.pop(g.key, None)
 
 
 def _behind(x: Member, sid: int, epoch: int) -> bool:
@@ -540,6 +573,12 @@ class DecodeBinding:
         """Leave every group. Idempotent."""
         for m in self.members.values():
             m.close()
+
+    def close_later(self) -> None:
+        """Leave every group at each cache's next operation: the finalizer of a stream's
+        source, which the garbage collector may run inside a locked section of the cache."""
+        for m in self.members.values():
+            m._cache.leave_later(m)
 
 
 _scope = threading.local()
