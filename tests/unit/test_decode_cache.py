@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import numpy as np
 import pytest
@@ -475,5 +475,8 @@ def test_a_collected_streams_members_leave_without_taking_the_lock() -> None:
     assert not b.closed  # not yet: queued
     (st,) = cache.stats()  # the next operation: b leaves, and the entry held for it goes
     assert st.members == 1 and b.closed and cache.nbytes == 0
+    c = join(cache)
+    DecodeBinding({0: c}).close_later()  # the lock is free: it leaves at once
+    assert c.closed and cache._later == deque() and cache.stats()[0].members == 1
     a.close()
     assert cache.stats() == []

@@ -328,9 +328,15 @@ class DecodeCache:
         self._later: deque[Member] = deque()
 
     def leave_later(self, m: Member) -> None:
-        """Queue ``m`` to leave its group at the next operation of this cache. Takes no lock:
-        safe from a garbage-collection finalizer, wherever it interrupts this thread."""
+        """Make ``m`` leave its group now if the cache's lock is free, else at the cache's next
+        operation. Never waits for the lock: safe from a garbage-collection finalizer, wherever
+        it interrupts a thread (also one inside a locked section of this cache)."""
         self._later.append(m)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
 
     def _drain(self) -> None:
         """Leave the queued members (``_lock`` held)."""
