@@ -152,7 +152,7 @@ class DecodeGroupStats:
 
 
 class _Entry:
-    __slots__ = ("done", "epoch", "event", "holders", "img", "nbytes", "ok", "sid")
+    __slots__ = ("epoch", "event", "holders", "img", "nbytes", "ok", "sid")
 
     def __init__(self, sid: int, epoch: int, nbytes: int, holders: set[Member]) -> None:
         self.sid = sid
@@ -160,13 +160,13 @@ class _Entry:
         self.nbytes = nbytes
         self.holders = holders
         self.img: NDArray[np.uint8] | None = None
-        #: The decode succeeded (``img`` is set) / finished, either way. Both change under
-        #: the cache's lock.
+        #: The decode succeeded (``img`` is set); set under the cache's lock. A failed decode
+        #: is dropped from its group in the same locked section, so an entry a member finds in
+        #: ``entries`` is either ready (``ok``) or still being decoded.
         self.ok = False
-        self.done = False
         #: Made (under the lock) by the first member that must wait for the decode, set by the
-        #: decoding member once ``done``: few entries are ever waited for, and an Event per
-        #: entry cost more than the rest of a cache hit.
+        #: decoding member once it succeeded or failed: few entries are ever waited for, and an
+        #: Event per entry cost more than the rest of a cache hit.
         self.event: threading.Event | None = None
 
 
@@ -238,7 +238,7 @@ class Member:
             if cache._later:
                 cache._drain()
             e = g.entries.get(sid)
-            if not wait and e is not None and not e.done:
+            if not wait and e is not None and not e.ok:
                 return None
             g.delivered += 1
             if epoch > self.epoch:
@@ -253,13 +253,10 @@ class Member:
                 g.decoded += 1
                 # None: nobody else needs it, or it cannot fit: decode alone
                 e = mine = cache._publish(self, g, sid, epoch, nbytes)
-            elif e.done:
-                if e.ok and e.img is not None:  # the common case: another member's decode
-                    g.hits += 1
-                    cache._taken(self, g, e)
-                    return e.img
-                g.decoded += 1  # its decode failed: decode for ourselves (the same error)
-                e = mine = None
+            elif e.ok and e.img is not None:  # the common case: another member's decode
+                g.hits += 1
+                cache._taken(self, g, e)
+                return e.img
             else:
                 mine = None
                 g.waits += 1
@@ -273,8 +270,6 @@ class Member:
         assert ev is not None
         ev.wait(cache.wait_s)
         with cache._lock:
-            if cache._later:
-                cache._drain()
             if e.ok and e.img is not None:
                 g.hits += 1
                 cache._taken(self, g, e)
@@ -321,7 +316,8 @@ class DecodeCache:
         self._lru: OrderedDict[tuple[_Group, int], _Entry] = OrderedDict()
         self._bytes = 0
         self.peak_bytes = 0
-        #: Members whose stream was garbage-collected, to leave at the next locked operation:
+        #: Members whose stream was garbage-collected, to leave at the next public operation
+        #: (``get``, ``join``, ``nbytes``, ``stats``, a member's ``close``):
         #: their finalizer may run on any thread at any allocation, also inside a section that
         #: holds ``_lock`` (which is not reentrant), so it must not take it (see
         #: :meth:`leave_later`).
@@ -414,18 +410,13 @@ class DecodeCache:
             img = _readonly(decode())
         except BaseException:
             with self._lock:
-                if self._later:
-                    self._drain()
                 self._drop(g, e)
-                e.done = True
                 ev = e.event
             if ev is not None:
                 ev.set()  # waiters decode for themselves (and raise the same error)
             raise
         with self._lock:
-            if self._later:
-                self._drain()
-            e.img, e.ok, e.done = img, True, True
+            e.img, e.ok = img, True
             if g.entries.get(e.sid) is e:
                 if e.holders:
                     self._lru[(g, e.sid)] = e
