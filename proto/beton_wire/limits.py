@@ -61,6 +61,7 @@ __all__ = [
     "MAX_WIRE_RECORDS",
     "MAX_WORLD_SIZE",
     "cap_message",
+    "human_bytes",
     "parse_params",
     "short_repr",
 ]
@@ -120,6 +121,15 @@ def cap_message(message: str, limit: int = MAX_ERROR_CHARS) -> str:
 
 class _TooDeep(Exception):
     pass
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes for a message or a table: ``"512 B"``, ``"38.5 MiB"``, ``"6.0 GiB"``."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def _bounded_int(text: str) -> int:

@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from beton_wire.limits import human_bytes
+
 from beton_serve.cli._health import add_socket_owner_argument
 from beton_serve.errors import TransportError
 
@@ -250,15 +252,7 @@ def snapshot_dict(
 def _budget(snap: Mapping[str, Any]) -> str:
     """``"154.0 MiB of 6.0 GiB (3%)"``: the rings counted against ``max_ring_bytes``."""
     used, cap = float(snap.get("ring_bytes", 0)), float(snap["max_ring_bytes"])
-    return f"{_human_bytes(used)} of {_human_bytes(cap)} ({100 * used / cap:.0f}%)"
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    return f"{human_bytes(used)} of {human_bytes(cap)} ({100 * used / cap:.0f}%)"
 
 
 def _human_duration(s: float) -> str:
@@ -282,7 +276,7 @@ def render(snap: Mapping[str, Any], *, target: str = "") -> Any:
         f"pid {snap.get('pid', 0)}  up {_human_duration(float(snap.get('uptime_s', 0.0)))}  ",
         f"workers {snap.get('workers', 0)}  ",
         *([f"queue {snap['queue_depth']}  "] if "queue_depth" in snap else []),
-        f"shm {_human_bytes(float(snap.get('shm_bytes', 0)))}  ",
+        f"shm {human_bytes(float(snap.get('shm_bytes', 0)))}  ",
         *([f"ring budget {_budget(snap)}  "] if snap.get("max_ring_bytes") else []),
         f"plans {snap.get('compiled_plans', 0)}  streams opened {snap.get('streams_opened', 0)}",
     )
@@ -366,7 +360,7 @@ def render(snap: Mapping[str, Any], *, target: str = "") -> Any:
             f"{g.get('hits', 0):,}",
             f"{g.get('waits', 0):,}",
             f"{g.get('evicted', 0):,}",
-            _human_bytes(float(g.get("live_bytes", 0))),
+            human_bytes(float(g.get("live_bytes", 0))),
         )
     return Group(head, streams, datasets, table)
 

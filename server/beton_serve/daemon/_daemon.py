@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from beton_wire.limits import MAX_BATCH_SIZE
+from beton_wire.limits import MAX_BATCH_SIZE, human_bytes
 from beton_wire.slots import SlotLayout
 
 from beton_serve.daemon._backend import Backend, BatchSourceLike, EngineBackend, EngineLike
@@ -59,7 +59,7 @@ from beton_serve.daemon._opener import DatasetOpener
 from beton_serve.daemon._plans import PlanEntry, PlanRegistry
 from beton_serve.daemon._publish import BatchOut, EpochEnd
 from beton_serve.daemon._sources import ArenaBook, shared, sharing_registry, source_params
-from beton_serve.daemon._stats import StatsBook, ring_slot_bytes
+from beton_serve.daemon._stats import StatsBook
 from beton_serve.daemon._stream import Stream
 from beton_serve.daemon._streams import ARENA_EXTRA, StreamTable, ring_size
 from beton_serve.daemon._transports import default_factories, with_cuda_facts
@@ -409,22 +409,22 @@ class Daemon:
         need = slots * slot_bytes
         if budget <= 0:
             return
-        held = ring_slot_bytes(self.streams) + self.arenas.nbytes()
+        held = self.ring_bytes()
         if held + need <= budget:
             return
         what = (
-            f"this stream needs {_size(need)} ({slots} slots of {_size(slot_bytes)}: "
+            f"this stream needs {human_bytes(need)} ({slots} slots of {human_bytes(slot_bytes)}: "
             f"batch_size {req.batch_size}, batches_ahead {req.batches_ahead})"
         )
         if need > budget:
             raise ResourceExhausted(
-                f"{what}, more than the daemon's whole stream memory budget of {_size(budget)} "
+                f"{what}, more than the daemon's whole stream memory budget of {human_bytes(budget)} "
                 "(max_ring_bytes): use a smaller batch_size or batches_ahead, or start the "
                 "daemon with a larger --max-ring-bytes"
             )
         raise ResourceExhausted(
-            f"{what}, and the {len(self.streams)} open streams hold {_size(held)} of the "
-            f"daemon's {_size(budget)} stream memory budget (max_ring_bytes): retry once "
+            f"{what}, and the {len(self.streams)} open streams hold {human_bytes(held)} of the "
+            f"daemon's {human_bytes(budget)} stream memory budget (max_ring_bytes): retry once "
             "streams close, ask for less, or raise the daemon's --max-ring-bytes"
         )
 
@@ -482,8 +482,14 @@ class Daemon:
             plans=self.plans.compiled(),
             engine=self.engine,
             max_ring_bytes=self.max_ring_bytes,
-            arena_bytes=self.arenas.nbytes(),
+            ring_bytes=self.ring_bytes(),
         )
+
+    def ring_bytes(self) -> int:
+        """What counts against :attr:`max_ring_bytes`: the open streams' batch slots and the
+        sharing groups' arenas."""
+        slots = sum(s.ring.slot_count * s.layout.slot_bytes for s in self.streams)
+        return slots + self.arenas.nbytes()
 
 
 def _log_opened(stream: Stream, req: StreamRequest, neg: Negotiation, cached: bool) -> None:
@@ -516,11 +522,3 @@ def ring_budget(max_ring_bytes: int, shm_dir: str | os.PathLike[str] = SHM_DIR) 
     except OSError:
         return 0
     return st.f_blocks * st.f_frsize // 2
-
-
-def _size(n: int) -> str:
-    """``n`` bytes for a message: ``"1.5 GiB"``, ``"38.5 MiB"``, ``"512 B"``."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"

@@ -25,7 +25,7 @@ from beton_serve.daemon._messages import DaemonStats, DecodeGroupRow, StreamStat
 from beton_serve.daemon._stream import Stream
 from beton_serve.daemon._streams import StreamTable
 
-__all__ = ["UTILISATION_WINDOW_S", "StatsBook", "ring_slot_bytes"]
+__all__ = ["UTILISATION_WINDOW_S", "StatsBook"]
 
 #: Seconds between two utilisation samples (a snapshot closer to the last one repeats it).
 UTILISATION_WINDOW_S = 0.5
@@ -48,7 +48,7 @@ class StatsBook:
         plans: Sequence[PlanLike],
         engine: EngineLike | None,
         max_ring_bytes: int = 0,
-        arena_bytes: int = 0,
+        ring_bytes: int = 0,
     ) -> DaemonStats:
         """A snapshot of the daemon made of these parts (``plans``: the compiled ones)."""
         now = time.monotonic()
@@ -68,7 +68,7 @@ class StatsBook:
             op_seconds=_op_seconds(plans),
             decode_groups=_decode_groups(),
             max_ring_bytes=max_ring_bytes,
-            ring_bytes=ring_slot_bytes(streams) + arena_bytes,
+            ring_bytes=ring_bytes,
         )
 
     def _utilisation(self, now: float, engine: EngineLike | None) -> float:
@@ -130,8 +130,3 @@ def _decode_groups() -> tuple[DecodeGroupRow, ...]:
         )
         for g in default_decode_cache().stats()
     )
-
-
-def ring_slot_bytes(streams: StreamTable) -> int:
-    """The open streams' batch slots (``slots x slot bytes``): what ``max_ring_bytes`` bounds."""
-    return sum(s.ring.slot_count * s.layout.slot_bytes for s in streams)
