@@ -160,3 +160,33 @@ def test_truncating_a_served_file_mid_decode_fails_only_its_streams(
             ok.close()
         assert d.stop() == 0
         assert not d.shm_files(), d.shm_files()
+
+
+@pytest.mark.timeout(30)
+def test_a_mappings_finalizer_never_waits_for_the_guards_lock() -> None:
+    """A mapping's finalizer frees its row (``Region.close``). The garbage collector may run it
+    inside ``_Guard.add``'s locked section on the same thread, and that lock is not reentrant:
+    freeing a row must not take it."""
+    import threading
+
+    from beton_serve.format import _guard
+
+    g = _guard._the_guard()
+    if g is None:
+        pytest.skip(f"no SIGBUS guard here: {_guard._FAILED}")
+    row = g.add(0x1000, 0x2000)
+    assert row is not None
+    region = _guard.Region(g, row)
+    freed = threading.Event()
+
+    def collector_inside_add() -> None:
+        with g.lock:  # as if the collector ran the finalizer here
+            region.close()
+            freed.set()
+
+    threading.Thread(target=collector_inside_add, daemon=True).start()
+    assert freed.wait(5), "Region.close blocked on the guard's own lock"
+    assert list(g.table[row]) == [0, 0, 0, 0]
+    again = g.add(0x3000, 0x4000)  # the lock was released: the table still works
+    assert again is not None
+    g.remove(again)

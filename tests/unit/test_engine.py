@@ -313,3 +313,42 @@ def test_an_error_computing_the_next_order_early_reaches_only_that_epoch(monkeyp
         assert [len(src.submit(0, b).result(60)[0]) for b in range(2)] == [4, 4]
         with pytest.raises(RuntimeError, match="epoch 1"):
             src.submit(1, 0)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("owns_engine", [True, False])
+def test_an_epochs_finalizer_run_inside_one_of_its_tasks_waits_for_nothing(owns_engine):
+    """An in-process epoch's finalizer (``_Running.release``) may be run by the garbage
+    collector on one of the engine's own workers, inside a task of that very epoch. It used to
+    wait ``join_timeout`` for that task (itself) and then fail to join its own thread."""
+    from beton_serve.loader._loader import _Running
+
+    engine = Engine(2, join_timeout=20.0)
+    running = _Running(engine, owns_engine)
+    took: list[float] = []
+    failed: list[BaseException] = []
+
+    def task_collected_mid_run() -> int:
+        t0 = time.perf_counter()
+        try:
+            running.release()  # as if the collector ran the finalizer here
+        except BaseException as exc:
+            failed.append(exc)
+        took.append(time.perf_counter() - t0)
+        return 7
+
+    task = engine.submit(task_collected_mid_run)
+    running.futures.append(task.future)
+    assert task.future.result(timeout=10) == 7
+    assert failed == [] and took[0] < 5.0
+    assert not running.futures
+    if owns_engine:
+        deadline = time.monotonic() + 10
+        while engine.alive_workers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.alive_workers == 0  # told to stop, each after its task
+        with pytest.raises(BetonError, match="closed"):
+            engine.submit(int)
+    else:
+        assert engine.submit(int, 3).future.result(timeout=10) == 3  # the shared engine lives
+        engine.close()

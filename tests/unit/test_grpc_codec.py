@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -352,6 +353,33 @@ def test_buffer_pool_recycles_and_bounds_buffers() -> None:
     assert c.size == 200 and c is not b
     with pytest.raises(RuntimeError):
         pool.acquire(1)
+
+
+@pytest.mark.timeout(30)
+def test_buffer_pool_give_back_never_waits_for_the_pools_lock() -> None:
+    """A batch's ``release`` runs from finalizers too (an epoch dropped without ``close``), and
+    the garbage collector may run one inside :meth:`BufferPool.acquire`'s locked section on the
+    same thread. The lock is not reentrant, so ``give_back`` must not take it."""
+    pool = BufferPool(2)
+    a = pool.acquire(100)
+    b = pool.acquire(100)
+    returned = threading.Event()
+
+    def collector_inside_acquire() -> None:
+        with pool._lock:  # as if the collector ran the finalizer here
+            pool.give_back(a)
+            returned.set()
+
+    t = threading.Thread(target=collector_inside_acquire, daemon=True)
+    t.start()
+    assert returned.wait(5), "give_back blocked on the pool's own lock"
+    t.join(5)
+    pool.give_back(a)  # twice: still one free buffer
+    assert pool.acquire(50) is a  # taken in by the next acquire
+    with pytest.raises(RuntimeError, match="in use"):
+        pool.acquire(10)  # still bounded: a and b are both out
+    pool.give_back(b)
+    assert pool.acquire(100) is b
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,6 +92,11 @@ CLOSE_WAIT_S = 1.0
 class BufferPool:
     """Recycles destination buffers for decoded batches.
 
+    :meth:`give_back` takes no lock: a batch's ``release`` also runs from finalizers (an epoch
+    dropped without ``close``), and the garbage collector may run one on this thread while it is
+    inside :meth:`acquire`'s locked section. A returned buffer waits in a deque (whose append is
+    atomic) until the next :meth:`acquire` takes it in.
+
     Args:
         max_buffers: how many buffers may exist at once (the stream's credits + the one the
             consumer holds). Asking for more is a bug in the caller and raises ``RuntimeError``.
@@ -102,12 +107,17 @@ class BufferPool:
             raise ValueError("max_buffers must be >= 1")
         self.max_buffers = max_buffers
         self._free: list[NDArray[np.uint8]] = []
+        self._returned: collections.deque[NDArray[np.uint8]] = collections.deque()
         self._count = 0
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> NDArray[np.uint8]:
         """A 1-D uint8 buffer of at least ``nbytes``; reuses the smallest free one that fits."""
         with self._lock:
+            while self._returned:
+                back = self._returned.popleft()
+                if not any(b is back for b in self._free):
+                    self._free.append(back)
             fits = [b for b in self._free if b.size >= nbytes]
             if fits:
                 buf = min(fits, key=lambda b: b.size)
@@ -124,9 +134,8 @@ class BufferPool:
         return np.empty(nbytes, np.uint8)
 
     def give_back(self, buf: NDArray[np.uint8]) -> None:
-        with self._lock:
-            if not any(b is buf for b in self._free):
-                self._free.append(buf)
+        """Return ``buf`` for reuse (any thread, any time, including a finalizer; see above)."""
+        self._returned.append(buf)
 
 
 class BatchStream:

@@ -233,12 +233,18 @@ class Engine:
         with self._lock:
             return sum(t.is_alive() for t in self._threads)
 
-    def close(self, timeout: float | None = None) -> None:
+    def on_worker_thread(self) -> bool:
+        """Whether the calling thread is one of this engine's workers (a finalizer that the
+        garbage collector runs inside a task, for one, must not wait for tasks)."""
+        return threading.current_thread() in self._threads
+
+    def close(self, timeout: float | None = None, *, join: bool = True) -> None:
         """Cancel queued tasks, stop and join every worker (idempotent).
 
         Tasks already running finish first; each join waits at most ``timeout`` seconds
         (default ``join_timeout``), and a worker still alive after it is logged (it is a daemon
-        thread and cannot block interpreter exit).
+        thread and cannot block interpreter exit). With ``join=False``, or for the calling
+        thread when it is a worker, the workers are told to stop and not waited for.
         """
         wait = self.join_timeout if timeout is None else float(timeout)
         with self._lock:
@@ -255,7 +261,11 @@ class Engine:
                 task.future.cancel()
         for _ in threads:
             self._queue.put((_STOP_PRIORITY, next(self._seq), None))
+        if not join:
+            return
         for t in threads:
+            if t is threading.current_thread():
+                continue
             t.join(wait)
             if t.is_alive():
                 _log.warning("worker %s did not stop within %.1f s", t.name, wait)

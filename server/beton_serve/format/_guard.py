@@ -132,12 +132,15 @@ class _Guard:
             return row
 
     def remove(self, row: int) -> None:
-        with self.lock:
-            t = self.table
-            t[row, 1] = 0
-            t[row, 0] = 0
-            t[row, 2] = 0
-            t[row, 3] = 0
+        """Free ``row``. It takes no lock: it runs from a mapping's finalizer, which the garbage
+        collector may run inside :meth:`add`'s locked section on the same thread (the lock is
+        not reentrant). ``add`` only claims rows whose "in use" word is 0, and that word is
+        cleared last, so a concurrent ``add`` never claims a half-cleared row."""
+        t = self.table
+        t[row, 1] = 0  # hi first: a half-cleared row matches nothing
+        t[row, 0] = 0
+        t[row, 2] = 0
+        t[row, 3] = 0
 
 
 _THE_GUARD: _Guard | None = None

@@ -313,17 +313,29 @@ class _Running:
         self.futures: collections.deque[Future[Any]] = collections.deque()
 
     def release(self) -> None:
+        """Cancel the epoch's queued tasks, wait for its running ones, close an owned engine.
+
+        As a finalizer it may run on one of the engine's own workers, inside a task (the
+        garbage collector runs wherever an allocation triggers it). There it waits for nothing:
+        the running tasks may include the one it interrupted, and a worker cannot join itself.
+        Their buffers stay alive through the tasks' own references until they finish.
+        """
+        on_worker = self.engine.on_worker_thread()
         for fut in self.futures:
             for task in getattr(fut, "tasks", ()):
                 task.future.cancel()
-        for fut in self.futures:
-            try:
-                fut.exception(timeout=self.engine.join_timeout)
-            except (FutureTimeout, Exception):  # only waiting for completion; errors were raised
-                pass
+        if not on_worker:
+            for fut in self.futures:
+                try:
+                    fut.exception(timeout=self.engine.join_timeout)
+                except (
+                    FutureTimeout,
+                    Exception,
+                ):  # only waiting for completion; errors were raised
+                    pass
         self.futures.clear()
         if self.owns_engine:
-            self.engine.close()
+            self.engine.close(join=not on_worker)
 
 
 class EngineEpochFeed:
