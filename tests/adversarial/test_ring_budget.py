@@ -154,3 +154,38 @@ def test_a_sharing_groups_arena_counts_against_the_budget(daemon_factory, fixtur
     finally:
         a.close()
         b.close()
+
+
+def test_an_arena_that_would_overshoot_the_budget_is_not_made_and_the_group_copies(
+    daemon_factory, fixtures_dir
+) -> None:
+    """A group makes its arena after its streams were admitted. When the arena does not fit
+    beside their rings it is not made: the group shares by copying into each member's ring, the
+    budget holds at every step, and both streams get the same batches as a lone stream."""
+    files = [fixtures_dir / "images_smart.beton"]
+    d0 = daemon_factory(files)
+    solo, ring = [], 0
+    with _smart(d0.address) as ld:
+        for x, y in ld:  # the first epoch, copied as it comes (slots are reused)
+            solo.append((np.array(x), np.array(y)))
+            ring = ring or d0.stats().ring_bytes
+    d0.stop()
+    budget = 2 * ring + ring // 2  # two rings fit; two rings and an arena (> a ring) do not
+    d = daemon_factory(files, args=["--max-ring-bytes", str(budget), "--share-retain", "16"])
+    a, b = _smart(d.address), _smart(d.address)  # both open before either reads: a group
+    try:
+        ia, ib = iter(a), iter(b)
+        got_a, got_b = [], []
+        for _ in range(len(solo)):
+            got_a.append(tuple(np.array(t) for t in next(ia)))
+            got_b.append(tuple(np.array(t) for t in next(ib)))
+            assert d.stats().ring_bytes <= budget
+        _same(got_a, solo)
+        _same(got_b, solo)
+        assert not any("-share-" in s for s in d.segments())  # no arena
+        wait_for(lambda: "this group shares by copying" in d.log(), 10)
+        (ds,) = d.stats().datasets
+        assert ds.batches_decoded < 2 * len(solo)  # still shared: decoded once, not per stream
+    finally:
+        a.close()
+        b.close()

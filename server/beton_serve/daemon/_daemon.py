@@ -400,7 +400,8 @@ class Daemon:
         A ring counts as its batch slots (``slots * slot_bytes``): a transport's bookkeeping
         beside them (the shm ring's sample ids and release words) is a few bytes per sample.
         The zero-copy arenas of sharing groups count too, once made (a group makes its arena
-        when it first decodes, after its first stream opened: that one is not refused for it).
+        when it first decodes, after its streams were admitted: :meth:`_admit_arena` refuses
+        one that does not fit, and the group then shares by copying).
 
         Raises:
             ResourceExhausted: it does not fit (the message says what it needs and what is held).
@@ -428,6 +429,24 @@ class Daemon:
             "streams close, ask for less, or raise the daemon's --max-ring-bytes"
         )
 
+    def _admit_arena(self, nbytes: int) -> None:
+        """Refuse a sharing group's arena that would take the rings past :attr:`max_ring_bytes`
+        (the group is made after its first stream was admitted; event-loop thread). Refused,
+        the group shares by copying into each member's own ring, which the budget already
+        counts.
+
+        Raises:
+            ResourceExhausted: it does not fit.
+        """
+        budget = self.max_ring_bytes
+        held = self.ring_bytes()
+        if budget > 0 and held + nbytes > budget:
+            raise ResourceExhausted(
+                f"a sharing arena of {human_bytes(nbytes)} would take the streams' "
+                f"{human_bytes(held)} past the daemon's {human_bytes(budget)} stream memory "
+                "budget (max_ring_bytes): this group shares by copying"
+            )
+
     def _make_source(
         self,
         req: StreamRequest,
@@ -445,7 +464,11 @@ class Daemon:
         source = self.backend.make_source(self.engine, entry.plan, params)
         if self.sharing is None:
             return source
-        arena = None if shm is None else self.arenas.maker(shm.namer, layout, slots + ARENA_EXTRA)
+        arena = (
+            None
+            if shm is None
+            else self.arenas.maker(shm.namer, layout, slots + ARENA_EXTRA, self._admit_arena)
+        )
         return shared(source, self.sharing, self.plans.spec_key(req, ds), req, ds.key, arena)
 
     def _offer_notices(self, stream: Stream, setup: TransportSetup) -> TransportSetup:

@@ -47,11 +47,23 @@ class ArenaBook:
     def __init__(self) -> None:
         self._arenas: list[ShmArena] = []
 
-    def maker(self, namer: ShmNamer, layout: SlotLayout, count: int) -> Callable[[], ShmArena]:
-        """``make() -> ShmArena`` of ``count`` buffers of ``layout``, named by ``namer``."""
+    def maker(
+        self,
+        namer: ShmNamer,
+        layout: SlotLayout,
+        count: int,
+        admit: Callable[[int], None] | None = None,
+    ) -> Callable[[], ShmArena]:
+        """``make() -> ShmArena`` of ``count`` buffers of ``layout``, named by ``namer``.
+
+        ``admit(nbytes)`` runs first and may refuse the arena by raising a ``BetonError`` (the
+        daemon's ``max_ring_bytes``); the group then shares by copying.
+        """
         from beton_serve.transport.arena import ShmArena
 
         def make() -> ShmArena:
+            if admit is not None:
+                admit(layout.slot_bytes * count)
             arena = ShmArena(layout, count, namer.next("share"))
             self._arenas = [a for a in self._arenas if not a.unlinked]
             self._arenas.append(arena)
