@@ -23,8 +23,8 @@ thread completes a batch future (an engine worker, or the caller when it was alr
 Batches are published strictly in order: ``_on_done`` publishes the head of the deque and every
 finished batch behind it. One thread publishes at a time, and a worker that completes a batch
 meanwhile leaves a mark for it instead of waiting (the two workers used to queue on the stream's
-lock for each other's socket send: 9 % of their time on CIFAR-sized batches). The epoch's outcome is an ``asyncio`` future on the loop, settled with
-``call_soon_threadsafe``: ``None`` after the ``END`` record, or the error that ends the stream (a
+lock for each other's socket send: 9 % of their time on CIFAR-sized batches). The epoch's
+outcome is an ``asyncio`` future on the loop, settled with ``call_soon_threadsafe``: ``None`` after the ``END`` record, or the error that ends the stream (a
 failed batch, a client gone, an abort from the daemon).
 
 Look-ahead: between two epochs the client reads ``END``, ends its loop, builds the next
