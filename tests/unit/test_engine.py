@@ -324,7 +324,7 @@ def test_an_epochs_finalizer_run_inside_one_of_its_tasks_waits_for_nothing(owns_
     from beton_serve.loader._loader import _Running
 
     engine = Engine(2, join_timeout=20.0)
-    running = _Running(engine, owns_engine)
+    running = _Running(engine, owns_engine, 3)
     took: list[float] = []
     failed: list[BaseException] = []
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Backend",
     "BatchSourceLike",
+    "DemandLike",
     "EngineBackend",
     "EngineLike",
     "OutputInfo",
@@ -76,6 +77,22 @@ class EngineLike(Protocol):
     workers_replaced: int
     #: Seconds the workers spent running tasks, summed.
     busy_s: float
+
+    def hold_demand(self, batches: int) -> DemandLike:
+        """Register a stream that keeps ``batches`` batches in flight."""
+        ...
+
+    def prefetch_slices(self) -> int:
+        """Units of work for one prefetched batch, so the streams present fill the workers."""
+        ...
+
+
+class DemandLike(Protocol):
+    """A stream's registered in-flight batches (``beton_serve.engine.Demand``)."""
+
+    def update(self, batches: int) -> None: ...
+
+    def release(self) -> None: ...
 
 
 class BatchSourceLike(Protocol):

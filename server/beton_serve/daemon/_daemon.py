@@ -392,6 +392,7 @@ class Daemon:
             outputs=entry.outputs,
             client_pid=req.offer.identity.pid if same_host else 0,
             client_name=req.client_name,
+            engine=self.engine,
         )
 
     def _check_ring_budget(self, req: StreamRequest, slots: int, slot_bytes: int) -> None:

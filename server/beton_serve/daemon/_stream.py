@@ -52,7 +52,7 @@ from beton_wire.notice import lease_token
 from beton_wire.slots import SlotLayout
 from numpy.typing import NDArray
 
-from beton_serve.daemon._backend import BatchSourceLike, OutputInfo
+from beton_serve.daemon._backend import BatchSourceLike, DemandLike, EngineLike, OutputInfo
 from beton_serve.daemon._datasets import Dataset
 from beton_serve.daemon._events import (
     ClientEvent,
@@ -198,6 +198,10 @@ class Stream:
     #: Called by :meth:`abort` (event-loop thread): the grpc batch method's producer fails the
     #: batches its client is waiting for, so that its call ends with the abort's status.
     on_abort: Callable[[BaseException], None] | None = None
+    #: The shared engine, told the stream's credits (:meth:`begin`) so that prefetch slices
+    #: fill its workers; ``None`` (tests): prefetched batches stay whole.
+    engine: EngineLike | None = None
+    _demand: DemandLike | None = None
 
     async def attach_notices(self, on_hangup: Callable[[], None]) -> NoticeConn:
         """Wait for the client's notice connection and route its releases to this stream.
@@ -274,6 +278,16 @@ class Stream:
         """Start serving with ``credits`` slots in flight at most (0: the whole ring)."""
         slots = self.ring.slot_count
         self._credits = slots if credits <= 0 else min(credits, slots)
+        self._hold_demand()
+
+    def _hold_demand(self) -> None:
+        """Register the credits with the engine, which sizes prefetch slices by them."""
+        if self.engine is None or self.closed:
+            return
+        if self._demand is None:
+            self._demand = self.engine.hold_demand(self._credits)
+        else:
+            self._demand.update(self._credits)
 
     def has_credit(self) -> bool:
         """Whether another slot may be taken: fewer slots filling or leased than credits."""
@@ -317,16 +331,22 @@ class Stream:
         """Submit batch ``b`` into ``slot`` (from :meth:`acquire`).
 
         A batch the client waits for (``waiting``) goes in at priority 0 and is split over the
-        workers, so it arrives sooner; prefetch work gets priority 1 and stays whole, which
-        costs less per image (as in the in-process Loader), unless ``split_prefetch`` (the grpc
-        batch method: a remote client's WANTs are all waited for).
+        workers, so it arrives sooner; prefetch work gets priority 1 and runs in as few parts
+        as keep every worker busy (``Engine.prefetch_slices``: whole batches, which cost less
+        per image, once the streams' credits cover the workers, as in the in-process Loader),
+        unless ``split_prefetch`` (the grpc batch method: a remote client's WANTs are all
+        waited for).
         """
+        if waiting or split_prefetch:
+            slices = None
+        else:
+            slices = self.engine.prefetch_slices() if self.engine is not None else 1
         return self.source.submit(
             epoch,
             b,
             self.ring.host_views(slot),
             priority=0 if waiting else 1,
-            slices=None if waiting or split_prefetch else 1,
+            slices=slices,
             by_reference=by_ref,
         )
 
@@ -414,6 +434,7 @@ class Stream:
     def on_credit(self, ev: CreditEvent) -> None:
         """Grant more credits, up to the ring size."""
         self._credits = min(self.ring.slot_count, self._credits + max(0, ev.count))
+        self._hold_demand()
         self._wake.set()
 
     async def _wait_wake(self) -> None:
@@ -581,6 +602,8 @@ class Stream:
         if self.closed:
             return
         self.closed = True
+        if self._demand is not None:
+            self._demand.release()
         self.drop_lookahead()
         with contextlib.suppress(Exception):  # a shared source leaves its sharing group
             self.source.close()

@@ -8,7 +8,7 @@ daemon and the in-process Loader.
 from __future__ import annotations
 
 from beton_serve.engine._future import BatchFuture, Releasable, SourceCaps, ids_or
-from beton_serve.engine._pool import Engine, Task
+from beton_serve.engine._pool import Demand, Engine, Task
 from beton_serve.engine._source import BadSample, BatchSource, delivered_ids
 from beton_serve.engine.orders import (
     OrderConfig,
@@ -23,6 +23,7 @@ __all__ = [
     "BadSample",
     "BatchFuture",
     "BatchSource",
+    "Demand",
     "Engine",
     "OrderConfig",
     "OrderOption",

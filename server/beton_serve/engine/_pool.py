@@ -30,11 +30,21 @@ resolved the task drops them, a worker keeps no reference to the last task it ra
 task's traceback keeps no frame locals, so that a ring is unmapped as soon as its stream and the
 batch's consumer let go, by reference counting rather than at the next garbage collection
 (issue 11).
+
+Prefetch width: a consumer (a Loader's epoch, a daemon stream) keeps a few batches in flight and
+registers that count as its *demand* (:meth:`Engine.hold_demand`). A prefetched batch runs as
+:meth:`Engine.prefetch_slices` units of work, ``ceil(num_workers / total demand)``, so that the
+in-flight batches of the consumers present fill every worker: a single Loader with 3 batches
+ahead on 16 workers splits each prefetched batch into 6, while 2 workers keep whole batches
+(cheaper per image). The registry is a ``deque`` of ints: ``append``, ``remove`` and ``sum``
+over it run in C without releasing the GIL, so it needs no lock, and a consumer's finalizer may
+drop its demand while another thread is inside :meth:`Engine.submit` holding ``_lock``.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
@@ -42,13 +52,14 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from beton_serve.engine._future import BatchFuture
 from beton_serve.errors import BetonError, PipelineError, drop_frame_locals
 
-__all__ = ["Engine", "Task"]
+__all__ = ["Demand", "Engine", "Task"]
 
 _log = logging.getLogger(__name__)
 
@@ -96,6 +107,36 @@ class Task:
         return self.seq < other.seq
 
 
+class Demand:
+    """A consumer's registered in-flight batches (:meth:`Engine.hold_demand`)."""
+
+    __slots__ = ("_n", "_registry")
+
+    def __init__(self, registry: deque[int], batches: int) -> None:
+        self._registry = registry
+        self._n: int | None = max(0, int(batches))
+        registry.append(self._n)
+
+    def update(self, batches: int) -> None:
+        """Change the count (no effect once :meth:`release` ran)."""
+        old = self._n
+        if old is None:
+            return
+        new = max(0, int(batches))
+        if new != old:
+            self._n = new
+            self._registry.append(new)
+            with contextlib.suppress(ValueError):
+                self._registry.remove(old)
+
+    def release(self) -> None:
+        """Drop the demand (idempotent)."""
+        old, self._n = self._n, None
+        if old is not None:
+            with contextlib.suppress(ValueError):  # two racing releases: the count is a hint
+                self._registry.remove(old)
+
+
 class Engine:
     """One pool of worker threads shared by every stream (and by Loaders given it).
 
@@ -134,6 +175,8 @@ class Engine:
         self.tasks_retried = 0
         #: Seconds workers spent running tasks (utilisation = busy / (wall * num_workers)).
         self.busy_s = 0.0
+        #: Batches each consumer keeps in flight (:meth:`hold_demand`); see the module docstring.
+        self._demand: deque[int] = deque()
         _live.add(self)
         for _ in range(self.num_workers):
             self._start_worker()
@@ -222,6 +265,17 @@ class Engine:
             task = Task(self, next(self._seq), fn, args)
         self._queue.put((int(priority), task.seq, task))
         return task
+
+    def hold_demand(self, batches: int) -> Demand:
+        """Register a consumer that keeps ``batches`` batches in flight; the returned
+        :class:`Demand` updates or drops it (idempotent, safe from a finalizer)."""
+        return Demand(self._demand, batches)
+
+    def prefetch_slices(self) -> int:
+        """Units of work for one prefetched batch: ``ceil(num_workers / total demand)``, at
+        least 1 (1 when no consumer registered its demand)."""
+        total = sum(self._demand)
+        return max(1, -(-self.num_workers // total)) if total > 0 else 1
 
     @property
     def queue_depth(self) -> int:

@@ -307,10 +307,12 @@ def _identity(plans: Sequence[PipelinePlan]) -> list[tuple[Any, ...]]:
 class _Running:
     """What an epoch must release; held by its finalizer, so it never references the feed."""
 
-    def __init__(self, engine: Engine, owns_engine: bool) -> None:
+    def __init__(self, engine: Engine, owns_engine: bool, batches_ahead: int) -> None:
         self.engine = engine
         self.owns_engine = owns_engine
         self.futures: collections.deque[Future[Any]] = collections.deque()
+        #: The epoch's in-flight batches, which size the prefetch slices (``Engine``).
+        self.demand = engine.hold_demand(batches_ahead)
 
     def release(self) -> None:
         """Cancel the epoch's queued tasks, wait for its running ones, close an owned engine.
@@ -320,6 +322,7 @@ class _Running:
         the running tasks may include the one it interrupted, and a worker cannot join itself.
         Their buffers stay alive through the tasks' own references until they finish.
         """
+        self.demand.release()
         on_worker = self.engine.on_worker_thread()
         for fut in self.futures:
             for task in getattr(fut, "tasks", ()):
@@ -354,7 +357,7 @@ class EngineEpochFeed:
         shared = feed.backend.engine
         engine = shared if shared is not None else Engine(feed.workers)
         self._source.engine = engine
-        self._running = _Running(engine, shared is None)
+        self._running = _Running(engine, shared is None, self._batches_ahead)
         self._finalizer = weakref.finalize(self, self._running.release)
         self._next_submit = start
         for _ in range(self._batches_ahead):
@@ -365,10 +368,12 @@ class EngineEpochFeed:
         if b >= self._end:
             return
         slot = self._slots[b % len(self._slots)]
-        waited = b == self.batch  # the consumer needs this one next: split it across workers
-        fut = self._source.submit(
-            self.epoch, b, slot, priority=0 if waited else 1, slices=None if waited else 1
-        )
+        # The batch the consumer needs next is split across the workers; a prefetched one runs
+        # in as many parts as keep every worker busy (whole when the batches ahead do).
+        waited = b == self.batch
+        source = self._source
+        slices = None if waited else min(source.slices, self._running.engine.prefetch_slices())
+        fut = source.submit(self.epoch, b, slot, priority=0 if waited else 1, slices=slices)
         self._running.futures.append(fut)
         self._next_submit += 1
 

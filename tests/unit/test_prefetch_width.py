@@ -1,0 +1,160 @@
+"""Prefetched batches fill the pool: a consumer alone on many workers gets all of them.
+
+Before, a prefetched batch ran as one task, so at most ``batches_ahead`` (a Loader) or the
+credits (a daemon stream) of the workers ever worked at once: 3 of 16. Now each consumer
+registers its in-flight batches with the engine and a prefetched batch runs in
+``ceil(num_workers / total demand)`` slices; the output does not depend on the split.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from beton_serve.daemon._stream import Stream
+from beton_serve.engine import Engine
+from beton_serve.loader import Loader, OrderOption
+from beton_serve.pipeline import PlanCache
+from beton_serve.transport import ShmFactory, ShmNamer
+from beton_wire.slots import slot_layout
+from helpers.fake_pipeline import AddIndex, AddOne, FakeReader
+
+pytestmark = pytest.mark.timeout(60)
+
+_CACHE = PlanCache()
+
+
+def test_prefetch_slices_follow_the_registered_demand() -> None:
+    with Engine(8) as eng:
+        assert eng.prefetch_slices() == 1  # nobody registered: whole batches, as before
+        a = eng.hold_demand(3)
+        assert eng.prefetch_slices() == 3  # ceil(8 / 3)
+        b = eng.hold_demand(3)
+        assert eng.prefetch_slices() == 2  # ceil(8 / 6)
+        b.update(5)
+        assert eng.prefetch_slices() == 1  # 8 batches in flight cover 8 workers
+        b.release()
+        b.release()  # idempotent: must not drop a's count
+        b.update(100)  # no effect once released
+        assert eng.prefetch_slices() == 3
+        a.release()
+        assert eng.prefetch_slices() == 1
+    with Engine(2) as eng:
+        d = eng.hold_demand(3)
+        assert eng.prefetch_slices() == 1  # the 2-core default keeps whole batches
+        d.release()
+
+
+class _Sleepy(AddOne):
+    """A Python op run in the workers: sleeps, counts how many run at once, adds one."""
+
+    lock = threading.Lock()
+    active = 0
+    peak = 0
+
+    def generate_code(self):
+        op = type(self)
+
+        def sleepy(inp, dst):
+            with op.lock:
+                op.active += 1
+                op.peak = max(op.peak, op.active)
+            time.sleep(0.001 * inp.shape[0])  # work in proportion to the samples
+            for i in range(inp.shape[0]):
+                dst[i] = inp[i] + 1
+            with op.lock:
+                op.active -= 1
+            return dst
+
+        sleepy.python = True
+        return sleepy
+
+
+def _epoch(workers: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """One epoch's batches, and the most ops that ran at once after the first batch came (the
+    first, waited for, is split over every worker anyway)."""
+    ld = Loader(
+        FakeReader(n=256),
+        batch_size=32,
+        num_workers=workers,
+        batches_ahead=3,
+        order=OrderOption.RANDOM,
+        seed=5,
+        pipelines={"image": [_Sleepy()], "label": [AddIndex()]},
+        plan_cache=_CACHE,
+    )
+    out = []
+    with ld:
+        for img, lab in ld:
+            if not out:
+                with _Sleepy.lock:
+                    _Sleepy.peak = _Sleepy.active
+            out.append((np.array(img), np.array(lab)))
+    return out, _Sleepy.peak
+
+
+def test_one_loader_on_eight_workers_keeps_them_busy_and_changes_no_output() -> None:
+    ref, peak1 = _epoch(1)
+    got, peak8 = _epoch(8)
+    assert peak1 == 1
+    # 3 batches ahead used to cap this at 3: whole prefetched batches, one worker each.
+    assert peak8 >= 6, peak8
+    assert len(got) == len(ref) == 8
+    for (img, lab), (img_r, lab_r) in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(img, img_r)
+        np.testing.assert_array_equal(lab, lab_r)
+
+
+class _Recorder:
+    """A stream's source that records the slices each submit asks for."""
+
+    def __init__(self) -> None:
+        self.slices: list[int | None] = []
+
+    def submit(self, epoch, b, out, *, priority=1, slices=None, by_reference=False):
+        self.slices.append(slices)
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _stream(engine: Engine, source: _Recorder, factory: ShmFactory) -> Stream:
+    layout = slot_layout([("label", (), "int64")], batch_size=4)
+    ring = factory.create(layout, 6)
+    return Stream(
+        stream_id="s",
+        dataset=None,  # type: ignore[arg-type]  # submit never touches it
+        source=source,  # type: ignore[arg-type]
+        ring=ring,
+        layout=layout,
+        outputs=[],
+        engine=engine,
+    )
+
+
+def test_daemon_streams_register_their_credits_and_split_prefetch_by_them() -> None:
+    with Engine(16) as eng:
+        src_a, src_b = _Recorder(), _Recorder()
+        factory = ShmFactory(ShmNamer())
+        a, b = _stream(eng, src_a, factory), _stream(eng, src_b, factory)
+        try:
+            a.begin(4)
+            a.submit(0, 0, 0, waiting=True)
+            a.submit(0, 1, 1, waiting=False)
+            assert src_a.slices == [None, 4]  # waited: the source's default; prefetch: 16 / 4
+            b.begin(4)
+            b.submit(0, 1, 1, waiting=False)
+            assert src_b.slices == [2]  # two streams of 4 credits on 16 workers
+            a.close()
+            b.submit(0, 2, 2, waiting=False)
+            assert src_b.slices == [2, 4]  # a's demand left with it
+            b.begin(0)  # 0 credits: the whole ring (6 slots)
+            b.submit(0, 3, 3, waiting=False)
+            assert src_b.slices[-1] == 3  # ceil(16 / 6)
+        finally:
+            a.close()
+            b.close()
+        assert eng.prefetch_slices() == 1
