@@ -158,3 +158,34 @@ def test_daemon_streams_register_their_credits_and_split_prefetch_by_them() -> N
             a.close()
             b.close()
         assert eng.prefetch_slices() == 1
+
+
+def test_loaders_on_a_shared_engine_give_their_demand_back() -> None:
+    """Epochs that end, are abandoned mid-way or are closed leave no demand behind on a
+    shared engine, so later consumers are not starved of slices (120 cycles)."""
+    import gc
+
+    with Engine(8) as eng:
+        for i in range(120):
+            ld = Loader(
+                FakeReader(n=64),
+                batch_size=8,
+                batches_ahead=3,
+                engine=eng,
+                pipelines={"image": [AddOne()], "label": [AddIndex()]},
+                plan_cache=_CACHE,
+            )
+            it = iter(ld)
+            next(it)
+            if i % 3 == 0:
+                ld.close()
+            elif i % 3 == 1:
+                del it
+                gc.collect()
+                ld.close()
+            else:
+                for _ in it:
+                    pass
+                ld.close()
+        assert eng.prefetch_slices() == 1
+        assert len(eng._demand) == 0
