@@ -357,9 +357,13 @@ class BatchSource:
         keys: NDArray[np.uint64],
         held: NDArray[np.uint64] | None = None,
     ) -> list[np.ndarray]:
+        binding = self.decode_binding
         try:
-            with decode_scope(self.decode_binding, epoch):  # issue 16: its decode groups
+            if binding is None:
                 out = self._run_plan(epoch, batch, lo, hi, outs, keys, held)
+            else:
+                with decode_scope(binding, epoch):  # issue 16: its decode groups
+                    out = self._run_plan(epoch, batch, lo, hi, outs, keys, held)
         except BaseException:
             # Zeros read from a file truncated under its mapping can make a decode fail: then
             # the file is at fault, not a sample (no bad-sample skip can make that batch good).

@@ -206,6 +206,11 @@ class Plan:
         self._shared_fns: dict[int, Callable[..., Any] | None] = {}
         self._jit: dict[int, bool] = {}
         self._signature: Any = None
+        #: Per output: ``(leaf position, may write into the caller's destination, its shape,
+        #: its dtype)``, fixed between two declarations (:meth:`_static_outputs`).
+        self._outputs_static: list[tuple[int, bool, tuple[int, ...], np.dtype[Any]]] = []
+        #: The jit ops as :meth:`run` calls them (:meth:`_build_steps`).
+        self._steps: list[tuple[Any, ...]] = []
         self.sample_check: Callable[[NDArray[np.uint64]], None] | None = None
         self._storage_state = reader.storage_state
         self._metadata = {n: reader.field_metadata(n) for n in {nd.field_name for nd in nodes}}
@@ -286,6 +291,9 @@ class Plan:
         )
         changed = signature != self._signature
         self._states, self._alloc, self._shared_alloc, self._jit = states, alloc, shared, jit
+        self._outputs_static = self._static_outputs()
+        if self._fns:
+            self._steps = self._build_steps()
         if changed:
             with self._lock:
                 self._signature = signature
@@ -343,6 +351,7 @@ class Plan:
                 fn = fn2
             fns[pos] = fn
         self._fns = fns
+        self._steps = self._build_steps()
         if self._cache is not None and self._cache_key is not None and cached is None:
             self._cache.put(self._cache_key, fns)
 
@@ -469,26 +478,24 @@ class Plan:
         # -- end of sample check
         results: dict[int, Any] = {}
         direct = self._direct_outputs(outs)
+        passed: dict[int, np.ndarray] = {}  # the destination views handed to direct leaves
         timed: list[tuple[str, float]] = []
         clock = time.perf_counter
-        for node in self.jit_nodes:
-            pos = node.position
-            fn = self._fns[pos]
+        storage_state = self._storage_state
+        for node, pos, fn, parent, metadata, with_indices, with_seed, name in self._steps:
             buf = direct.get(pos)
-            dst = buf[:n] if buf is not None else _slice(ws.buffers.get(pos), n)
+            if buf is not None:
+                dst = passed[pos] = buf[:n]
+            else:
+                dst = _slice(ws.buffers.get(pos), n)
             try:
-                if node.parent is None:
-                    args: list[Any] = [
-                        batch_indices,
-                        dst,
-                        self._metadata[node.field_name],
-                        self._storage_state,
-                    ]
+                if parent is None:
+                    args: list[Any] = [batch_indices, dst, metadata, storage_state]
                 else:
-                    args = [results[node.parent.position], dst]
-                    if getattr(fn, "with_indices", False):
+                    args = [results[parent], dst]
+                    if with_indices:
                         args.append(batch_indices)
-                if getattr(fn, "with_seed", False):
+                if with_seed:
                     args.append(seed_keys[pos])
                 if pos in ws.shared:
                     init = self._shared_fns.get(pos)
@@ -500,7 +507,7 @@ class Plan:
                     args.append(ws.shared[pos])
                 t0 = clock()
                 results[pos] = fn(*args)
-                timed.append((type(node.op).__name__, clock() - t0))
+                timed.append((name, clock() - t0))
             except Exception as exc:
                 raise OpFailure(node, exc) from exc
         with self._lock:
@@ -509,10 +516,12 @@ class Plan:
                 acc[0] += sec
                 acc[1] += 1
         out_arrays = []
-        for i, path in enumerate(self.paths):
-            leaf = self._leaf(path)
-            res = results[leaf.position]
+        for i, (leaf_pos, _, _, _) in enumerate(self._outputs_static):
+            res = results[leaf_pos]
             if outs is None:
+                out_arrays.append(res)
+                continue
+            if res is passed.get(leaf_pos):  # the leaf wrote into the destination and said so
                 out_arrays.append(res)
                 continue
             dst = outs[i][:n]
@@ -527,26 +536,57 @@ class Plan:
             out_arrays.append(dst)
         return out_arrays
 
+    def _build_steps(self) -> list[tuple[Any, ...]]:
+        """What :meth:`run` calls, in order, with what only a declaration or a compile
+        changes: ``(node, position, fn, parent position or None, the field's metadata for a
+        decoder, fn.with_indices, fn.with_seed, the op's name)`` (read once here, not per
+        batch: those lookups were a measurable share of a small batch's time)."""
+        steps = []
+        for node in self.jit_nodes:
+            fn = self._fns[node.position]
+            steps.append(
+                (
+                    node,
+                    node.position,
+                    fn,
+                    None if node.parent is None else node.parent.position,
+                    self._metadata[node.field_name] if node.parent is None else None,
+                    bool(getattr(fn, "with_indices", False)),
+                    bool(getattr(fn, "with_seed", False)),
+                    type(node.op).__name__,
+                )
+            )
+        return steps
+
+    def _static_outputs(self) -> list[tuple[int, bool, tuple[int, ...], np.dtype[Any]]]:
+        """What :meth:`run` needs of each output that only a declaration changes: its leaf,
+        and whether that leaf may write straight into the caller's destination (no other jit
+        op reads its buffer, and its allocation is exactly its output state)."""
+        static = []
+        for path in self.paths:
+            leaf = self._leaf(path)
+            q = self._alloc[leaf.position]
+            st = self._states[leaf.position]
+            ok = (
+                not any(self._jit[c.position] for c in leaf.children)
+                and isinstance(q, AllocationQuery)
+                and q.shape == st.shape
+                and np.dtype(q.dtype) == np.dtype(st.dtype)
+            )
+            shape = tuple(q.shape) if isinstance(q, AllocationQuery) else ()
+            dtype = np.dtype(q.dtype) if isinstance(q, AllocationQuery) else np.dtype(np.uint8)
+            static.append((leaf.position, ok, shape, dtype))
+        return static
+
     def _direct_outputs(self, outs: Sequence[np.ndarray] | None) -> dict[int, np.ndarray]:
         """Leaf ops that may write straight into the caller's destination."""
         if outs is None:
             return {}
         direct: dict[int, np.ndarray] = {}
-        for i, path in enumerate(self.paths):
-            leaf = self._jit_leaf(path)
-            if leaf is None or any(self._jit[c.position] for c in leaf.children):
-                continue  # another jit op reads this buffer
-            q = self._alloc[leaf.position]
-            st = self._states[leaf.position]
-            if (
-                isinstance(q, AllocationQuery)
-                and q.shape == st.shape
-                and np.dtype(q.dtype) == np.dtype(st.dtype)
-                and outs[i].dtype == q.dtype
-                and outs[i].shape[1:] == q.shape
-                and outs[i].flags.c_contiguous
-            ):
-                direct[leaf.position] = outs[i]
+        for i, (leaf_pos, ok, shape, dtype) in enumerate(self._outputs_static):
+            o = outs[i]
+            if ok and o.dtype == dtype and o.shape[1:] == shape and o.flags.c_contiguous:
+                direct[leaf_pos] = o
         return direct
 
 
