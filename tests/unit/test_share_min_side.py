@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from beton_serve.errors import SpecError
-from beton_serve.fields._shared_decode import scaled_box, shared_scale
+from beton_serve.fields._shared_decode import scaled_box, scaled_plan, shared_scale
 from beton_serve.fields.decode_cache import (
     DecodeBinding,
     DecodeCache,
@@ -220,3 +220,25 @@ def test_a_member_that_decodes_otherwise_is_not_used(fixtures_dir) -> None:
             )
         assert cache.stats()[0].delivered == 0
         full.close()
+
+
+@pytest.mark.parametrize("min_side", [0, 1, 64, 160, 224, 5000])
+def test_the_batch_plan_is_the_per_sample_arithmetic(min_side: int) -> None:
+    """``scaled_plan`` (numpy, per batch) gives exactly what ``shared_scale`` and
+    ``scaled_box`` give per sample: the member loop relies on it for bit-identical crops."""
+    rng = np.random.default_rng(min_side)
+    n = 3000
+    hs = rng.integers(1, 2000, n)
+    ws = rng.integers(1, 2000, n)
+    boxes = []
+    for h, w in zip(hs.tolist(), ws.tolist(), strict=True):
+        ch, cw = int(rng.integers(1, h + 1)), int(rng.integers(1, w + 1))
+        boxes.append((int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1)), ch, cw))
+    ms, nbytes, sboxes = scaled_plan(hs, ws, np.array(boxes, np.int64), min_side)
+    for i, (h, w) in enumerate(zip(hs.tolist(), ws.tolist(), strict=True)):
+        m = shared_scale(h, w, min_side) if min_side else 8
+        sh, sw = -((-h * m) // 8), -((-w * m) // 8)
+        assert ms[i] == m
+        assert nbytes[i] == sh * sw * 3
+        assert sboxes[i] == scaled_box(*boxes[i], m, sh, sw)
+        assert all(type(v) is int for v in (ms[i], nbytes[i], *sboxes[i]))

@@ -25,7 +25,7 @@ import numpy as np
 from beton_serve._tj3 import scaled
 from beton_serve.fields.decode_cache import current_member, decode_key
 
-__all__ = ["make_shared_loop", "scaled_box", "shared_scale"]
+__all__ = ["make_shared_loop", "scaled_box", "scaled_plan", "shared_scale"]
 
 #: The DCT scales ``M/8`` a shared decode may use, cheapest first (``_tj3.SCALE_DECODE_COST``:
 #: 1/8, 1/4 and 1/2 cost 0.56-0.74 of a full decode; 3/8 and 5/8-7/8 cost more than 1/2).
@@ -57,6 +57,34 @@ def scaled_box(
     b = max(min(((top + ch) * m + 4) // 8, sh), t + 1)
     r = max(min(((left + cw) * m + 4) // 8, sw), lf + 1)
     return t, lf, b - t, r - lf
+
+
+def scaled_plan(
+    heights: np.ndarray, widths: np.ndarray, boxes: np.ndarray, min_side: int
+) -> tuple[list[int], list[int], list[tuple[int, int, int, int]]]:
+    """For a batch at once: each sample's scale numerator :func:`shared_scale`, the bytes of
+    its decode at that scale, and its crop box (``boxes``: ``(B, 4)`` rows ``top, left, ch,
+    cw`` in full-size pixels) mapped by :func:`scaled_box` onto that decode. The same integer
+    arithmetic as the per-sample functions, in numpy (those calls, per sample, held the GIL
+    for a tenth of a member's time)."""
+    h = np.asarray(heights, np.int64)
+    w = np.asarray(widths, np.int64)
+    bx = np.asarray(boxes, np.int64).reshape(-1, 4)
+    m = np.full(h.shape, 8, np.int64)
+    if min_side > 0:
+        short = np.minimum(h, w)
+        for num in reversed(_SHARED_SCALES):  # the smallest that covers wins: assigned last
+            m = np.where(-((-short * num) // 8) >= min_side, num, m)
+    sh = -((-h * m) // 8)
+    sw = -((-w * m) // 8)
+    top, left, ch, cw = bx[:, 0], bx[:, 1], bx[:, 2], bx[:, 3]
+    t = np.minimum((top * m + 4) // 8, sh - 1)
+    lf = np.minimum((left * m + 4) // 8, sw - 1)
+    b = np.maximum(np.minimum(((top + ch) * m + 4) // 8, sh), t + 1)
+    r = np.maximum(np.minimum(((left + cw) * m + 4) // 8, sw), lf + 1)
+    full = m == 8
+    out = np.where(full[:, None], bx, np.stack([t, lf, b - t, r - lf], axis=1))
+    return m.tolist(), (sh * sw * 3).tolist(), [tuple(row) for row in out.tolist()]
 
 
 def make_shared_loop(decoder: Any) -> Callable[..., Any]:
@@ -116,20 +144,28 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
 
     def run(batch_indices, dst, metadata, storage_state, seed_key=None):
         rbuf = scratch(dst.shape[2])
-        boxes = crops_of(batch_indices, seed_key).tolist()
+        boxes = crops_of(batch_indices, seed_key)
         bound = current_member(metadata, dkey)
-        # the batch's columns as Python ints, once: per-sample numpy scalar indexing and
-        # int() conversions were a visible share of a member's time (issue 16)
+        # the batch's columns, scales and boxes as Python ints, once: per-sample numpy scalar
+        # indexing, int() conversions and scale arithmetic were a visible share of a member's
+        # time (issue 16)
         ids = np.asarray(batch_indices, np.int64)
+        heights = cols.heights[ids]
+        widths = cols.widths[ids]
+        ms, nbytes, scaled_boxes = scaled_plan(heights, widths, boxes, min_side)
         rows = zip(
             ids.tolist(),
-            cols.heights[ids].tolist(),
-            cols.widths[ids].tolist(),
+            heights.tolist(),
+            widths.tolist(),
             cols.modes[ids].tolist(),
             cols.ptrs[ids].tolist(),
+            ms,
+            nbytes,
+            boxes.tolist(),
+            scaled_boxes,
             strict=True,
         )
-        samples = [(b, *row, boxes[b]) for b, row in enumerate(rows)]
+        samples = [(b, *row) for b, row in enumerate(rows)]
         later = []
         for sample in samples:
             if not one(sample, dst, storage_state, rbuf, bound, False):
@@ -139,16 +175,16 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
         return dst
 
     def one(sample, dst, storage_state, rbuf, bound, wait) -> bool:
-        """Write row ``b`` of ``dst`` from ``sample = (b, sid, height, width, mode, ptr,
-        box)``; ``False`` when its image is being decoded by another member and ``wait`` is
-        false."""
-        b, sid, height, width, mode, ptr, (top, left, ch, cw) = sample
+        """Write row ``b`` of ``dst`` from ``sample = (b, sid, height, width, mode, ptr, m,
+        nbytes, box, scaled box)`` (:func:`scaled_plan`); ``False`` when its image is being
+        decoded by another member and ``wait`` is false."""
+        b, sid, height, width, mode, ptr, m, nbytes, box, sbox = sample
         if mode != 0:
             data = mem_read(ptr, storage_state)
             img = data[: height * width * 3].reshape(height, width, 3)
+            top, left, ch, cw = box
         else:
-            m = shared_scale(height, width, min_side) if min_side else 8
-            nbytes = scaled(height, m) * scaled(width, m) * 3
+            top, left, ch, cw = sbox  # the box on the decode at scale m/8 (== box at 8/8)
             if bound is None:
                 data = mem_read(ptr, storage_state)
                 img = shared_decode(data, sid, height, width, m, solo_buffer(nbytes))
@@ -164,8 +200,6 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
                 )
                 if img is None:
                     return False
-            if m != 8:
-                top, left, ch, cw = scaled_box(top, left, ch, cw, m, img.shape[0], img.shape[1])
         rz.resize_crop(img, top, left, ch, cw, dst[b], rbuf, method)
         return True
 
