@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from beton_serve._tj3 import scaled
 from beton_serve.fields.decode_cache import current_member, decode_key
@@ -70,7 +71,7 @@ def scaled_plan(
     h = np.asarray(heights, np.int64)
     w = np.asarray(widths, np.int64)
     bx = np.asarray(boxes, np.int64).reshape(-1, 4)
-    m = np.full(h.shape, 8, np.int64)
+    m: NDArray[np.int64] = np.full(h.shape, 8, np.int64)
     if min_side > 0:
         short = np.minimum(h, w)
         for num in reversed(_SHARED_SCALES):  # the smallest that covers wins: assigned last
@@ -84,7 +85,9 @@ def scaled_plan(
     r = np.maximum(np.minimum(((left + cw) * m + 4) // 8, sw), lf + 1)
     full = m == 8
     out = np.where(full[:, None], bx, np.stack([t, lf, b - t, r - lf], axis=1))
-    return m.tolist(), (sh * sw * 3).tolist(), [tuple(row) for row in out.tolist()]
+    ms: list[int] = m.tolist()
+    nbytes: list[int] = (sh * sw * 3).tolist()
+    return ms, nbytes, [tuple(row) for row in out.tolist()]
 
 
 def make_shared_loop(decoder: Any) -> Callable[..., Any]:
