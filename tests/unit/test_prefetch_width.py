@@ -19,7 +19,7 @@ from beton_serve.loader import Loader, OrderOption
 from beton_serve.pipeline import PlanCache
 from beton_serve.transport import ShmFactory, ShmNamer
 from beton_wire.slots import slot_layout
-from helpers.fake_pipeline import AddIndex, AddOne, FakeReader
+from helpers.fake_pipeline import AddIndex, AddOne, FakeReader, fake_image
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -189,3 +189,33 @@ def test_loaders_on_a_shared_engine_give_their_demand_back() -> None:
                 ld.close()
         assert eng.prefetch_slices() == 1
         assert len(eng._demand) == 0
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+def test_the_batch_a_consumer_still_holds_is_never_overwritten(ahead: int) -> None:
+    """``next()`` hands batch ``b - 2``'s slot to batch ``b + ahead`` before it waits for ``b``:
+    the previous batch (``b - 1``), which the consumer may still hold, keeps its contents
+    while the loader runs ahead (slow consumer: the workers fill every free slot)."""
+    ld = Loader(
+        FakeReader(n=96),
+        batch_size=4,
+        num_workers=2,
+        batches_ahead=ahead,
+        order=OrderOption.RANDOM,
+        seed=3,
+        pipelines={"image": [AddOne()], "label": [AddIndex()]},
+        plan_cache=_CACHE,
+    )
+    with ld:
+        ids = ld.sample_order(0)
+        prev = None
+        for b, (img, lab) in enumerate(ld):
+            want = ids[b * 4 : b * 4 + 4].astype(np.int64)
+            np.testing.assert_array_equal(lab[:, 0], want * 1010)
+            time.sleep(0.002)  # let the workers run ahead into every slot they may take
+            if prev is not None:
+                p_img, p_lab, p_want = prev
+                np.testing.assert_array_equal(p_lab[:, 0], p_want * 1010)
+                for i, sid in enumerate(p_want.tolist()):
+                    np.testing.assert_array_equal(p_img[i], fake_image(sid) + 1)
+            prev = (img, lab, want)
