@@ -34,9 +34,9 @@ batch's consumer let go, by reference counting rather than at the next garbage c
 Prefetch width: a consumer (a Loader's epoch, a daemon stream) keeps a few batches in flight and
 registers that count as its *demand* (:meth:`Engine.hold_demand`). A prefetched batch runs as
 :meth:`Engine.prefetch_slices` units of work, ``ceil(num_workers / total demand)``, so that the
-in-flight batches of the consumers present fill every worker: a single Loader with 3 batches
-ahead on 16 workers splits each prefetched batch into 6, while 2 workers keep whole batches
-(cheaper per image). The registry is a ``deque`` of ints: ``append``, ``remove`` and ``sum``
+in-flight batches of the consumers present fill every worker: a single Loader with 4 batches
+in flight (``batches_ahead=3``) on 16 workers splits each prefetched batch into 4, while 2
+workers keep whole batches (cheaper per image). The registry is a ``deque`` of ints: ``append``, ``remove`` and ``sum``
 over it run in C without releasing the GIL, so it needs no lock, and a consumer's finalizer may
 drop its demand while another thread is inside :meth:`Engine.submit` holding ``_lock``.
 """
