@@ -10,6 +10,7 @@ served tests have 2 workers, where prefetched batches stay whole.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,17 +42,13 @@ def test_a_sixteen_worker_daemon_serves_split_prefetch_equal_to_in_process(
     daemon_factory, fixtures_dir: Path
 ) -> None:
     beton = fixtures_dir / "images_jpg.beton"
-    kw = dict(batch_size=32, order=OrderOption.RANDOM, seed=11, drop_last=False, batches_ahead=3)
-    with Loader(str(beton), pipelines=_pipelines(), num_workers=1, **kw) as ref_ld:  # type: ignore[arg-type]
+    kw: dict[str, Any] = dict(
+        batch_size=32, order=OrderOption.RANDOM, seed=11, drop_last=False, batches_ahead=3
+    )
+    with Loader(str(beton), pipelines=_pipelines(), num_workers=1, **kw) as ref_ld:
         want = _epochs(ref_ld, 3)
     d = daemon_factory([beton], args=["--workers", "16"])
-    with Loader(
-        "images_jpg",
-        pipelines=_pipelines(),
-        server=d.address,
-        copy=True,
-        **kw,  # type: ignore[arg-type]
-    ) as ld:
+    with Loader("images_jpg", pipelines=_pipelines(), server=d.address, copy=True, **kw) as ld:
         got = _epochs(ld, 3)
     assert len(got) == len(want) >= 6
     for (gi, gl, gs), (wi, wl, ws) in zip(got, want, strict=True):
