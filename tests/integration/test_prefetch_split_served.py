@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from beton_client import Loader, OrderOption
 from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+from beton_serve.loader import Loader as InProcessLoader
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
 
@@ -30,7 +31,7 @@ def _pipelines() -> dict:
     }
 
 
-def _epochs(ld: Loader, n: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _epochs(ld: Any, n: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     out = []
     for _ in range(n):
         for image, label in ld:
@@ -45,7 +46,8 @@ def test_a_sixteen_worker_daemon_serves_split_prefetch_equal_to_in_process(
     kw: dict[str, Any] = dict(
         batch_size=32, order=OrderOption.RANDOM, seed=11, drop_last=False, batches_ahead=3
     )
-    with Loader(str(beton), pipelines=_pipelines(), num_workers=1, **kw) as ref_ld:
+    # beton_serve's own Loader: beton_client's, given a path, would spawn a daemon of its own
+    with InProcessLoader(str(beton), pipelines=_pipelines(), num_workers=1, **kw) as ref_ld:
         want = _epochs(ref_ld, 3)
     d = daemon_factory([beton], args=["--workers", "16"])
     with Loader("images_jpg", pipelines=_pipelines(), server=d.address, copy=True, **kw) as ld:
