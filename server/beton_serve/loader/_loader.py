@@ -360,7 +360,8 @@ class EngineEpochFeed:
         shared = feed.backend.engine
         engine = shared if shared is not None else Engine(feed.workers)
         self._source.engine = engine
-        self._running = _Running(engine, shared is None, self._batches_ahead + 1)
+        # the source's credit: the awaited batch and batches_ahead more (EngineBackend.source)
+        self._running = _Running(engine, shared is None, self._source.batches_ahead)
         self._finalizer = weakref.finalize(self, self._running.release)
         self._next_submit = start
         for _ in range(self._batches_ahead):
