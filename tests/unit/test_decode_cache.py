@@ -126,6 +126,41 @@ def test_no_wait_returns_none_while_another_member_decodes() -> None:
     assert cache.stats()[0].hits == 1 and cache.nbytes == 0
 
 
+def test_take_ready_takes_only_ready_entries_in_one_call_and_counts_as_get_does() -> None:
+    """``take_ready`` is ``get``'s hit branch for a batch: ready entries are taken (counted, and
+    freed once their last holder took them); absent and in-flight ones are left untouched."""
+    cache = DecodeCache(max_bytes=1 << 20)
+    a, b = join(cache), join(cache)
+    dec = Decoder()
+    for sid in (1, 2):
+        take(a, sid, 0, dec)  # published for b
+    go = threading.Event()
+
+    def slow() -> np.ndarray:
+        go.wait(10)
+        return np.full((SIDE, SIDE, 3), 3, np.uint8)
+
+    t = threading.Thread(target=lambda: a.get(3, 0, NBYTES, slow))
+    t.start()
+    while cache.stats()[0].live < 3:  # a's decode of 3 is in flight
+        time.sleep(0.001)
+    before = cache.stats()[0]
+    got = b.take_ready([2, 3, 1, 4], 0)
+    assert [None if g is None else int(g[0, 0, 0]) for g in got] == [2, None, 1, None]
+    assert all(not g.flags.writeable for g in got if g is not None)
+    st = cache.stats()[0]
+    assert (st.hits, st.delivered, st.decoded) == (before.hits + 2, before.delivered + 2, 3)
+    assert st.live == 1  # 1 and 2 freed (b was their last holder); 3 still in flight
+    go.set()
+    t.join(10)
+    # what take_ready left is get's, as before: a hit on 3, b's own decode of 4
+    take(b, 3, 0, dec)
+    take(b, 4, 0, dec)
+    assert dec.count[4] == 1 and cache.nbytes == NBYTES  # 4 is held for a, which has not read it
+    st = cache.stats()[0]
+    assert (st.hits, st.decoded) == (3, 4)
+
+
 def test_byte_bound_holds_and_a_laggard_detaches_and_stays_correct() -> None:
     budget = 10 * NBYTES
     cache = DecodeCache(max_bytes=budget)

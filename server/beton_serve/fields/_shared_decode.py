@@ -98,7 +98,6 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
     ``batch_indices[b]`` and returns ``dst``. A corrupt JPEG raises ``CorruptJPEGError`` naming
     the sample, as the decoder's own loop does.
     """
-    from beton_serve._kernels import resize as rz
     from beton_serve.fields.decoders import (
         _RGB_MEMBERS,
         _corrupt,
@@ -120,6 +119,9 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
     dkey = decode_key(min_side)
     bufs = _WorkerBuffers(cols)
     scratch, solo_buffer = bufs.resize_scratch, bufs.jpeg
+    # share_min_side > 0: upscales by the compiled kernel too (pixels within 1 of OpenCV's, equal
+    # on x86-64 AVX2); 0 keeps OpenCV's, so that the batches equal dct_scale=False's anywhere
+    compiled_up = min_side > 0
 
     def shared_decode(
         data: np.ndarray, sid: int, height: int, width: int, m: int, buf: np.ndarray | None = None
@@ -146,7 +148,7 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
         return img
 
     def run(batch_indices, dst, metadata, storage_state, seed_key=None):
-        rbuf = scratch(dst.shape[2])
+        rows = _Rows(dst, method, scratch(dst.shape[2]), compiled_up)
         boxes = crops_of(batch_indices, seed_key)
         bound = current_member(metadata, dkey)
         # the batch's columns, scales and boxes as Python ints, once: per-sample numpy scalar
@@ -156,7 +158,7 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
         heights = cols.heights[ids]
         widths = cols.widths[ids]
         ms, nbytes, scaled_boxes = scaled_plan(heights, widths, boxes, min_side)
-        rows = zip(
+        plan = zip(
             ids.tolist(),
             heights.tolist(),
             widths.tolist(),
@@ -168,45 +170,118 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
             scaled_boxes,
             strict=True,
         )
-        samples = [(b, *row) for b, row in enumerate(rows)]
+        samples = [(b, *row) for b, row in enumerate(plan)]
+        if bound is not None:
+            # what other members have decoded already, taken in one lock round trip
+            member, epoch = bound
+            jpegs = [s for s in samples if s[4] == 0]
+            ready = member.take_ready([s[1] for s in jpegs], epoch)
+            for s, img in zip(jpegs, ready, strict=True):
+                if img is not None:
+                    rows.add(s[0], img, s[9])
+            samples = [s for s in samples if s[4] != 0]
+            samples += [s for s, img in zip(jpegs, ready, strict=True) if img is None]
         later = []
         for sample in samples:
-            if not one(sample, dst, storage_state, rbuf, bound, False):
+            if not one(sample, storage_state, rows, bound, False):
                 later.append(sample)  # another member is decoding it: do the others first
         for sample in later:
-            one(sample, dst, storage_state, rbuf, bound, True)
+            one(sample, storage_state, rows, bound, True)
+        rows.flush()
         return dst
 
-    def one(sample, dst, storage_state, rbuf, bound, wait) -> bool:
-        """Write row ``b`` of ``dst`` from ``sample = (b, sid, height, width, mode, ptr, m,
-        nbytes, box, scaled box)`` (:func:`scaled_plan`); ``False`` when its image is being
-        decoded by another member and ``wait`` is false."""
+    def one(sample, storage_state, rows, bound, wait) -> bool:
+        """Queue row ``b`` of the batch on ``rows`` from ``sample = (b, sid, height, width,
+        mode, ptr, m, nbytes, box, scaled box)`` (:func:`scaled_plan`); ``False`` when its
+        image is being decoded by another member and ``wait`` is false."""
         b, sid, height, width, mode, ptr, m, nbytes, box, sbox = sample
         if mode != 0:
             data = mem_read(ptr, storage_state)
-            img = data[: height * width * 3].reshape(height, width, 3)
-            top, left, ch, cw = box
-        else:
-            top, left, ch, cw = sbox  # the box on the decode at scale m/8 (== box at 8/8)
-            if bound is None:
-                data = mem_read(ptr, storage_state)
-                img = shared_decode(data, sid, height, width, m, solo_buffer(nbytes))
-            else:
-                member, epoch = bound
-                img = member.get(
-                    sid,
-                    epoch,
-                    nbytes,
-                    # the file's bytes are read only by the member that decodes them
-                    partial(read_and_decode, ptr, storage_state, sid, height, width, m),
-                    wait=wait,
-                )
-                if img is None:
-                    return False
-        rz.resize_crop(img, top, left, ch, cw, dst[b], rbuf, method)
+            rows.add(b, data[: height * width * 3].reshape(height, width, 3), box)
+            return True
+        if bound is None:
+            data = mem_read(ptr, storage_state)
+            rows.add(b, shared_decode(data, sid, height, width, m, solo_buffer(nbytes)), sbox)
+            rows.flush()  # the buffer is this thread's, reused by the next decode
+            return True
+        member, epoch = bound
+        img = member.get(
+            sid,
+            epoch,
+            nbytes,
+            # the file's bytes are read only by the member that decodes them
+            partial(read_and_decode, ptr, storage_state, sid, height, width, m),
+            wait=wait,
+        )
+        if img is None:
+            return False
+        rows.add(b, img, sbox)  # sbox: the box on the decode at scale m/8 (== box at 8/8)
         return True
 
     def read_and_decode(ptr, storage_state, sid, height, width, m) -> np.ndarray:
         return shared_decode(mem_read(ptr, storage_state), sid, height, width, m)
 
     return run
+
+
+#: Bytes of images a batch holds for :class:`_Rows` before it resizes them (more only for one
+#: larger image): the private decodes of a member that decodes alone are not kept past this.
+ROWS_HOLD_BYTES = 32 << 20
+
+
+class _Rows:
+    """The crops of a batch still to resize into their rows of ``dst``, resized together.
+
+    Made and used by one worker thread for one batch. ``add`` keeps the image alive until
+    :meth:`flush`, which runs every crop in one call of the compiled
+    :func:`~beton_serve._kernels.crops.resize_crops`, taking no GIL between samples; with the
+    ``"cv2"`` method, and for upscales unless ``compiled_up``, each goes to
+    :func:`~beton_serve._kernels.resize.resize_crop` (OpenCV) instead. Which route a crop takes
+    depends on its geometry alone, never on the decode group, so a stream's pixels are the same
+    alone or shared.
+    """
+
+    __slots__ = ("_compiled_up", "_dst", "_held", "_items", "_kernel", "_method", "_scratch")
+
+    def __init__(
+        self, dst: np.ndarray, method: str, scratch: np.ndarray, compiled_up: bool
+    ) -> None:
+        self._dst = dst
+        self._method = method
+        self._scratch = scratch
+        self._compiled_up = compiled_up
+        self._kernel = method == "area" and bool(dst.flags.c_contiguous)
+        self._items: list[tuple[int, np.ndarray, tuple[int, int, int, int]]] = []
+        self._held = 0
+
+    def add(self, b: int, img: np.ndarray, box: tuple[int, int, int, int]) -> None:
+        """Queue ``img[top:top+h, left:left+w]`` (``box``) for row ``b``."""
+        self._items.append((b, img, box))
+        self._held += img.nbytes
+        if self._held > ROWS_HOLD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Resize every queued crop into its row, then drop the images."""
+        from beton_serve._kernels import resize as rz
+
+        items, self._items, self._held = self._items, [], 0
+        if not items:
+            return
+        dst, oh, ow = self._dst, self._dst.shape[1], self._dst.shape[2]
+        batch = []
+        for b, img, box in items:
+            down = oh <= box[2] and ow <= box[3]
+            if self._kernel and (down or self._compiled_up) and img.flags.c_contiguous:
+                batch.append((b, img, box))
+            else:
+                rz.resize_crop(img, *box, dst[b], self._scratch, self._method)
+        if batch:
+            from beton_serve._kernels.crops import resize_crops
+            from beton_serve._kernels.upscale import rows_size
+
+            addrs = np.array([img.__array_interface__["data"][0] for _, img, _ in batch], np.int64)
+            meta = np.array([(b, *img.shape[:2], *box) for b, img, box in batch], np.int64)
+            rows = np.empty(rows_size(ow), np.int16)
+            # ``batch`` holds every image until the call returns: the kernel reads them by address
+            resize_crops(addrs, meta, dst, dst.reshape(-1), self._scratch, rows)

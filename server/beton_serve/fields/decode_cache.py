@@ -240,15 +240,7 @@ class Member:
             e = g.entries.get(sid)
             if not wait and e is not None and not e.ok:
                 return None
-            g.delivered += 1
-            if epoch > self.epoch:
-                self.epoch = epoch
-            self.active = True
-            last = self._last
-            if 0 <= sid < last.shape[0] and last[sid] < epoch:
-                last[sid] = epoch
-            if self.detached and cache._caught_up(self, g, sid, epoch):
-                self.detached = False
+            self._note(g, sid, epoch)
             if e is None:
                 g.decoded += 1
                 # None: nobody else needs it, or it cannot fit: decode alone
@@ -278,6 +270,52 @@ class Member:
                 g.decoded += 1
                 img = None
         return img if img is not None else _readonly(decode())
+
+    def take_ready(self, sids: list[int], epoch: int) -> list[NDArray[np.uint8] | None]:
+        """The entries of ``sids`` that are ready now, taken under one lock round trip.
+
+        For each sample whose entry another member has already decoded, this does exactly what
+        :meth:`get` does for that hit (and in ``sids``' order); every other sample (no entry,
+        or one being decoded) is left as it was, ``None`` in the result, for :meth:`get`. A
+        batch of a group of four members is mostly hits: one call per batch instead of one
+        lock and one Python call per sample, whose GIL hand-offs cost the shared path a tenth
+        of its cores (issue 16).
+
+        Args:
+            sids: sample ids, in the order the batch takes them.
+            epoch: as for :meth:`get`.
+
+        Returns:
+            One read-only array or ``None`` per sample of ``sids``.
+        """
+        cache = self._cache
+        g = self._group
+        out: list[NDArray[np.uint8] | None] = [None] * len(sids)
+        with cache._lock:
+            if cache._later:
+                cache._drain()
+            entries = g.entries
+            for i, sid in enumerate(sids):
+                e = entries.get(sid)
+                if e is None or not e.ok or e.img is None:
+                    continue
+                self._note(g, sid, epoch)
+                g.hits += 1
+                cache._taken(self, g, e)
+                out[i] = e.img
+        return out
+
+    def _note(self, g: _Group, sid: int, epoch: int) -> None:
+        """Record that this member takes ``sid`` in ``epoch`` (the cache's lock held)."""
+        g.delivered += 1
+        if epoch > self.epoch:
+            self.epoch = epoch
+        self.active = True
+        last = self._last
+        if 0 <= sid < last.shape[0] and last[sid] < epoch:
+            last[sid] = epoch
+        if self.detached and self._cache._caught_up(self, g, sid, epoch):
+            self.detached = False
 
     def close(self) -> None:
         """Leave the group (frees the entries only this member held). Idempotent."""
