@@ -534,7 +534,7 @@ def batch_kernel(lib: ctypes.CDLL, *, wait: bool = True, start: bool = True) -> 
     otherwise the caller handles that sample itself (a raw image, unknown subsampling, or any
     TurboJPEG error: the caller's own decode then raises with libjpeg-turbo's message).
 
-    An upscale (a crop smaller than the output, which OpenCV resizes) is decoded too: its region
+    An upscale (a crop smaller than the output, resized after the kernel) is decoded too: its region
     goes to ``arena`` (uint8, flat) at the running offset ``atab[B, 0]`` (``atab``: int64
     ``(B + 1, ARENA_COLUMNS)``), in rows ``rw * 3`` bytes apart, and ``atab[b]`` gets ``(offset,
     rh, rw, t2, l2, c2, w2)``: the caller resizes ``[t2:t2+c2, l2:l2+w2]`` of it into ``dst[b]``
@@ -722,7 +722,7 @@ def _make_kernel_and_args(lib: ctypes.CDLL) -> tuple[object, tuple[Any, ...]]:
             if set_crop(handle, (np.int64(y) << 32) | x, (np.int64(rh) << 32) | rw) != 0:
                 return b, 0, 0
             if up:
-                # an upscale (OpenCV's, in the caller): the region goes to the arena, at the
+                # an upscale (resized by the caller): the region goes to the arena, at the
                 # running position atab[n, 0], and its place and crop to atab[b]
                 pos = atab[n, 0]
                 size = rh * rw * 3

@@ -119,9 +119,6 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
     dkey = decode_key(min_side)
     bufs = _WorkerBuffers(cols)
     scratch, solo_buffer = bufs.resize_scratch, bufs.jpeg
-    # share_min_side > 0: upscales by the compiled kernel too (pixels within 1 of OpenCV's, equal
-    # on x86-64 AVX2); 0 keeps OpenCV's, so that the batches equal dct_scale=False's anywhere
-    compiled_up = min_side > 0
 
     def shared_decode(
         data: np.ndarray, sid: int, height: int, width: int, m: int, buf: np.ndarray | None = None
@@ -148,7 +145,7 @@ def make_shared_loop(decoder: Any) -> Callable[..., Any]:
         return img
 
     def run(batch_indices, dst, metadata, storage_state, seed_key=None):
-        rows = _Rows(dst, method, scratch(dst.shape[2]), compiled_up)
+        rows = _Rows(dst, method, scratch(dst.shape[2]))
         boxes = crops_of(batch_indices, seed_key)
         bound = current_member(metadata, dkey)
         # the batch's columns, scales and boxes as Python ints, once: per-sample numpy scalar
@@ -234,22 +231,18 @@ class _Rows:
 
     Made and used by one worker thread for one batch. ``add`` keeps the image alive until
     :meth:`flush`, which runs every crop in one call of the compiled
-    :func:`~beton_serve._kernels.crops.resize_crops`, taking no GIL between samples; with the
-    ``"cv2"`` method, and for upscales unless ``compiled_up``, each goes to
-    :func:`~beton_serve._kernels.resize.resize_crop` (OpenCV) instead. Which route a crop takes
-    depends on its geometry alone, never on the decode group, so a stream's pixels are the same
-    alone or shared.
+    :func:`~beton_serve._kernels.crops.resize_crops`, taking no GIL between samples: the same
+    kernels, so the same pixels, as :func:`~beton_serve._kernels.resize.resize_crop` with
+    ``"area"``, which it falls back to per crop (an image that is not C-contiguous, a batch
+    buffer that is not). With ``"cv2"`` each crop goes to OpenCV.
     """
 
-    __slots__ = ("_compiled_up", "_dst", "_held", "_items", "_kernel", "_method", "_scratch")
+    __slots__ = ("_dst", "_held", "_items", "_kernel", "_method", "_scratch")
 
-    def __init__(
-        self, dst: np.ndarray, method: str, scratch: np.ndarray, compiled_up: bool
-    ) -> None:
+    def __init__(self, dst: np.ndarray, method: str, scratch: np.ndarray) -> None:
         self._dst = dst
         self._method = method
         self._scratch = scratch
-        self._compiled_up = compiled_up
         self._kernel = method == "area" and bool(dst.flags.c_contiguous)
         self._items: list[tuple[int, np.ndarray, tuple[int, int, int, int]]] = []
         self._held = 0
@@ -268,20 +261,18 @@ class _Rows:
         items, self._items, self._held = self._items, [], 0
         if not items:
             return
-        dst, oh, ow = self._dst, self._dst.shape[1], self._dst.shape[2]
+        dst = self._dst
         batch = []
         for b, img, box in items:
-            down = oh <= box[2] and ow <= box[3]
-            if self._kernel and (down or self._compiled_up) and img.flags.c_contiguous:
+            if self._kernel and img.flags.c_contiguous:
                 batch.append((b, img, box))
             else:
                 rz.resize_crop(img, *box, dst[b], self._scratch, self._method)
         if batch:
             from beton_serve._kernels.crops import resize_crops
-            from beton_serve._kernels.upscale import rows_size
 
             addrs = np.array([img.__array_interface__["data"][0] for _, img, _ in batch], np.int64)
             meta = np.array([(b, *img.shape[:2], *box) for b, img, box in batch], np.int64)
-            rows = np.empty(rows_size(ow), np.int16)
             # ``batch`` holds every image until the call returns: the kernel reads them by address
-            resize_crops(addrs, meta, dst, dst.reshape(-1), self._scratch, rows)
+            scratch = self._scratch
+            resize_crops(addrs, meta, dst, dst.reshape(-1), scratch, scratch.view(np.int16))

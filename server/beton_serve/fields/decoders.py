@@ -522,6 +522,7 @@ class _CropDecoder(SimpleRGBImageDecoder):
         """
         from beton_serve import _tj3
         from beton_serve._kernels import resize as rz
+        from beton_serve._kernels.crops import CROP_COLUMNS, resize_crops
         from beton_serve.jpeg import CorruptJPEGError
 
         if self._cols is None:
@@ -596,8 +597,9 @@ class _CropDecoder(SimpleRGBImageDecoder):
                 rz.resize_crop(out, t2, l2, c2, w2, dst[b], rbuf, method)
 
         # The compiled loop (no GIL for the whole batch) decodes the JPEGs and area-resizes the
-        # downscales; the upscales' regions it leaves in an arena for OpenCV; this Python loop
-        # does what it hands back (raw images, errors) and resize="cv2".
+        # downscales; the upscales' regions it leaves in an arena, resized after it in one more
+        # compiled call; this Python loop does what it hands back (raw images, errors) and
+        # resize="cv2".
         # (compiled in the background on first use: the first batches take the Python loop)
         use_kernel = method == "area"
 
@@ -689,13 +691,16 @@ class _CropDecoder(SimpleRGBImageDecoder):
         def resize_upscales(
             atab: np.ndarray, arena: np.ndarray, dst: np.ndarray, rbuf: np.ndarray, n: int
         ) -> None:
-            # the upscales the kernel decoded into the arena: OpenCV resizes them (releasing
-            # the GIL); then the arena is empty again
-            for b in np.flatnonzero(atab[:n, 0] >= 0).tolist():
-                pos, rh, rw, t2, l2, c2, w2 = atab[b].tolist()
-                region = arena[pos : pos + rh * rw * 3].reshape(rh, rw, 3)
-                rz.resize_crop(region, t2, l2, c2, w2, dst[b], rbuf, method)
-                atab[b, 0] = -1
+            # the upscales the kernel decoded into the arena, all in one compiled call without
+            # the GIL (resize_crop's "area" pixels); then the arena is empty again
+            rows = np.flatnonzero(atab[:n, 0] >= 0)
+            if rows.size:
+                meta = np.empty((rows.size, len(CROP_COLUMNS)), np.int64)
+                meta[:, 0] = rows
+                meta[:, 1:] = atab[rows, 1:7]
+                addrs = atab[rows, 0] + arena.ctypes.data
+                resize_crops(addrs, meta, dst, dst.reshape(-1), rbuf, rbuf.view(np.int16))
+                atab[rows, 0] = -1
             atab[n, 0] = 0
 
         return run
