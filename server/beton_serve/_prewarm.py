@@ -84,7 +84,7 @@ def _resize_calls() -> Calls:
 def _tj3_calls() -> Calls:
     from beton_serve import _tj3
 
-    return [_tj3._kernel_and_args(_tj3.load())]
+    return [_tj3._kernel_and_args(_tj3.load()), *_tj3._after_kernel_calls()]
 
 
 #: Groups the helper process compiles, by name (its command line), in this order.

@@ -605,23 +605,37 @@ def _build_kernel(lib: ctypes.CDLL) -> object:
     # compile now, for the argument types the decoders pass, so that a numba failure shows
     # here (and the caller keeps its ctypes loop) rather than in the middle of a batch
     kernel(*args)  # type: ignore[operator]
+    # and the call that resizes the upscales the kernel leaves in its arena
+    for disp, a in _after_kernel_calls():
+        disp(*a)
     return kernel
 
 
+def _after_kernel_calls() -> list[tuple[Any, tuple[Any, ...]]]:
+    """What the decoders call after the batch kernel, with arguments of their types: compiled
+    (or loaded from the compile cache) together with it."""
+    from beton_serve._kernels.crops import example_args, resize_crops
+
+    return [(resize_crops, example_args())]
+
+
 def kernel_cached(lib: ctypes.CDLL) -> bool:
-    """Whether the batch kernel of ``lib`` is compiled in this process or its machine code is
-    in the compile cache (then :func:`batch_kernel` ``(wait=True)`` only loads it, in
-    milliseconds, and the first batch can run it). Never raises."""
+    """Whether the batch kernel of ``lib`` and the upscale call after it are compiled in this
+    process or their machine code is in the compile cache (then :func:`batch_kernel`
+    ``(wait=True)`` only loads them, in milliseconds, and the first batch can run it). Never
+    raises."""
     try:
         from beton_serve.pipeline.compile_cache import default_store, entry_key
 
-        kernel, args = _kernel_and_args(lib)
-        sig = tuple(kernel.typeof_pyval(a) for a in args)  # type: ignore[attr-defined]
-        if sig in kernel.overloads:  # type: ignore[attr-defined]
-            return True
         store = default_store()
-        key = entry_key(kernel, args)
-        return store is not None and key is not None and store.has(key)
+        for disp, args in [_kernel_and_args(lib), *_after_kernel_calls()]:
+            sig = tuple(disp.typeof_pyval(a) for a in args)  # type: ignore[attr-defined]
+            if sig in disp.overloads:  # type: ignore[attr-defined]
+                continue
+            key = entry_key(disp, args)
+            if store is None or key is None or not store.has(key):
+                return False
+        return True
     except Exception:
         return False
 

@@ -25,7 +25,7 @@ from beton_serve._kernels.resize import area_resize
 from beton_serve._kernels.upscale import upscale_into
 from beton_serve.pipeline.compiler import Compiler
 
-__all__ = ["CROP_COLUMNS", "resize_crops"]
+__all__ = ["CROP_COLUMNS", "example_args", "resize_crops"]
 
 _jit = Compiler.kernel
 
@@ -78,3 +78,18 @@ def resize_crops(addrs, meta, dst, dflat, scratch, rows):  # pragma: no cover - 
             area_resize(src, flat, top, left, ch, cw, dst[b], d, scratch)
         else:
             upscale_into(flat, w, top, left, ch, cw, d, oh, ow, rows)
+
+
+def example_args() -> tuple[np.ndarray, ...]:
+    """Arguments of :func:`resize_crops` of the types every caller passes (an empty batch), to
+    compile it ahead with the TurboJPEG batch kernel (``_tj3``) and in the prewarm helper."""
+    dst = np.zeros((0, 1, 1, 3), np.uint8)
+    scratch = np.zeros(2, np.float32)
+    return (
+        np.zeros(0, np.int64),
+        np.zeros((0, len(CROP_COLUMNS)), np.int64),
+        dst,
+        dst.reshape(-1),
+        scratch,
+        scratch.view(np.int16),
+    )
