@@ -105,19 +105,27 @@ def test_concurrent_askers_wait_for_the_one_decode() -> None:
     assert cache.stats()[0].waits > 0
 
 
-def test_no_wait_returns_none_while_another_member_decodes() -> None:
-    cache = DecodeCache(max_bytes=1 << 20)
-    a, b = join(cache), join(cache)
+def _decode_in_flight(cache: DecodeCache, m, sid: int) -> tuple[threading.Event, threading.Thread]:
+    """``m`` starts decoding ``sid`` on a thread and holds it in flight until the returned event
+    is set (its image is filled with ``sid``); returns once the pending entry is in the cache."""
     go = threading.Event()
+    before = cache.stats()[0].live  # m's group (it has members, so it is listed)
 
     def slow() -> np.ndarray:
         go.wait(10)
-        return np.full((SIDE, SIDE, 3), 9, np.uint8)
+        return np.full((SIDE, SIDE, 3), sid % 251, np.uint8)
 
-    t = threading.Thread(target=lambda: a.get(9, 0, NBYTES, slow))
+    t = threading.Thread(target=lambda: m.get(sid, 0, NBYTES, slow))
     t.start()
-    while not cache.nbytes:  # a's decode is in flight
+    while cache.stats()[0].live <= before:
         time.sleep(0.001)
+    return go, t
+
+
+def test_no_wait_returns_none_while_another_member_decodes() -> None:
+    cache = DecodeCache(max_bytes=1 << 20)
+    a, b = join(cache), join(cache)
+    go, t = _decode_in_flight(cache, a, 9)
     assert b.get(9, 0, NBYTES, Decoder()(9), wait=False) is None
     assert cache.stats()[0].delivered == 1  # nothing counted for the refused call
     go.set()
@@ -134,16 +142,7 @@ def test_take_ready_takes_only_ready_entries_in_one_call_and_counts_as_get_does(
     dec = Decoder()
     for sid in (1, 2):
         take(a, sid, 0, dec)  # published for b
-    go = threading.Event()
-
-    def slow() -> np.ndarray:
-        go.wait(10)
-        return np.full((SIDE, SIDE, 3), 3, np.uint8)
-
-    t = threading.Thread(target=lambda: a.get(3, 0, NBYTES, slow))
-    t.start()
-    while cache.stats()[0].live < 3:  # a's decode of 3 is in flight
-        time.sleep(0.001)
+    go, t = _decode_in_flight(cache, a, 3)
     before = cache.stats()[0]
     got = b.take_ready([2, 3, 1, 4], 0)
     assert [None if g is None else int(g[0, 0, 0]) for g in got] == [2, None, 1, None]

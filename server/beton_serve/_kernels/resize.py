@@ -29,6 +29,7 @@ from numba.core import cgutils, types
 from numba.core.extending import intrinsic
 from numpy.typing import NDArray
 
+from beton_serve._kernels.upscale import upscale_into
 from beton_serve.pipeline.compiler import Compiler
 
 __all__ = ["area_resize", "area_table", "resize_crop", "scratch_size"]
@@ -294,8 +295,6 @@ def resize_crop(
                 src, src.reshape(-1), top, left, height, width, out, out.reshape(-1), scratch
             )
         else:
-            from beton_serve._kernels.upscale import upscale_into
-
             # the float32 scratch, as int16, holds the upscale's two rows (rows_size(ow) <=
             # 2 * scratch_size(width, ow) for every width)
             rows = scratch.view(np.int16)
