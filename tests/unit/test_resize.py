@@ -114,3 +114,45 @@ def test_exactly_sized_scratch_is_enough_and_nothing_past_it_is_touched() -> Non
             img[top : top + h, left : left + w], (ow, oh), interpolation=cv2.INTER_AREA
         )
         assert np.abs(dst.astype(int) - ref).max() <= 1
+
+
+def float32_area(crop: np.ndarray, oh: int, ow: int) -> np.ndarray:
+    """The kernel's arithmetic stated in NumPy float32: per output row the vertical weighted
+    sum of its source rows (taps in order), then per column the horizontal weighted sum (taps
+    in order), each a float32 product and add; saturate, round half to even."""
+    ys, yc, yw = area_table(crop.shape[0], oh)
+    xs, xc, xw = area_table(crop.shape[1], ow)
+    src = crop.astype(np.float32)
+    out = np.empty((oh, ow, 3), np.uint8)
+    for dy in range(oh):
+        acc = yw[dy, 0] * src[ys[dy]]
+        for k in range(1, yc[dy]):
+            acc = acc + yw[dy, k] * src[ys[dy] + k]
+        for d in range(ow):
+            v = xw[d, 0] * acc[xs[d]]
+            for k in range(1, xc[d]):
+                v = v + xw[d, k] * acc[xs[d] + k]
+            out[dy, d] = np.rint(np.clip(v, np.float32(0), np.float32(255)))
+    return out
+
+
+@pytest.mark.parametrize("shrink", [1.0, 1.3, 1.9, 2.6, 3.4, 4.7, 6.2])
+def test_every_tap_count_equals_the_float32_statement_bit_for_bit(shrink: float) -> None:
+    """Columns with up to 5 taps run two to a vector with the taps unrolled and the table
+    padded by zero weights; wider ones one per vector. Either way the bytes are those of the
+    scalar float32 order, for odd and even output widths, with a scratch full of NaNs."""
+    gen = np.random.default_rng(int(shrink * 10))
+    for t in range(12):
+        ow = int(gen.integers(1, 40)) * 2 + t % 2
+        w = max(ow, round(ow * shrink) + int(gen.integers(0, 3)))
+        oh = int(gen.integers(1, 30))
+        h = int(gen.integers(oh, 3 * oh + 2))
+        img = cv2.GaussianBlur(gen.integers(0, 256, (h + 3, w + 5, 3), dtype=np.uint8), (3, 3), 1)
+        need = scratch_size(w, ow)
+        scratch = np.full(need + 8, np.nan, np.float32)
+        dst = np.empty((oh, ow, 3), np.uint8)
+        if (oh, ow) == (h, w) or (h % oh == 0 and w % ow == 0):
+            continue  # the copy and the integer-factor paths, tested above
+        resize_crop(img, 2, 4, h, w, dst, scratch[:need])
+        np.testing.assert_array_equal(dst, float32_area(img[2 : 2 + h, 4 : 4 + w], oh, ow))
+        assert np.isnan(scratch[need:]).all()

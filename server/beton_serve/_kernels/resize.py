@@ -5,10 +5,13 @@ path (~390 us per ImageNet crop). It computes, for every output row, the horizon
 sums of each source row it covers (so a source row on a cell boundary is summed twice), then a
 vertical weighted sum, all in float32, then rounds half-to-even and saturates.
 
-:func:`area_resize` performs the same float32 operations in the same order (so the result is
-the same up to the last bit; the tests check ``max |diff| <= 1`` against ``cv2.resize`` and
-that almost every pixel is exact), but sums each source row horizontally once, into a scratch
-block, and skips OpenCV's per-row table walks. Weights follow OpenCV's ``computeResizeAreaTab``:
+:func:`area_resize` computes the same weighted sums in float32 (the tests check ``max |diff|
+<= 1`` against ``cv2.resize`` and that almost every pixel is exact; on this project's hosts all
+are), per output row: the vertical sum of its source rows over the crop's width, then the
+horizontal sums of that one row, skipping OpenCV's per-row table walks. The horizontal pass, the
+costly part (a gather per output column), runs two columns per 8-lane vector with the taps
+unrolled (:func:`_pair_pass`), 1.6-1.8x faster than one column a vector and the same bytes.
+Weights follow OpenCV's ``computeResizeAreaTab``:
 output cell ``d`` covers ``[d*s, (d+1)*s)`` of the source with ``s = 1 / (dsize / ssize)``;
 partial boundary pixels get weight ``overlap / cell``, inner pixels ``1 / cell`` (boundary slivers
 below 1e-3 of a pixel are ignored).
@@ -22,6 +25,7 @@ arithmetic compiled (``method="cv2"`` calls OpenCV for everything).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from llvmlite import ir
@@ -94,6 +98,14 @@ def _round_sat(v: np.float32) -> np.uint8:  # pragma: no cover - compiled
 
 
 _V4 = ir.VectorType(ir.FloatType(), 4)
+_V8 = ir.VectorType(ir.FloatType(), 8)
+
+#: Largest tap count per output column that :func:`_area_generic` runs through the unrolled,
+#: two-columns-a-vector pass (:func:`_pair_pass`); wider cells (a shrink by about 4x or more)
+#: take the per-column :func:`_hpass`.
+_PAIR_TAPS = 5
+#: float32 elements after a source row that the unrolled pass may read (zeroed, weight 0).
+_PAD = 3 * _PAIR_TAPS + 1
 
 
 def _splat(builder: ir.IRBuilder, w: ir.Value) -> ir.Value:
@@ -148,12 +160,111 @@ def _hpass(typingctx, out, acc, xs, xc, xw, dw):  # type: ignore[no-untyped-def]
     return types.void(out, acc, xs, xc, xw, dw), codegen
 
 
+def _pair_pass(taps: int) -> Any:
+    """The horizontal pass of one row for columns that all have ``taps`` taps (the table padded
+    with zero weights), two columns per 8-lane vector, the taps unrolled.
+
+    ``out[3d : 3d+3] = sum_k acc[3 * (xs[d] + k) : +3] * w[d, k]`` for ``d < 2 * npairs``, with
+    ``wv`` holding, per pair and tap, column ``2q``'s weight in lanes 0-3 and ``2q + 1``'s in
+    lanes 4-7 (:func:`_pair_weights`). Each lane does what :func:`_hpass` does, in the same
+    order: a product, then one add per further tap; a zero-weight tap adds ``+0.0``, which
+    leaves every sum (finite, not negative) unchanged, so the result is bit-identical. Without
+    the per-column tap loop, and with two columns per multiply, this pass is about 1.7x faster
+    (its variable trip count cost a branch mispredict every few columns).
+
+    Reads ``acc`` up to ``3 * (xs[d] + taps) + 1`` (the caller zeroes what lies past the row)
+    and writes one float past column ``2 * npairs - 1``, which the next column overwrites.
+    """
+
+    @intrinsic
+    def pass_(typingctx, out, acc, xs, wv, npairs):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            i64 = ir.IntType(64)
+            three = ir.Constant(i64, 3)
+            a_out, a_acc, a_xs, a_wv = (
+                context.make_array(t)(context, builder, v)
+                for t, v in zip(sig.args[:4], args[:4], strict=True)
+            )
+            both = ir.Constant(ir.VectorType(ir.IntType(32), 8), list(range(8)))
+            low = ir.Constant(ir.VectorType(ir.IntType(32), 4), [0, 1, 2, 3])
+            high = ir.Constant(ir.VectorType(ir.IntType(32), 4), [4, 5, 6, 7])
+            n = context.cast(builder, args[4], sig.args[4], types.int64)
+            with cgutils.for_range(builder, n) as loop:
+                q = loop.index
+                d0 = builder.mul(q, ir.Constant(i64, 2))
+                f0 = builder.mul(builder.load(builder.gep(a_xs.data, [d0])), three)
+                d1 = builder.add(d0, ir.Constant(i64, 1))
+                f1 = builder.mul(builder.load(builder.gep(a_xs.data, [d1])), three)
+                wbase = builder.mul(q, ir.Constant(i64, 8 * taps))
+                total = None
+                for k in range(taps):
+                    step = ir.Constant(i64, 3 * k)
+                    p0 = builder.gep(a_acc.data, [builder.add(f0, step)])
+                    p1 = builder.gep(a_acc.data, [builder.add(f1, step)])
+                    v = builder.shuffle_vector(
+                        builder.load(builder.bitcast(p0, _V4.as_pointer()), align=4),
+                        builder.load(builder.bitcast(p1, _V4.as_pointer()), align=4),
+                        both,
+                    )
+                    pw = builder.gep(a_wv.data, [builder.add(wbase, ir.Constant(i64, 8 * k))])
+                    m = builder.fmul(
+                        v, builder.load(builder.bitcast(pw, _V8.as_pointer()), align=4)
+                    )
+                    total = m if total is None else builder.fadd(total, m)
+                assert total is not None
+                o0 = builder.gep(a_out.data, [builder.mul(d0, three)])
+                builder.store(
+                    builder.shuffle_vector(total, total, low),
+                    builder.bitcast(o0, _V4.as_pointer()),
+                    align=4,
+                )
+                o1 = builder.gep(a_out.data, [builder.mul(d1, three)])
+                builder.store(
+                    builder.shuffle_vector(total, total, high),
+                    builder.bitcast(o1, _V4.as_pointer()),
+                    align=4,
+                )
+            return context.get_dummy_value()
+
+        return types.void(out, acc, xs, wv, npairs), codegen
+
+    return pass_
+
+
+_pair1, _pair2, _pair3, _pair4, _pair5 = (_pair_pass(t) for t in range(1, _PAIR_TAPS + 1))
+
+
+@_jit
+def _pair_weights(xw, taps, npairs):  # pragma: no cover - compiled
+    """``wv[q * taps + k]``: column ``2q``'s tap-``k`` weight in lanes 0-3, column ``2q + 1``'s in
+    lanes 4-7 (the layout :func:`_pair_pass` loads)."""
+    wv = np.empty((npairs * taps, 8), np.float32)
+    for q in range(npairs):
+        for k in range(taps):
+            a = xw[2 * q, k]
+            b = xw[2 * q + 1, k]
+            for lane in range(4):
+                wv[q * taps + k, lane] = a
+                wv[q * taps + k, 4 + lane] = b
+    return wv
+
+
 @_jit
 def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out):  # pragma: no cover
     xs, xc, xw = area_table(sw, dw)
     ys, yc, yw = area_table(sh, dh)
     n = sw * 3
-    acc[n] = 0.0  # read (times a weight) into the discarded 4th lane of the last column
+    taps = 1
+    for d in range(dw):
+        taps = max(taps, xc[d])
+    if taps > _PAIR_TAPS or xw.shape[1] < taps:
+        taps = 0  # the per-column pass
+    npairs = dw // 2 if taps else 0
+    wv = _pair_weights(xw, taps, npairs)
+    # read, times a zero weight, by the 4th lane of the last column and by padded taps: zeros,
+    # since the scratch may hold anything (a NaN times 0 is not 0)
+    for j in range(n, n + _PAD):
+        acc[j] = 0.0
     for dy in range(dh):
         # vertical pass first: contiguous source rows, vectorised
         # (slices, not flat[base + j]: an index that may be negative makes Numba emit
@@ -171,8 +282,21 @@ def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out):  # p
             row = flat[b : b + n]
             for j in range(n):
                 a[j] = a[j] + wk * np.float32(row[j])
-        # then the horizontal pass on one row, 4 lanes at a time
-        _hpass(out, acc, xs, xc, xw, dw)  # type: ignore[call-arg]  # typingctx is numba's
+        # then the horizontal pass on one row: two columns a vector, or 4 lanes per column
+        if taps == 1:
+            _pair1(out, acc, xs, wv, npairs)  # type: ignore[call-arg]  # typingctx is numba's
+        elif taps == 2:
+            _pair2(out, acc, xs, wv, npairs)  # type: ignore[call-arg]
+        elif taps == 3:
+            _pair3(out, acc, xs, wv, npairs)  # type: ignore[call-arg]
+        elif taps == 4:
+            _pair4(out, acc, xs, wv, npairs)  # type: ignore[call-arg]
+        elif taps == 5:
+            _pair5(out, acc, xs, wv, npairs)  # type: ignore[call-arg]
+        if npairs * 2 < dw:
+            # the odd last column (or every column, taps == 0), 4 lanes at a time
+            first = 2 * npairs
+            _hpass(out[first * 3 :], acc, xs[first:], xc[first:], xw[first:], dw - first)  # type: ignore[call-arg]
         drow = dflat[dy * dw * 3 : (dy + 1) * dw * 3]
         o = out[: dw * 3]
         for j in range(dw * 3):
@@ -208,7 +332,7 @@ def _area_int(src, dst, fy, fx):  # pragma: no cover - compiled
 
 def scratch_size(crop_width: int, out_width: int) -> int:
     """float32 elements of scratch :func:`area_resize` needs for crops up to ``crop_width``."""
-    return (max(crop_width, out_width) + out_width) * 3 + 2
+    return (max(crop_width, out_width) + out_width) * 3 + _PAD + 1
 
 
 @_jit
@@ -241,7 +365,7 @@ def area_resize(src, flat, top, left, height, width, dst, dflat, scratch):  # pr
     if abs(scale_x - ix) < 2.220446049250313e-16 and abs(scale_y - iy) < 2.220446049250313e-16:
         _area_int(src[top : top + height, left : left + width], dst, iy, ix)
         return
-    n = max(width, dw) * 3 + 1
+    n = max(width, dw) * 3 + _PAD
     _area_generic(
         flat,
         src.shape[1],
