@@ -69,7 +69,20 @@ def _crop_calls() -> Calls:
     return [
         (crop.rrc_batch, (np.uint64(0), idx, hw, hw, scale, ratio)),
         (crop.center_crop_batch, (idx, hw, hw, 0.875)),
+        *_upscale_calls(),
     ]
+
+
+def _upscale_calls() -> Calls:
+    """The area upscale, as ``resize_crop`` calls it: the first batch's upscales need it, and
+    compiled here (about 1 s) it is no longer queued behind ``area_resize`` on this process's
+    compile lock."""
+    from beton_serve._kernels.upscale import rows_size, upscale_into
+
+    flat = np.zeros(4 * 4 * 3, np.uint8)
+    out = np.zeros(6 * 6 * 3, np.uint8)
+    rows = np.zeros(rows_size(6) + 2, np.float32).view(np.int16)  # a float32 scratch, as int16
+    return [(upscale_into, (flat, 4, 0, 0, 4, 4, out, 6, 6, rows))]
 
 
 def _resize_calls() -> Calls:

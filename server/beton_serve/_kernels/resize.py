@@ -115,9 +115,9 @@ def _splat(builder: ir.IRBuilder, w: ir.Value) -> ir.Value:
 
 
 @intrinsic
-def _hpass(typingctx, out, acc, xs, xc, xw, dw):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _hpass(typingctx, out, acc, xs, xc, xw, first, dw):  # type: ignore[no-untyped-def]  # pragma: no cover
     """One row's horizontal pass: ``out[3d : 3d+3] = sum_k acc[3 * (xs[d] + k) : +3] * xw[d, k]``
-    for ``d`` in ``range(dw)``, taps in order ``k = 0 .. xc[d] - 1``.
+    for ``d`` in ``range(first, dw)``, taps in order ``k = 0 .. xc[d] - 1``.
 
     Each tap is one 4-lane float32 multiply and add over an RGB pixel plus the next value (the
     lanes are IEEE float32 operations in the scalar order, so the sums are bit-identical to a
@@ -136,15 +136,16 @@ def _hpass(typingctx, out, acc, xs, xc, xw, dw):  # type: ignore[no-untyped-def]
         )
         taps = cgutils.unpack_tuple(builder, a_xw.shape, 2)[1]
         vsum = cgutils.alloca_once(builder, _V4)
-        with cgutils.for_range(builder, args[5]) as loop:
-            d = loop.index
+        one = ir.Constant(i64, 1)
+        start = context.cast(builder, args[5], sig.args[5], types.int64)
+        stop = context.cast(builder, args[6], sig.args[6], types.int64)
+        with cgutils.for_range_slice(builder, start, stop, one, inc=True) as (d, _):
             first = builder.mul(builder.load(builder.gep(a_xs.data, [d])), three)
             count = builder.load(builder.gep(a_xc.data, [d]))
             wrow = builder.gep(a_xw.data, [builder.mul(d, taps)])
             p = builder.bitcast(builder.gep(a_acc.data, [first]), _V4.as_pointer())
             w = _splat(builder, builder.load(wrow))
             builder.store(builder.fmul(builder.load(p, align=4), w), vsum)
-            one = ir.Constant(i64, 1)
             with cgutils.for_range_slice(builder, one, count, one, inc=True) as (k, _):
                 src = builder.add(first, builder.mul(k, three))
                 p = builder.bitcast(builder.gep(a_acc.data, [src]), _V4.as_pointer())
@@ -157,7 +158,7 @@ def _hpass(typingctx, out, acc, xs, xc, xw, dw):  # type: ignore[no-untyped-def]
             builder.store(builder.load(vsum), q, align=4)
         return context.get_dummy_value()
 
-    return types.void(out, acc, xs, xc, xw, dw), codegen
+    return types.void(out, acc, xs, xc, xw, first, dw), codegen
 
 
 def _pair_pass(taps: int) -> Any:
@@ -235,22 +236,7 @@ _pair1, _pair2, _pair3, _pair4, _pair5 = (_pair_pass(t) for t in range(1, _PAIR_
 
 
 @_jit
-def _pair_weights(xw, taps, npairs):  # pragma: no cover - compiled
-    """``wv[q * taps + k]``: column ``2q``'s tap-``k`` weight in lanes 0-3, column ``2q + 1``'s in
-    lanes 4-7 (the layout :func:`_pair_pass` loads)."""
-    wv = np.empty((npairs * taps, 8), np.float32)
-    for q in range(npairs):
-        for k in range(taps):
-            a = xw[2 * q, k]
-            b = xw[2 * q + 1, k]
-            for lane in range(4):
-                wv[q * taps + k, lane] = a
-                wv[q * taps + k, 4 + lane] = b
-    return wv
-
-
-@_jit
-def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out):  # pragma: no cover
+def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out, wv):  # pragma: no cover
     xs, xc, xw = area_table(sw, dw)
     ys, yc, yw = area_table(sh, dh)
     n = sw * 3
@@ -260,7 +246,14 @@ def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out):  # p
     if taps > _PAIR_TAPS or xw.shape[1] < taps:
         taps = 0  # the per-column pass
     npairs = dw // 2 if taps else 0
-    wv = _pair_weights(xw, taps, npairs)
+    # per pair and tap: column 2q's weight in lanes 0-3, 2q + 1's in lanes 4-7 (what
+    # _pair_pass loads), in the caller's scratch (an array made here, or a jitted helper that
+    # made it, cost ~0.5 s more of the cold compile on the first batch's path)
+    for q in range(npairs):
+        for k in range(taps):
+            for lane in range(4):
+                wv[(q * taps + k) * 8 + lane] = xw[2 * q, k]
+                wv[(q * taps + k) * 8 + 4 + lane] = xw[2 * q + 1, k]
     # read, times a zero weight, by the 4th lane of the last column and by padded taps: zeros,
     # since the scratch may hold anything (a NaN times 0 is not 0)
     for j in range(n, n + _PAD):
@@ -295,8 +288,7 @@ def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out):  # p
             _pair5(out, acc, xs, wv, npairs)  # type: ignore[call-arg]
         if npairs * 2 < dw:
             # the odd last column (or every column, taps == 0), 4 lanes at a time
-            first = 2 * npairs
-            _hpass(out[first * 3 :], acc, xs[first:], xc[first:], xw[first:], dw - first)  # type: ignore[call-arg]
+            _hpass(out, acc, xs, xc, xw, 2 * npairs, dw)  # type: ignore[call-arg]
         drow = dflat[dy * dw * 3 : (dy + 1) * dw * 3]
         o = out[: dw * 3]
         for j in range(dw * 3):
@@ -330,9 +322,14 @@ def _area_int(src, dst, fy, fx):  # pragma: no cover - compiled
                 dst[dy, dx, c] = _round_sat(np.float32(s) * scale)
 
 
+def _pair_floats(out_width: int) -> int:
+    """float32 elements of :func:`_pair_pass`'s weight table for ``out_width`` columns."""
+    return (out_width // 2) * _PAIR_TAPS * 8
+
+
 def scratch_size(crop_width: int, out_width: int) -> int:
     """float32 elements of scratch :func:`area_resize` needs for crops up to ``crop_width``."""
-    return (max(crop_width, out_width) + out_width) * 3 + _PAD + 1
+    return (max(crop_width, out_width) + out_width) * 3 + _PAD + 1 + _pair_floats(out_width)
 
 
 @_jit
@@ -378,6 +375,7 @@ def area_resize(src, flat, top, left, height, width, dst, dflat, scratch):  # pr
         dflat,
         scratch[:n],
         scratch[n : n + dw * 3 + 1],
+        scratch[n + dw * 3 + 1 : n + dw * 3 + 1 + (dw // 2) * _PAIR_TAPS * 8],
     )
 
 
