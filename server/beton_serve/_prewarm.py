@@ -9,7 +9,8 @@ When a crop decoder builds its batch loop, :func:`start` looks the module-level 
 compile cache (their keys, for the argument types the decoders pass). For what is missing:
 
 * a helper process (``python -m beton_serve._prewarm crop tj3``) compiles the crop samplers
-  (``rrc_batch``, ``center_crop_batch``) into the same cache, then, for a TurboJPEG decoder,
+  (``rrc_batch``, ``center_crop_batch``) and the area upscale (``upscale_into``) into the same
+  cache, then, for a TurboJPEG decoder,
   the batch kernel (``_tj3.batch_kernel``) once this process's ``area_resize`` is in the cache
   (the kernel calls it: waiting for its entry saves compiling it twice);
 * a thread of this process (``beton-prewarm``) compiles ``area_resize``;
