@@ -167,7 +167,7 @@ def _pair_pass(taps: int) -> Any:
 
     ``out[3d : 3d+3] = sum_k acc[3 * (xs[d] + k) : +3] * w[d, k]`` for ``d < 2 * npairs``, with
     ``wv`` holding, per pair and tap, column ``2q``'s weight in lanes 0-3 and ``2q + 1``'s in
-    lanes 4-7 (:func:`_pair_weights`). Each lane does what :func:`_hpass` does, in the same
+    lanes 4-7 (filled by :func:`_area_generic`). Each lane does what :func:`_hpass` does, in the same
     order: a product, then one add per further tap; a zero-weight tap adds ``+0.0``, which
     leaves every sum (finite, not negative) unchanged, so the result is bit-identical. Without
     the per-column tap loop, and with two columns per multiply, this pass is about 1.7x faster
@@ -247,8 +247,9 @@ def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out, wv): 
         taps = 0  # the per-column pass
     npairs = dw // 2 if taps else 0
     # per pair and tap: column 2q's weight in lanes 0-3, 2q + 1's in lanes 4-7 (what
-    # _pair_pass loads), in the caller's scratch (an array made here, or a jitted helper that
-    # made it, cost ~0.5 s more of the cold compile on the first batch's path)
+    # _pair_pass loads), in the caller's scratch (an array made here cost ~0.15 s more of the
+    # cold compile on the first batch's path, a jitted helper that made it ~0.3 s); its size is
+    # _pair_floats(dw)
     for q in range(npairs):
         for k in range(taps):
             for lane in range(4):
