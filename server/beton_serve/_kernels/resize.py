@@ -106,6 +106,8 @@ _V8 = ir.VectorType(ir.FloatType(), 8)
 _PAIR_TAPS = 5
 #: float32 elements after a source row that the unrolled pass may read (zeroed, weight 0).
 _PAD = 3 * _PAIR_TAPS + 1
+#: float32 elements of the pair weight table per two output columns (8 lanes per tap).
+_PAIR_FLOATS = 8 * _PAIR_TAPS
 
 
 def _splat(builder: ir.IRBuilder, w: ir.Value) -> ir.Value:
@@ -243,13 +245,13 @@ def _area_generic(flat, width, top, left, sh, sw, dh, dw, dflat, acc, out, wv): 
     taps = 1
     for d in range(dw):
         taps = max(taps, xc[d])
-    if taps > _PAIR_TAPS or xw.shape[1] < taps:
+    if taps > _PAIR_TAPS:  # (no column has more taps than the table is wide)
         taps = 0  # the per-column pass
     npairs = dw // 2 if taps else 0
     # per pair and tap: column 2q's weight in lanes 0-3, 2q + 1's in lanes 4-7 (what
     # _pair_pass loads), in the caller's scratch (an array made here cost ~0.15 s more of the
-    # cold compile on the first batch's path, a jitted helper that made it ~0.3 s); its size is
-    # _pair_floats(dw)
+    # cold compile on the first batch's path, a jitted helper that made it ~0.3 s): at most
+    # (dw // 2) * _PAIR_FLOATS floats
     for q in range(npairs):
         for k in range(taps):
             for lane in range(4):
@@ -323,14 +325,9 @@ def _area_int(src, dst, fy, fx):  # pragma: no cover - compiled
                 dst[dy, dx, c] = _round_sat(np.float32(s) * scale)
 
 
-def _pair_floats(out_width: int) -> int:
-    """float32 elements of :func:`_pair_pass`'s weight table for ``out_width`` columns."""
-    return (out_width // 2) * _PAIR_TAPS * 8
-
-
 def scratch_size(crop_width: int, out_width: int) -> int:
     """float32 elements of scratch :func:`area_resize` needs for crops up to ``crop_width``."""
-    return (max(crop_width, out_width) + out_width) * 3 + _PAD + 1 + _pair_floats(out_width)
+    return (max(crop_width, out_width) + out_width) * 3 + _PAD + 1 + (out_width // 2) * _PAIR_FLOATS
 
 
 @_jit
@@ -376,7 +373,7 @@ def area_resize(src, flat, top, left, height, width, dst, dflat, scratch):  # pr
         dflat,
         scratch[:n],
         scratch[n : n + dw * 3 + 1],
-        scratch[n + dw * 3 + 1 : n + dw * 3 + 1 + (dw // 2) * _PAIR_TAPS * 8],
+        scratch[n + dw * 3 + 1 : n + dw * 3 + 1 + (dw // 2) * _PAIR_FLOATS],
     )
 
 
