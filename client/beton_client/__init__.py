@@ -32,7 +32,10 @@ def __getattr__(name: str) -> Any:
     # The served Loader (and grpc) load on first use: the in-process Loader imports the front
     # end (beton_client.frontend) without them.
     if name in ("Loader", "OrderOption"):
-        from beton_client import _loader
+        from beton_client._gcpause import gc_paused
+
+        with gc_paused():  # grpc and protobuf: no full collection of the trainer's objects
+            from beton_client import _loader
 
         return getattr(_loader, name)
     raise AttributeError(f"module 'beton_client' has no attribute {name!r}")

@@ -47,6 +47,7 @@ from beton_wire.loader_state import (
 )
 
 from beton_client import errors as client_errors
+from beton_client._gcpause import gc_paused
 from beton_client._ops import PipelinePlan, split_pipelines
 from beton_client._tail import OutputInfo, OutputTail, build_output_tails
 
@@ -63,6 +64,7 @@ __all__ = [
     "PipelinePlan",
     "RawBatch",
     "check_args",
+    "gc_paused",
     "pipelines_key",
 ]
 
