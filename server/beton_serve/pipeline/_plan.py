@@ -16,7 +16,10 @@ Buffers. Running a batch needs every op's scratch/output memory. Several workers
 batches of one plan at once, so buffers live in a :class:`Workspace` (one per concurrently
 running batch, recycled through the plan's free list); an op receives ``buffer[:n]`` for a batch
 of ``n`` samples. The jit outputs are written into caller-owned destination arrays (a shm slot,
-a Loader slot), copied there unless the last op could write there directly.
+a Loader slot), copied there unless the last op could write there directly. An ``inplace`` op
+(``Operation.inplace``) whose parent returned the buffer it was given, and is that parent's only
+jit child, gets that buffer as its destination and works in place; when such a chain ends an
+output, its first op (a decoder, say) is the one given the caller's destination.
 
 Call signatures (see ``operation.py``): decoders ``f(batch_indices, dst, metadata,
 storage_state[, seed_key])``; transforms ``f(inp, dst[, batch_indices][, seed_key][, shared])``.
@@ -207,8 +210,9 @@ class Plan:
         self._jit: dict[int, bool] = {}
         self._signature: Any = None
         #: Per output: ``(leaf position, may write into the caller's destination, its shape,
-        #: its dtype)``, fixed between two declarations (:meth:`_static_outputs`).
-        self._outputs_static: list[tuple[int, bool, tuple[int, ...], np.dtype[Any]]] = []
+        #: its dtype, the position of the op given the destination)``, fixed between two
+        #: declarations (:meth:`_static_outputs`).
+        self._outputs_static: list[tuple[int, bool, tuple[int, ...], np.dtype[Any], int]] = []
         #: The jit ops as :meth:`run` calls them (:meth:`_build_steps`).
         self._steps: list[tuple[Any, ...]] = []
         self.sample_check: Callable[[NDArray[np.uint64]], None] | None = None
@@ -478,16 +482,19 @@ class Plan:
         # -- end of sample check
         results: dict[int, Any] = {}
         direct = self._direct_outputs(outs)
-        passed: dict[int, np.ndarray] = {}  # the destination views handed to direct leaves
+        passed: dict[int, Any] = {}  # the destination each op was given
         timed: list[tuple[str, float]] = []
         clock = time.perf_counter
         storage_state = self._storage_state
-        for node, pos, fn, parent, metadata, with_indices, with_seed, name in self._steps:
+        for node, pos, fn, parent, metadata, with_indices, with_seed, name, over in self._steps:
             buf = direct.get(pos)
             if buf is not None:
-                dst = passed[pos] = buf[:n]
+                dst = buf[:n]
+            elif over is not None and results[over] is passed[over]:
+                dst = results[over]  # in place: the parent returned the buffer it was given
             else:
                 dst = _slice(ws.buffers.get(pos), n)
+            passed[pos] = dst
             try:
                 if parent is None:
                     args: list[Any] = [batch_indices, dst, metadata, storage_state]
@@ -516,13 +523,13 @@ class Plan:
                 acc[0] += sec
                 acc[1] += 1
         out_arrays = []
-        for i, (leaf_pos, _, _, _) in enumerate(self._outputs_static):
+        for i, (leaf_pos, _, _, _, head) in enumerate(self._outputs_static):
             res = results[leaf_pos]
             if outs is None:
                 out_arrays.append(res)
                 continue
-            if res is passed.get(leaf_pos):  # the leaf wrote into the destination and said so
-                out_arrays.append(res)
+            if head in direct and res is passed[leaf_pos] is passed[head]:
+                out_arrays.append(res)  # written into the destination (in place from the head)
                 continue
             dst = outs[i][:n]
             same = (
@@ -539,11 +546,13 @@ class Plan:
     def _build_steps(self) -> list[tuple[Any, ...]]:
         """What :meth:`run` calls, in order, with what only a declaration or a compile
         changes: ``(node, position, fn, parent position or None, the field's metadata for a
-        decoder, fn.with_indices, fn.with_seed, the op's name)`` (read once here, not per
-        batch: those lookups were a measurable share of a small batch's time)."""
+        decoder, fn.with_indices, fn.with_seed, the op's name, the position of the op whose
+        buffer it may work on in place or None)`` (read once here, not per batch: those lookups
+        were a measurable share of a small batch's time)."""
         steps = []
         for node in self.jit_nodes:
             fn = self._fns[node.position]
+            over = self._inplace_parent(node)
             steps.append(
                 (
                     node,
@@ -554,14 +563,20 @@ class Plan:
                     bool(getattr(fn, "with_indices", False)),
                     bool(getattr(fn, "with_seed", False)),
                     type(node.op).__name__,
+                    None if over is None else over.position,
                 )
             )
         return steps
 
-    def _static_outputs(self) -> list[tuple[int, bool, tuple[int, ...], np.dtype[Any]]]:
+    def _static_outputs(self) -> list[tuple[int, bool, tuple[int, ...], np.dtype[Any], int]]:
         """What :meth:`run` needs of each output that only a declaration changes: its leaf,
-        and whether that leaf may write straight into the caller's destination (no other jit
-        op reads its buffer, and its allocation is exactly its output state)."""
+        whether the output may be written straight into the caller's destination, its shape and
+        dtype, and the op that is given that destination (the head).
+
+        The head is the leaf, or, when the leaf ends a chain of ``inplace`` ops, the op before
+        the chain (:meth:`_inplace_parent`): it writes the destination and the chain works on it
+        in place. Direct writing needs that no other jit op reads the leaf's buffer and that the
+        head's allocation (and every chain op's) is exactly the output state."""
         static = []
         for path in self.paths:
             leaf = self._leaf(path)
@@ -575,18 +590,47 @@ class Plan:
             )
             shape = tuple(q.shape) if isinstance(q, AllocationQuery) else ()
             dtype = np.dtype(q.dtype) if isinstance(q, AllocationQuery) else np.dtype(np.uint8)
-            static.append((leaf.position, ok, shape, dtype))
+            head = leaf
+            while ok:
+                parent = self._inplace_parent(head)
+                pq = None if parent is None else self._alloc[parent.position]
+                if (
+                    parent is None
+                    or not isinstance(pq, AllocationQuery)
+                    or tuple(pq.shape) != shape
+                    or np.dtype(pq.dtype) != dtype
+                ):
+                    break
+                head = parent
+            static.append((leaf.position, ok, shape, dtype, head.position))
         return static
 
+    def _inplace_parent(self, node: Node) -> Node | None:
+        """The jit op whose buffer ``node`` may work on in place: ``node``'s parent, when
+        ``node``'s op is ``inplace``, the parent is a jit op, ``node`` is its only jit child, and
+        both allocate one buffer of the same shape and dtype."""
+        parent = node.parent
+        if parent is None or not node.op.inplace or not self._jit[parent.position]:
+            return None
+        if [c for c in parent.children if self._jit[c.position]] != [node]:
+            return None
+        q, pq = self._alloc[node.position], self._alloc[parent.position]
+        if not isinstance(q, AllocationQuery) or not isinstance(pq, AllocationQuery):
+            return None
+        if tuple(q.shape) != tuple(pq.shape) or np.dtype(q.dtype) != np.dtype(pq.dtype):
+            return None
+        return parent
+
     def _direct_outputs(self, outs: Sequence[np.ndarray] | None) -> dict[int, np.ndarray]:
-        """Leaf ops that may write straight into the caller's destination."""
+        """The outputs' head ops (:meth:`_static_outputs`) that write straight into the caller's
+        destination."""
         if outs is None:
             return {}
         direct: dict[int, np.ndarray] = {}
-        for i, (leaf_pos, ok, shape, dtype) in enumerate(self._outputs_static):
+        for i, (_, ok, shape, dtype, head) in enumerate(self._outputs_static):
             o = outs[i]
             if ok and o.dtype == dtype and o.shape[1:] == shape and o.flags.c_contiguous:
-                direct[leaf_pos] = o
+                direct[head] = o
         return direct
 
 

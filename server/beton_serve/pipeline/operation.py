@@ -57,9 +57,14 @@ class Operation(ABC):
     #: Traits the planner reads (declared by the op class, never inferred from its name):
     #: ``torch_op``: runs on torch tensors only, so it must come after ``ToTensor()``;
     #: ``batch_wide``: a sample's output depends on other samples of the batch (mixup pairs
-    #: samples), so the batch is never split into slices across workers.
+    #: samples), so the batch is never split into slices across workers;
+    #: ``inplace``: the op's function is correct when its destination *is* its input (the same
+    #: array), and then works in place. The planner passes the input as the destination when
+    #: the op before it returned the very buffer the planner gave it and no other op reads it,
+    #: so that the ops share one buffer (and a decoder before it writes the batch's destination).
     torch_op: ClassVar[bool] = False
     batch_wide: ClassVar[bool] = False
+    inplace: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Wrap the subclass's own ``__init__`` so that each instance records the arguments it

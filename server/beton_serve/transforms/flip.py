@@ -19,8 +19,14 @@ __all__ = ["RandomHorizontalFlip"]
 class RandomHorizontalFlip(Operation):
     """Flip each (H, W, C) image along W with probability ``flip_prob``.
 
-    Draw: sample ``sid`` is flipped iff ``uniform(seed_key, sid, 0) < flip_prob``. Output is a new
-    buffer of the input's shape and dtype.
+    Draw: sample ``sid`` is flipped iff ``uniform(seed_key, sid, 0) < flip_prob``. Output is a
+    buffer of the input's shape and dtype: its own, or the input itself. The op is ``inplace``:
+    when the op before it has written its buffer and nothing else reads that buffer, the plan
+    passes it as the destination too, and the flip then mirrors only the images drawn for a
+    flip, in place (each row through a row-sized scratch), and leaves the others as they are.
+    A decoder followed by a flip then writes the batch's destination directly: no batch-sized
+    intermediate buffer to write, read and first-touch (a fresh 38.5 MB per worker on an
+    RRC-224 first batch).
 
     Runs as Python (``python = True``) around GIL-free calls: the flip mask is drawn by a compiled
     helper, then one compiled row loop copies or flips the whole batch without the GIL. RGB and
@@ -36,6 +42,7 @@ class RandomHorizontalFlip(Operation):
     """
 
     spec_name = "RandomHorizontalFlip"
+    inplace = True
 
     def __init__(self, flip_prob: float = 0.5) -> None:
         super().__init__()
@@ -106,13 +113,60 @@ class RandomHorizontalFlip(Operation):
                                 drow[b + np.uint64(k)] = srow[a + np.uint64(k)]
             return out
 
+        def flip_rows_inplace(buf, mask, h, w, c):  # pragma: no cover - compiled
+            # The images drawn for a flip, mirrored in place: each row is copied to a scratch
+            # row (in L1) and written back reversed by the same loops as flip_rows; the other
+            # images are not touched at all.
+            n = mask.shape[0]
+            m = w * c
+            tmp = np.empty(m, buf.dtype)
+            one = np.uint64(1)
+            two = np.uint64(2)
+            for i in range(n):
+                if not mask[i]:
+                    continue
+                for y in range(h):
+                    row = buf[i * h + y]
+                    for j in range(m):
+                        tmp[j] = row[j]
+                    if c == 3:
+                        for x in range(w):
+                            a = np.uint64((w - 1 - x) * 3)
+                            b = np.uint64(x * 3)
+                            row[b] = tmp[a]
+                            row[b + one] = tmp[a + one]
+                            row[b + two] = tmp[a + two]
+                    elif c == 1:
+                        for x in range(w):
+                            row[np.uint64(x)] = tmp[np.uint64(w - 1 - x)]
+                    else:
+                        for x in range(w):
+                            a = np.uint64((w - 1 - x) * c)
+                            b = np.uint64(x * c)
+                            for k in range(c):
+                                row[b + np.uint64(k)] = tmp[a + np.uint64(k)]
+            return buf
+
         mask_fn = Compiler.compile(mask_of)
         any_fn = Compiler.compile(flip_any)
         rows_fn = Compiler.compile(flip_rows)
+        rows_inplace_fn = Compiler.compile(flip_rows_inplace)
 
         def flip(images, dst, batch_indices, seed_key):
             mask = mask_fn(np.asarray(batch_indices), np.uint64(seed_key))
             n = images.shape[0]
+            same = dst is images or (
+                dst.ctypes.data == images.ctypes.data
+                and dst.shape == images.shape
+                and dst.strides == images.strides
+            )
+            contiguous = images.ndim == 4 and images.flags.c_contiguous
+            if same and contiguous:
+                _, h, w, c = images.shape
+                rows_inplace_fn(images.reshape(n * h, w * c), mask, h, w, c)
+                return images
+            if same or np.may_share_memory(images, dst):
+                images = images.copy()  # an in-place call the loops below cannot do in place
             if (
                 images.ndim != 4
                 or dst.shape != images.shape
