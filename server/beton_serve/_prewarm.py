@@ -29,8 +29,12 @@ rejects) only means that the kernel is compiled here, as without this module. Co
 compiles, the others wait for it and then load its entries.
 
 The helper is this process's child, reaped by a watcher thread; it ends by itself once its
-kernels are compiled (or at once, on a broken pipe, if this process is gone), and at exit this
-process stops a helper that is still running and joins its own compile thread.
+kernels are compiled. When this process is gone (an exit, a crash, SIGKILL), a helper that is
+waiting exits at once, and one that is compiling a group finishes that group into the cache and
+then exits, never starting another: a process that exits right after its first batch (a short
+script, a benchmark) would otherwise leave the cache without the TurboJPEG batch kernel, which
+the helper compiles last, and every later start would run its first batch without it and
+compile it again. At exit this process joins its own compile thread.
 """
 
 from __future__ import annotations
@@ -142,6 +146,8 @@ _lock = threading.Lock()
 _started: set[tuple[str, str]] = set()  # (cache directory, group) looked up ("": local)
 _pending: dict[str, threading.Event] = {}  # group -> set once the helper is done with it
 _procs: list[subprocess.Popen[bytes]] = []
+_proc_of: dict[str, subprocess.Popen[bytes]] = {}  # group -> the helper compiling it
+_given_up: list[subprocess.Popen[bytes]] = []  # helpers a wait timed out on (hung): stopped at exit
 _threads: list[threading.Thread] = []
 
 
@@ -216,6 +222,7 @@ def _spawn(groups: Sequence[str], root: Path) -> None:
     with _lock:
         _pending.update(events)
         _procs.append(proc)
+        _proc_of.update(dict.fromkeys(groups, proc))
     watcher = threading.Thread(
         target=_watch, args=(proc, events), name="prewarm-watch", daemon=True
     )
@@ -259,6 +266,10 @@ def wait(group: str, timeout: float = WAIT_TIMEOUT_S) -> None:
         log.warning(
             "prewarm: the helper did not finish %r in %.0f s; compiling here", group, timeout
         )
+        with _lock:
+            proc = _proc_of.get(group)
+            if proc is not None and proc not in _given_up:
+                _given_up.append(proc)
         ev.set()
 
 
@@ -281,9 +292,12 @@ def join(timeout: float = WAIT_TIMEOUT_S) -> bool:
 
 @atexit.register
 def _at_exit() -> None:
+    # A helper still running is left to its orphan rule (main): waiting, it exits at once;
+    # compiling, it finishes that group into the cache and exits, instead of being stopped
+    # with the group lost. One that a wait gave up on (hung) is stopped.
     with _lock:
-        procs, threads = list(_procs), list(_threads)
-    for proc in procs:  # its entries are written atomically: stopping it loses nothing
+        hung, threads = [p for p in _given_up if p in _procs], list(_threads)
+    for proc in hung:
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -301,6 +315,8 @@ def _reset_for_tests() -> None:
     with _lock:
         _started.clear()
         _pending.clear()
+        _proc_of.clear()
+        _given_up.clear()
         _threads.clear()
 
 
@@ -323,24 +339,61 @@ def _say(line: str) -> None:
 _PARENT_ENV = "BETON_SERVE_PREWARM_PARENT"
 #: Seconds between the helper's checks that the process that started it is still there.
 ORPHAN_POLL_S = 0.2
+#: Seconds an orphaned helper may go on compiling its current group before it exits anyway.
+ORPHAN_FINISH_S = 60.0
+
+
+_helper_lock = threading.Lock()
+_helper_busy = False  # a group is compiling (guarded by _helper_lock)
+_helper_orphaned = False  # the parent is gone (guarded by _helper_lock)
 
 
 def _exit_when_orphaned(parent: int) -> None:
-    """Exit this helper as soon as ``parent`` is gone (a trainer killed with SIGKILL runs no
-    atexit hook to stop it): its parent pid changes to a reaper's. Entries are written
+    """Stop this helper once ``parent`` is gone (a trainer killed with SIGKILL runs no atexit
+    hook to stop it): its parent pid changes to a reaper's. Waiting, it exits at once. While it
+    compiles a group, it finishes that group, so that the group's entries reach the cache, and
+    then exits (:func:`main`): a trainer that exits right after its first batch (a short
+    script, a benchmark, a crash) would otherwise leave the cache without the kernel the
+    helper was compiling, and every later start would compile it again. Entries are written
     atomically, so stopping between them loses nothing."""
     import time
 
+    global _helper_orphaned
     while True:
         time.sleep(ORPHAN_POLL_S)
         if os.getppid() != parent:
-            os._exit(0)
+            with _helper_lock:
+                _helper_orphaned = True
+                if not _helper_busy:
+                    os._exit(0)
+            break
+    time.sleep(ORPHAN_FINISH_S)  # a group that compiles this long is hung: stop anyway
+    os._exit(0)
+
+
+def _compile_group(name: str) -> bool:
+    """Compile group ``name`` unless the parent is gone; ``False``: stop now (orphaned)."""
+    global _helper_busy
+    with _helper_lock:
+        if _helper_orphaned:
+            return False
+        _helper_busy = True
+    try:
+        _say(f"compiling {name}")
+        _run(GROUPS[name]())
+    finally:
+        with _helper_lock:
+            _helper_busy = False
+    with _helper_lock:
+        return not _helper_orphaned
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m beton_serve._prewarm GROUP...``: compile the groups into the compile cache,
-    printing ``done GROUP`` after each. Exit status 2 when the cache cannot be used. It exits
-    within ``ORPHAN_POLL_S`` of its parent's death."""
+    printing ``compiling GROUP`` before and ``done GROUP`` after each. Exit status 2 when the
+    cache cannot be used. Once its parent is gone it exits within ``ORPHAN_POLL_S``, or, if it
+    is compiling a group then, as soon as that group is in the cache (a few seconds; at most
+    ``ORPHAN_FINISH_S``; never another group)."""
     import fcntl
 
     parent = os.environ.get(_PARENT_ENV, "")
@@ -370,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for g in groups:
             if g == "tj3":
                 _wait_for_entries(LOCAL(), store, AFTER_LOCAL_S)
-            _run(GROUPS[g]())
+            if not _compile_group(g):
+                return 0  # orphaned: the group it was compiling is in the cache
             _say(f"done {g}")
     except BrokenPipeError:  # the process that started us is gone
         return 0

@@ -229,7 +229,7 @@ def test_a_hung_helper_costs_at_most_the_wait_timeout(
     t0 = time.monotonic()
     _prewarm.wait("crop", timeout=30)  # given up once: later callers do not wait again
     assert time.monotonic() - t0 < 0.5
-    _prewarm._at_exit()  # what the interpreter's exit does: the helper is stopped and reaped
+    _prewarm._at_exit()  # what the interpreter's exit does: a helper given up on is stopped
     assert _prewarm.join(10)
 
 
@@ -289,6 +289,65 @@ def test_the_helper_exits_when_the_process_that_started_it_is_killed(tmp_path: P
     if orphaned:
         os.kill(helper, signal.SIGKILL)  # the test stops what it started, even when failing
     assert not orphaned, "the helper outlived its killed parent"
+
+
+_COMPILING_PARENT = r"""
+import sys, time
+from beton_serve import _prewarm
+
+def watch(proc, events):  # the real watcher, telling the test when the helper compiles
+    for raw in proc.stdout:
+        if raw.startswith(b"compiling crop"):
+            print("COMPILING", flush=True)
+
+_prewarm._watch = watch
+_prewarm._spawn(["crop"], _prewarm.Path(sys.argv[1]))
+print(_prewarm._procs[0].pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_helper_compiling_when_its_parent_dies_finishes_that_group_and_exits(
+    tmp_path: Path,
+) -> None:
+    # A trainer that exits (or is killed) right after its first batch: the group the helper is
+    # compiling still reaches the cache, so the next process does not compile it again.
+    cache = tmp_path / "cc"
+    cache.mkdir(mode=0o700)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _COMPILING_PARENT, str(cache)],
+        env=_env(cache, "0"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout is not None
+        helper = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "COMPILING"
+    finally:
+        parent.kill()
+        parent.wait(10)
+    deadline = time.monotonic() + 120
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    orphaned = _alive(helper)
+    if orphaned:
+        os.kill(helper, signal.SIGKILL)  # the test stops what it started, even when failing
+    assert not orphaned, "the helper did not exit after its group"
+    code = (
+        "from beton_serve import _prewarm\n"
+        "from beton_serve.pipeline.compile_cache import default_store\n"
+        "print(_prewarm._missing(_prewarm._crop_calls(), default_store()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_env(cache, "0"),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert out.stdout.strip() == "False", "the group's entries are not in the cache"
 
 
 def _alive(pid: int) -> bool:
