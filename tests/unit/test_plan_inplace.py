@@ -168,3 +168,35 @@ def test_flip_in_place_equals_flip_out_of_place(shape, dtype) -> None:
         view[...] = imgs
         res = fn(view, view, ids, np.uint64(11))
         np.testing.assert_array_equal(res, want)
+
+
+class OutOfPlaceFlip(RandomHorizontalFlip):
+    """A user's variant with its own (out-of-place) code: it must not inherit ``inplace``."""
+
+    def generate_code(self):
+        inner = super().generate_code()
+
+        def flip(images, dst, batch_indices, seed_key):
+            assert dst is not images, "called in place"
+            return inner(images, dst, batch_indices, seed_key)
+
+        flip.with_indices = flip.with_seed = flip.python = True
+        return flip
+
+
+def test_a_subclass_with_its_own_code_is_not_inplace_unless_it_says_so() -> None:
+    assert RandomHorizontalFlip.inplace and not OutOfPlaceFlip.inplace
+    reader = FakeReader()
+    flip = OutOfPlaceFlip()
+    plan = compile_pipelines(
+        reader, {"image": [FakeImageDecoder(), flip], "label": None}, batch_size=4
+    )
+    ids = [6, 7, 8, 9]
+    outs = [np.zeros((4, *plan.outputs[0].shape), np.uint8)]
+    _, keys, (img,) = _run(plan, ids, outs)
+    np.testing.assert_array_equal(img, _expected(reader, ids, keys[_position(plan, flip)]))
+
+    class Declared(OutOfPlaceFlip):
+        inplace = True
+
+    assert Declared.inplace

@@ -267,13 +267,7 @@ time.sleep(120)
 def test_the_helper_exits_when_the_process_that_started_it_is_killed(tmp_path: Path) -> None:
     # SIGKILL runs no atexit hook: the helper notices its parent is gone by itself
     cache = tmp_path / "cc"
-    cache.mkdir(mode=0o700)
-    parent = subprocess.Popen(
-        [sys.executable, "-c", _ORPHAN_PARENT, str(cache)],
-        env=_env(cache, "0"),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    parent = _parent(_ORPHAN_PARENT, cache)
     try:
         assert parent.stdout is not None
         helper = int(parent.stdout.readline())
@@ -282,13 +276,7 @@ def test_the_helper_exits_when_the_process_that_started_it_is_killed(tmp_path: P
     finally:
         parent.kill()
         parent.wait(10)
-    deadline = time.monotonic() + 5
-    while _alive(helper) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    orphaned = _alive(helper)
-    if orphaned:
-        os.kill(helper, signal.SIGKILL)  # the test stops what it started, even when failing
-    assert not orphaned, "the helper outlived its killed parent"
+    assert _exited(helper, 5), "the helper outlived its killed parent"
 
 
 _COMPILING_PARENT = r"""
@@ -313,13 +301,7 @@ def test_a_helper_compiling_when_its_parent_dies_finishes_that_group_and_exits(
     # A trainer that exits (or is killed) right after its first batch: the group the helper is
     # compiling still reaches the cache, so the next process does not compile it again.
     cache = tmp_path / "cc"
-    cache.mkdir(mode=0o700)
-    parent = subprocess.Popen(
-        [sys.executable, "-c", _COMPILING_PARENT, str(cache)],
-        env=_env(cache, "0"),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    parent = _parent(_COMPILING_PARENT, cache)
     try:
         assert parent.stdout is not None
         helper = int(parent.stdout.readline())
@@ -327,13 +309,7 @@ def test_a_helper_compiling_when_its_parent_dies_finishes_that_group_and_exits(
     finally:
         parent.kill()
         parent.wait(10)
-    deadline = time.monotonic() + 120
-    while _alive(helper) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    orphaned = _alive(helper)
-    if orphaned:
-        os.kill(helper, signal.SIGKILL)  # the test stops what it started, even when failing
-    assert not orphaned, "the helper did not exit after its group"
+    assert _exited(helper, 120), "the helper did not exit after its group"
     code = (
         "from beton_serve import _prewarm\n"
         "from beton_serve.pipeline.compile_cache import default_store\n"
@@ -348,6 +324,29 @@ def test_a_helper_compiling_when_its_parent_dies_finishes_that_group_and_exits(
         timeout=120,
     )
     assert out.stdout.strip() == "False", "the group's entries are not in the cache"
+
+
+def _parent(script: str, cache: Path) -> subprocess.Popen[str]:
+    """A process running ``script`` (which spawns a helper) over a new cache ``cache``."""
+    cache.mkdir(mode=0o700)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(cache)],
+        env=_env(cache, "0"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _exited(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for ``pid`` to exit; kill it if it does not (the test stops what
+    it started, even when failing)."""
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:

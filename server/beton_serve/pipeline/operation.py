@@ -62,6 +62,7 @@ class Operation(ABC):
     #: array), and then works in place. The planner passes the input as the destination when
     #: the op before it returned the very buffer the planner gave it and no other op reads it,
     #: so that the ops share one buffer (and a decoder before it writes the batch's destination).
+    #: A subclass that overrides ``generate_code`` is not ``inplace`` unless it says so itself.
     torch_op: ClassVar[bool] = False
     batch_wide: ClassVar[bool] = False
     inplace: ClassVar[bool] = False
@@ -70,6 +71,10 @@ class Operation(ABC):
         """Wrap the subclass's own ``__init__`` so that each instance records the arguments it
         was built with, when JSON-safe (for :meth:`import_spec`; no boilerplate in user ops)."""
         super().__init_subclass__(**kwargs)
+        if "generate_code" in cls.__dict__ and "inplace" not in cls.__dict__:
+            # ``inplace`` vouches for one generate_code: a subclass that replaces the code (a
+            # user's variant of RandomHorizontalFlip, say) declares it again, or is not in place
+            cls.inplace = False
         init = cls.__dict__.get("__init__")
         if init is None or getattr(init, "_beton_records_args", False):
             return
