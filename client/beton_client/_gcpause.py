@@ -29,7 +29,8 @@ _restore = False  # whether the outermost block found the collector on
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Run the block with automatic garbage collection off (see the module docstring)."""
+    """Run the block with automatic garbage collection off (see the module docstring). Also a
+    decorator: ``@gc_paused()`` on a function pauses it for each call."""
     global _depth, _restore
     with _lock:
         if _depth == 0:

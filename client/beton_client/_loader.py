@@ -518,6 +518,7 @@ class Loader(FrontEnd):
 
     _backend: DaemonBackend
 
+    @gc_paused()  # beton_client._gcpause
     def __init__(
         self,
         fname_or_dataset: str | os.PathLike[str],
@@ -538,85 +539,82 @@ class Loader(FrontEnd):
         copy: bool = False,
         **serving: Any,
     ) -> None:
-        with gc_paused():  # beton_client._gcpause
-            environ = os.environ
-            #: How this Loader reaches its daemon (the deprecated keywords folded in).
-            self.serve = opts = merge_serve_keywords(serve, serving)
-            transport = opts.transport
-            if transport not in _TRANSPORTS:
-                raise SpecError(
-                    f"transport must be one of {_TRANSPORTS}, not {short_repr(transport)}"
-                )
-            args = check_args(
-                batch_size=batch_size,
-                num_workers=num_workers,
-                order=order,
-                distributed=distributed,
-                seed=seed,
-                indices=indices,
-                custom_fields=custom_fields,
-                drop_last=drop_last,
-                batches_ahead=batches_ahead,
-                recompile=recompile,
-                copy=copy,
-                errors=CLIENT_ERRORS,
-                environ=environ,
+        environ = os.environ
+        #: How this Loader reaches its daemon (the deprecated keywords folded in).
+        self.serve = opts = merge_serve_keywords(serve, serving)
+        transport = opts.transport
+        if transport not in _TRANSPORTS:
+            raise SpecError(f"transport must be one of {_TRANSPORTS}, not {short_repr(transport)}")
+        args = check_args(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            order=order,
+            distributed=distributed,
+            seed=seed,
+            indices=indices,
+            custom_fields=custom_fields,
+            drop_last=drop_last,
+            batches_ahead=batches_ahead,
+            recompile=recompile,
+            copy=copy,
+            errors=CLIENT_ERRORS,
+            environ=environ,
+        )
+        text = os.fspath(fname_or_dataset)
+        if len(text) > MAX_PATH_CHARS:
+            raise SpecError(
+                f"dataset {short_repr(text)} is longer than the {MAX_PATH_CHARS} characters a "
+                "request may use"
             )
-            text = os.fspath(fname_or_dataset)
-            if len(text) > MAX_PATH_CHARS:
-                raise SpecError(
-                    f"dataset {short_repr(text)} is longer than the {MAX_PATH_CHARS} characters a "
-                    "request may use"
-                )
-            self.fname = text
-            is_file = text.endswith(".beton") or os.sep in text
-            self.dataset = Path(text).stem if is_file else text
-            #: The file named, resolved by the daemon by identity, never by stem (issue 11); ``None``
-            #: for a dataset name, or a path that does not exist here (a remote daemon's file).
-            file: FileIdentity | None = None
-            if is_file and os.path.isfile(text):
-                try:
-                    file = FileIdentity.of(text)
-                except OSError as exc:
-                    raise SpecError(f"dataset file {text} cannot be read: {exc}") from None
-            self.os_cache = os_cache
-            #: The sample ids given (``None``: every sample).
-            self.indices = None if args.indices is None else args.indices.tolist()
-            reconnect = opts.reconnect
-            if isinstance(reconnect, RetryPolicy):
-                policy = reconnect
-            else:
-                policy = RetryPolicy() if reconnect else RetryPolicy(budget_s=0.0)
-            server = opts.server
-            if server is None:
-                server = environ.get(ENV_ADDRESS) or unix_target(default_socket_path(environ))
-            servers, first = _server_list(server, transport)
-            if len(servers) > 1:
-                transport = "grpc"
-            socket_owner = opts.socket_owner
-            if socket_owner is not None and (not _is_int(socket_owner) or socket_owner < 0):
-                raise SpecError(f"socket_owner must be a uid (an int >= 0), not {socket_owner!r}")
-            sock = socket_path_of(first)
-            spawn_args = None
-            if opts.spawn and sock is not None and is_file:
-                if not os.path.isfile(text):
-                    raise SpecError(f"dataset file {text} does not exist")
-                spawn_args = (sock, text)
-            backend = DaemonBackend(
-                dataset=self.dataset,
-                file=file,
-                servers=servers,
-                transport=transport,
-                compression=opts.compression or "",
-                token=opts.token if opts.token is not None else (environ.get(ENV_TOKEN) or None),
-                tls=(opts.tls_ca, opts.tls_cert, opts.tls_key),
-                socket_owner=None if socket_owner is None else int(socket_owner),
-                reconnect=policy,
-                spawn_args=spawn_args,
-                custom_fields=_custom_field_specs(args.custom_fields),
-                owner=self,
-            )
-            self._start(backend, args, order, pipelines)
+        self.fname = text
+        is_file = text.endswith(".beton") or os.sep in text
+        self.dataset = Path(text).stem if is_file else text
+        #: The file named, resolved by the daemon by identity, never by stem (issue 11); ``None``
+        #: for a dataset name, or a path that does not exist here (a remote daemon's file).
+        file: FileIdentity | None = None
+        if is_file and os.path.isfile(text):
+            try:
+                file = FileIdentity.of(text)
+            except OSError as exc:
+                raise SpecError(f"dataset file {text} cannot be read: {exc}") from None
+        self.os_cache = os_cache
+        #: The sample ids given (``None``: every sample).
+        self.indices = None if args.indices is None else args.indices.tolist()
+        reconnect = opts.reconnect
+        if isinstance(reconnect, RetryPolicy):
+            policy = reconnect
+        else:
+            policy = RetryPolicy() if reconnect else RetryPolicy(budget_s=0.0)
+        server = opts.server
+        if server is None:
+            server = environ.get(ENV_ADDRESS) or unix_target(default_socket_path(environ))
+        servers, first = _server_list(server, transport)
+        if len(servers) > 1:
+            transport = "grpc"
+        socket_owner = opts.socket_owner
+        if socket_owner is not None and (not _is_int(socket_owner) or socket_owner < 0):
+            raise SpecError(f"socket_owner must be a uid (an int >= 0), not {socket_owner!r}")
+        sock = socket_path_of(first)
+        spawn_args = None
+        if opts.spawn and sock is not None and is_file:
+            if not os.path.isfile(text):
+                raise SpecError(f"dataset file {text} does not exist")
+            spawn_args = (sock, text)
+        backend = DaemonBackend(
+            dataset=self.dataset,
+            file=file,
+            servers=servers,
+            transport=transport,
+            compression=opts.compression or "",
+            token=opts.token if opts.token is not None else (environ.get(ENV_TOKEN) or None),
+            tls=(opts.tls_ca, opts.tls_cert, opts.tls_key),
+            socket_owner=None if socket_owner is None else int(socket_owner),
+            reconnect=policy,
+            spawn_args=spawn_args,
+            custom_fields=_custom_field_specs(args.custom_fields),
+            owner=self,
+        )
+        self._start(backend, args, order, pipelines)
 
     # -- serving attributes (the backend's) -------------------------------------------------
     @property

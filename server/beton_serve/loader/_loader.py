@@ -464,6 +464,7 @@ class Loader(FrontEnd):
     _backend: EngineBackend
     _feed: EngineFeed | None  # type: ignore[assignment]
 
+    @gc_paused()  # numba's import and the kernels' loads (beton_client._gcpause)
     def __init__(
         self,
         fname: str | os.PathLike[str] | Any,
@@ -489,66 +490,59 @@ class Loader(FrontEnd):
         batch_timeout: float | None = 600.0,
         verify_checksums: bool = False,
     ) -> None:
-        with gc_paused():  # numba's import and the kernels' loads (beton_client._gcpause)
-            args = check_args(
-                batch_size=batch_size,
-                num_workers=num_workers,
-                order=order,
-                distributed=distributed,
-                seed=seed,
-                indices=indices,
-                custom_fields=custom_fields,
-                drop_last=drop_last,
-                batches_ahead=batches_ahead,
-                recompile=recompile,
-                copy=copy,
-                errors=ENGINE_ERRORS,
-                environ=os.environ,
-                custom_order=TraversalOrder,
-            )
-            if isinstance(fname, str | os.PathLike):
-                from beton_serve.format import BetonReader
+        args = check_args(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            order=order,
+            distributed=distributed,
+            seed=seed,
+            indices=indices,
+            custom_fields=custom_fields,
+            drop_last=drop_last,
+            batches_ahead=batches_ahead,
+            recompile=recompile,
+            copy=copy,
+            errors=ENGINE_ERRORS,
+            environ=os.environ,
+            custom_order=TraversalOrder,
+        )
+        if isinstance(fname, str | os.PathLike):
+            from beton_serve.format import BetonReader
 
-                reader = BetonReader(fname, custom_fields=dict(args.custom_fields) or None)
-                owns = True
-            else:
-                reader, owns = fname, False
-            self.reader = reader
-            self.fname = getattr(reader, "path", None)
-            self.os_cache = os_cache
-            self._order_arg = order
-            self._order_kwargs = dict(order_kwargs or {})
-            self.verify_checksums = bool(verify_checksums)
-            #: The sample ids visited (``uint64``; every sample when ``indices`` is ``None``).
-            self.indices: np.ndarray = (
-                np.arange(reader.num_samples, dtype=np.uint64)
-                if args.indices is None
-                else args.indices
-            )
-            backend = EngineBackend(
-                reader,
-                owns,
-                loader=self,
-                engine=engine,
-                plan_cache=plan_cache,
-                bad_sample_budget=bad_sample_budget,
-                slices=slices,
-                batch_timeout=batch_timeout,
-                verify_checksums=verify_checksums,
-                order_kwargs=self._order_kwargs,
-            )
-            # Attributes a custom TraversalOrder reads from its loader, before the feed opens.
-            self.seed, self.distributed = args.seed, args.distributed
-            self.rank, self.world_size, self.batch_size = (
-                args.rank,
-                args.world_size,
-                args.batch_size,
-            )
-            self._start(backend, args, order, pipelines)
-            self.num_workers = self._engine_feed().workers
-            #: The order object (a custom order is constructed here, as FFCV does).
-            self.order = backend.order  # type: ignore[assignment]
-            self.batch_timeout = batch_timeout
+            reader = BetonReader(fname, custom_fields=dict(args.custom_fields) or None)
+            owns = True
+        else:
+            reader, owns = fname, False
+        self.reader = reader
+        self.fname = getattr(reader, "path", None)
+        self.os_cache = os_cache
+        self._order_arg = order
+        self._order_kwargs = dict(order_kwargs or {})
+        self.verify_checksums = bool(verify_checksums)
+        #: The sample ids visited (``uint64``; every sample when ``indices`` is ``None``).
+        self.indices: np.ndarray = (
+            np.arange(reader.num_samples, dtype=np.uint64) if args.indices is None else args.indices
+        )
+        backend = EngineBackend(
+            reader,
+            owns,
+            loader=self,
+            engine=engine,
+            plan_cache=plan_cache,
+            bad_sample_budget=bad_sample_budget,
+            slices=slices,
+            batch_timeout=batch_timeout,
+            verify_checksums=verify_checksums,
+            order_kwargs=self._order_kwargs,
+        )
+        # Attributes a custom TraversalOrder reads from its loader, before the feed opens.
+        self.seed, self.distributed = args.seed, args.distributed
+        self.rank, self.world_size, self.batch_size = args.rank, args.world_size, args.batch_size
+        self._start(backend, args, order, pipelines)
+        self.num_workers = self._engine_feed().workers
+        #: The order object (a custom order is constructed here, as FFCV does).
+        self.order = backend.order  # type: ignore[assignment]
+        self.batch_timeout = batch_timeout
 
     # -- in-process extras ---------------------------------------------------------------------
     @property
