@@ -147,7 +147,9 @@ _started: set[tuple[str, str]] = set()  # (cache directory, group) looked up (""
 _pending: dict[str, threading.Event] = {}  # group -> set once the helper is done with it
 _procs: list[subprocess.Popen[bytes]] = []
 _proc_of: dict[str, subprocess.Popen[bytes]] = {}  # group -> the helper compiling it
-_given_up: list[subprocess.Popen[bytes]] = []  # helpers a wait timed out on (hung): stopped at exit
+_given_up: set[subprocess.Popen[bytes]] = (
+    set()
+)  # helpers a wait timed out on (hung): stopped at exit
 _threads: list[threading.Thread] = []
 
 
@@ -267,9 +269,8 @@ def wait(group: str, timeout: float = WAIT_TIMEOUT_S) -> None:
             "prewarm: the helper did not finish %r in %.0f s; compiling here", group, timeout
         )
         with _lock:
-            proc = _proc_of.get(group)
-            if proc is not None and proc not in _given_up:
-                _given_up.append(proc)
+            if group in _proc_of:
+                _given_up.add(_proc_of[group])
         ev.set()
 
 
@@ -384,8 +385,8 @@ def _compile_group(name: str) -> bool:
     finally:
         with _helper_lock:
             _helper_busy = False
-    with _helper_lock:
-        return not _helper_orphaned
+            orphaned = _helper_orphaned
+    return not orphaned
 
 
 def main(argv: Sequence[str] | None = None) -> int:

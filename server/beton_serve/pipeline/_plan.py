@@ -47,6 +47,7 @@ from beton_serve.errors import BetonError, PipelineError, SpecError
 from beton_serve.pipeline._graph import Node, OutputPath, build_graph
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.compiler import Compiler
+from beton_serve.pipeline.operation import same_array
 from beton_serve.pipeline.pipeline_spec import PipelineSpec
 from beton_serve.pipeline.state import State, is_torch_dtype
 
@@ -532,13 +533,7 @@ class Plan:
                 out_arrays.append(res)  # written into the destination (in place from the head)
                 continue
             dst = outs[i][:n]
-            same = (
-                isinstance(res, np.ndarray)
-                and res.shape == dst.shape
-                and res.strides == dst.strides
-                and res.ctypes.data == dst.ctypes.data
-            )
-            if not same:
+            if not (isinstance(res, np.ndarray) and same_array(res, dst)):
                 np.copyto(dst, res, casting="no")
             out_arrays.append(dst)
         return out_arrays
@@ -576,7 +571,7 @@ class Plan:
         The head is the leaf, or, when the leaf ends a chain of ``inplace`` ops, the op before
         the chain (:meth:`_inplace_parent`): it writes the destination and the chain works on it
         in place. Direct writing needs that no other jit op reads the leaf's buffer and that the
-        head's allocation (and every chain op's) is exactly the output state."""
+        leaf's allocation is exactly its output state (then so is every chain op's)."""
         static = []
         for path in self.paths:
             leaf = self._leaf(path)
@@ -591,16 +586,9 @@ class Plan:
             shape = tuple(q.shape) if isinstance(q, AllocationQuery) else ()
             dtype = np.dtype(q.dtype) if isinstance(q, AllocationQuery) else np.dtype(np.uint8)
             head = leaf
-            while ok:
-                parent = self._inplace_parent(head)
-                pq = None if parent is None else self._alloc[parent.position]
-                if (
-                    parent is None
-                    or not isinstance(pq, AllocationQuery)
-                    or tuple(pq.shape) != shape
-                    or np.dtype(pq.dtype) != dtype
-                ):
-                    break
+            # each link allocates what its child does (_inplace_parent), so the head allocates
+            # exactly the output state too
+            while ok and (parent := self._inplace_parent(head)) is not None:
                 head = parent
             static.append((leaf.position, ok, shape, dtype, head.position))
         return static

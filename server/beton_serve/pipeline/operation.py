@@ -42,7 +42,20 @@ from typing import Any, ClassVar
 from beton_serve.pipeline.allocation_query import Allocation
 from beton_serve.pipeline.state import State
 
-__all__ = ["Operation"]
+__all__ = ["Operation", "same_array"]
+
+
+def same_array(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one array: the same object, or views with the same data
+    pointer, shape and strides (what an ``inplace`` op checks of its input and destination, and
+    the planner of an op's result and the caller's destination)."""
+    return a is b or (
+        hasattr(a, "ctypes")
+        and hasattr(b, "ctypes")
+        and a.shape == b.shape
+        and a.strides == b.strides
+        and a.ctypes.data == b.ctypes.data
+    )
 
 
 class Operation(ABC):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from beton_serve.pipeline.allocation_query import AllocationQuery
-from beton_serve.pipeline.operation import Operation
+from beton_serve.pipeline.operation import Operation, same_array
 from beton_serve.pipeline.state import State
 from beton_serve.transforms._util import mark, require_image
 
@@ -156,11 +156,7 @@ class RandomHorizontalFlip(Operation):
         def flip(images, dst, batch_indices, seed_key):
             mask = mask_fn(np.asarray(batch_indices), np.uint64(seed_key))
             n = images.shape[0]
-            same = dst is images or (
-                dst.ctypes.data == images.ctypes.data
-                and dst.shape == images.shape
-                and dst.strides == images.strides
-            )
+            same = same_array(images, dst)
             contiguous = images.ndim == 4 and images.flags.c_contiguous
             if same and contiguous:
                 _, h, w, c = images.shape
