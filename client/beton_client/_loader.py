@@ -518,7 +518,6 @@ class Loader(FrontEnd):
 
     _backend: DaemonBackend
 
-    @gc_paused()  # beton_client._gcpause
     def __init__(
         self,
         fname_or_dataset: str | os.PathLike[str],
@@ -614,7 +613,9 @@ class Loader(FrontEnd):
             custom_fields=_custom_field_specs(args.custom_fields),
             owner=self,
         )
-        self._start(backend, args, order, pipelines)
+        # no decorator on __init__: the DeprecationWarning above must name the caller's line
+        with gc_paused():  # beton_client._gcpause
+            self._start(backend, args, order, pipelines)
 
     # -- serving attributes (the backend's) -------------------------------------------------
     @property
