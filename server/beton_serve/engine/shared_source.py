@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from beton_serve._batchmem import batch_empty
 from beton_serve.engine._future import BatchFuture, SourceCaps
 from beton_serve.engine.sharing import Consumer, ShareKey, SharingRegistry
 from beton_serve.errors import BetonError
@@ -332,7 +333,7 @@ class SharedSource:
         with self._lock:
             if self._pool:
                 return self._pool.pop()
-        return [np.empty(shape, dtype) for shape, dtype in self._shapes]
+        return [batch_empty(shape, dtype) for shape, dtype in self._shapes]
 
     def _take_arena(self) -> tuple[Any, int, list[np.ndarray]] | None:
         if self._make_arena is None or self._closed:

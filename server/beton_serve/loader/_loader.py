@@ -51,6 +51,7 @@ from beton_client.frontend import (
 from beton_wire.limits import short_repr
 from beton_wire.loader_state import samples_per_rank
 
+from beton_serve._batchmem import batch_empty
 from beton_serve.engine import (
     BatchSource,
     Engine,
@@ -287,7 +288,7 @@ class EngineFeed:
             batch = self.args.batch_size
             try:
                 self._slots = [
-                    [np.empty((batch, *o.shape), o.dtype) for o in plan.outputs]
+                    [batch_empty((batch, *o.shape), o.dtype) for o in plan.outputs]
                     for _ in range(slots)
                 ]
             except MemoryError:

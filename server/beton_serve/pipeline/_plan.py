@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from beton_serve._batchmem import batch_empty
 from beton_serve.errors import BetonError, PipelineError, SpecError
 from beton_serve.pipeline._graph import Node, OutputPath, build_graph
 from beton_serve.pipeline.allocation_query import AllocationQuery
@@ -111,7 +112,7 @@ def _empty(q: AllocationQuery, batch: int | None) -> Any:
         import torch
 
         return torch.empty(shape, dtype=q.dtype, device=q.device or "cpu")
-    return np.empty(shape, dtype=q.dtype)
+    return batch_empty(shape, q.dtype)
 
 
 def _slice(buf: Any, n: int) -> Any:

@@ -1,0 +1,73 @@
+"""Large batch buffers, mapped so that their first batch is written at a steady speed.
+
+A batch buffer is written once per batch and reused for the whole run, but the first write of
+each fresh page is a page fault, and a Loader's first batches each land in a fresh slot. numpy
+asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``) on every array of 4 MiB or more.
+On the VMs we measure on, that made the first batches bimodal (issue 14, ``benchmarks/
+RESULTS.md``, "Session 15"), for RRC-224 batches of 256 images (38.5 MB per slot):
+
+* Sometimes a huge-page slot faulted in as fast as 4 KiB pages (first batch 0.11 s).
+* In about half the runs it took 30-50 ms more per slot (first batch 0.14-0.16 s, the next two
+  0.21 s instead of 0.13 s). A huge page is a free 2 MiB block. A guest kernel that reports its
+  free blocks to the hypervisor (virtio-balloon free page reporting, which reports exactly
+  those) gets them back unbacked, and the host must fault each one in again.
+* With ``MADV_NOHUGEPAGE`` the same slots took 0.116-0.117 s for the first batch and 0.13 s for
+  the next two, in every run.
+
+So by default these buffers are private anonymous mappings advised ``MADV_NOHUGEPAGE``. On
+bare metal that costs a few milliseconds once per buffer: 4 KiB faults instead of 2 MiB ones.
+Once a buffer is written it costs nothing per batch, since the batch is written row by row.
+``BETON_SERVE_HUGEPAGES=1`` gives numpy's default instead: advised, huge pages where the kernel
+has them.
+
+Only process-private memory is concerned: shared-memory rings are tmpfs, whose huge pages are a
+system setting (``shmem_enabled``).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BATCH_MAP_MIN_BYTES", "batch_empty"]
+
+#: Smaller buffers come from ``np.empty`` (numpy advises huge pages only from 4 MiB up, too).
+BATCH_MAP_MIN_BYTES = 4 << 20
+
+_NO_HUGE: int | None = getattr(mmap, "MADV_NOHUGEPAGE", None)
+_PRIVATE: int | None = (
+    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
+)
+
+
+def _huge_pages_wanted() -> bool:
+    return os.environ.get("BETON_SERVE_HUGEPAGES", "").strip() in ("1", "true", "yes")
+
+
+def batch_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array, like ``np.empty(shape, dtype)``.
+
+    From ``BATCH_MAP_MIN_BYTES`` up, on platforms with ``MADV_NOHUGEPAGE``, it is a private
+    anonymous mapping so advised (its ``base`` is the ``mmap``, unmapped when the last view of
+    it goes); otherwise, or with ``BETON_SERVE_HUGEPAGES=1``, it is ``np.empty``.
+    """
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    if (
+        nbytes < BATCH_MAP_MIN_BYTES
+        or _NO_HUGE is None
+        or _PRIVATE is None
+        or dt.hasobject
+        or _huge_pages_wanted()
+    ):
+        return np.empty(shape, dt)
+    m = mmap.mmap(-1, nbytes, flags=_PRIVATE)
+    try:
+        m.madvise(_NO_HUGE)
+    except OSError:  # a kernel without THP: its pages are 4 KiB anyway
+        pass
+    return np.ndarray(shape, dt, buffer=m)
