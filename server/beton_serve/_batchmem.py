@@ -26,6 +26,7 @@ system setting (``shmem_enabled``).
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -54,6 +55,9 @@ def batch_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     From ``BATCH_MAP_MIN_BYTES`` up, on platforms with ``MADV_NOHUGEPAGE``, it is a private
     anonymous mapping so advised (its ``base`` is the ``mmap``, unmapped when the last view of
     it goes); otherwise, or with ``BETON_SERVE_HUGEPAGES=1``, it is ``np.empty``.
+
+    Raises:
+        MemoryError: the process cannot map that much (as ``np.empty`` raises it).
     """
     dt = np.dtype(dtype)
     nbytes = math.prod(shape) * dt.itemsize
@@ -65,7 +69,15 @@ def batch_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         or _huge_pages_wanted()
     ):
         return np.empty(shape, dt)
-    m = mmap.mmap(-1, nbytes, flags=_PRIVATE)
+    try:
+        m = mmap.mmap(-1, nbytes, flags=_PRIVATE)
+    except OSError as exc:  # as np.empty says it: callers turn MemoryError into advice
+        if exc.errno == errno.ENOMEM:
+            raise MemoryError(
+                f"Unable to allocate {nbytes} bytes for an array with shape {shape} and data "
+                f"type {dt}"
+            ) from None
+        raise
     try:
         m.madvise(_NO_HUGE)
     except OSError:  # a kernel without THP: its pages are 4 KiB anyway

@@ -127,3 +127,26 @@ def test_loader_pixels_are_the_same_in_mapped_slots(
                 assert flags is not None and "nh" in flags
                 assert flags0 is None or "nh" not in flags0
     assert not np.array_equal(mapped[0][0][0], mapped[1][0][0])  # the epochs differ
+
+
+def test_an_impossible_buffer_is_a_memory_error() -> None:
+    """``np.empty`` raises ``MemoryError``; a failed mapping must too, not ``OSError``."""
+    with pytest.raises(MemoryError, match="Unable to allocate"):
+        batch_empty((1 << 40, 224, 224, 3), np.uint8)
+
+
+def test_an_absurd_batch_size_is_a_spec_error(fixtures_dir: Path) -> None:
+    """The Loader's advice for slots it cannot allocate survives the mapped slots."""
+    from beton_serve.errors import SpecError
+
+    # 65,536 (the largest batch_size) x 4096² RGB: 3.3 TB per slot
+    pipes = {"image": [RandomResizedCropRGBImageDecoder((4096, 4096))], "label": [IntDecoder()]}
+    ld = Loader(
+        str(fixtures_dir / "images_jpg.beton"), batch_size=65536, num_workers=1,
+        order=OrderOption.SEQUENTIAL, drop_last=False, pipelines=pipes,
+    )  # fmt: skip
+    try:
+        with pytest.raises(SpecError, match="cannot be allocated in this process"):
+            next(iter(ld))
+    finally:
+        ld.close()
