@@ -12,14 +12,16 @@ import gc
 import mmap
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from beton_serve import _batchmem
 from beton_serve._batchmem import BATCH_MAP_MIN_BYTES, batch_empty
 from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
 from beton_serve.loader import Loader, OrderOption
-from beton_serve.transforms import RandomHorizontalFlip
+from beton_serve.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,9 +85,16 @@ def test_hugepages_env_gives_numpys_default(monkeypatch: pytest.MonkeyPatch) -> 
     assert a.flags.owndata and a.base is None
 
 
-def _epochs(beton: Path, n: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+def _epochs(beton: Path, n: int) -> list[list[tuple[np.ndarray, np.ndarray, Any]]]:
+    """``n`` epochs of (pixels, labels, VmFlags of the pixels' slot); the images end as
+    torch tensors over the slot (``ToTensor``, ``ToTorchImage``), as a trainer gets them."""
     pipes = {
-        "image": [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip()],
+        "image": [
+            RandomResizedCropRGBImageDecoder((224, 224)),
+            RandomHorizontalFlip(),
+            ToTensor(),
+            ToTorchImage(),
+        ],
         "label": [IntDecoder()],
     }
     ld = Loader(
@@ -98,10 +107,13 @@ def _epochs(beton: Path, n: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
             batches = []
             for batch in ld:
                 img, label = batch[0], batch[1]
-                if _ADVISABLE and img.nbytes >= BATCH_MAP_MIN_BYTES:
-                    batches.append((img.copy(), label.copy(), _vm_flags(img.ctypes.data)))
+                assert isinstance(img, torch.Tensor) and img.shape[1:] == (3, 224, 224)
+                pixels = img.permute(0, 2, 3, 1).numpy().copy()
+                if _ADVISABLE and pixels.nbytes >= BATCH_MAP_MIN_BYTES:
+                    flags = _vm_flags(img.data_ptr())
                 else:
-                    batches.append((img.copy(), label.copy(), None))
+                    flags = None
+                batches.append((pixels, label.copy(), flags))
             out.append(batches)
         return out
     finally:
