@@ -8,15 +8,17 @@ RESULTS.md``, "Session 15"), for RRC-224 batches of 256 images (38.5 MB per slot
 
 * Sometimes a huge-page slot faulted in as fast as 4 KiB pages (first batch 0.11 s).
 * In about half the runs it took 30-50 ms more per slot (first batch 0.14-0.16 s, the next two
-  0.21 s instead of 0.13 s). A huge page is a free 2 MiB block. A guest kernel that reports its
-  free blocks to the hypervisor (virtio-balloon free page reporting, which reports exactly
-  those) gets them back unbacked, and the host must fault each one in again.
+  0.21 s instead of 0.13 s), with free 2 MiB blocks to spare and no fallback counted. Our
+  reading: a huge page is a free 2 MiB block, and a guest kernel that reports its free blocks
+  to the hypervisor (free page reporting, which reports blocks of that size) gets them back
+  unbacked, so the host must fault each one in again.
 * With ``MADV_NOHUGEPAGE`` the same slots took 0.116-0.117 s for the first batch and 0.13 s for
   the next two, in every run.
 
 So by default these buffers are private anonymous mappings advised ``MADV_NOHUGEPAGE``. On
 bare metal that costs a few milliseconds once per buffer: 4 KiB faults instead of 2 MiB ones.
-Once a buffer is written it costs nothing per batch, since the batch is written row by row.
+Once the buffers are written, the steady rate measured the same (RRC-224 + flip, 2 workers, six
+alternated pairs).
 ``BETON_SERVE_HUGEPAGES=1`` gives numpy's default instead: advised, huge pages where the kernel
 has them.
 
