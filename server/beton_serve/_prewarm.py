@@ -147,9 +147,8 @@ _started: set[tuple[str, str]] = set()  # (cache directory, group) looked up (""
 _pending: dict[str, threading.Event] = {}  # group -> set once the helper is done with it
 _procs: list[subprocess.Popen[bytes]] = []
 _proc_of: dict[str, subprocess.Popen[bytes]] = {}  # group -> the helper compiling it
-_given_up: set[subprocess.Popen[bytes]] = (
-    set()
-)  # helpers a wait timed out on (hung): stopped at exit
+#: Helpers a wait timed out on (hung): stopped at exit.
+_given_up: set[subprocess.Popen[bytes]] = set()
 _threads: list[threading.Thread] = []
 
 
