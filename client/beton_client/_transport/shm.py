@@ -21,6 +21,7 @@ import contextlib
 import mmap
 import os
 import socket
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -320,15 +321,27 @@ class NoticeChannel:
             raise
         self._sock = sock
 
-    def recv(self) -> tuple[int, int, int, int, int, bytes] | None:
+    def recv(self, nap_s: float = 0.0) -> tuple[int, int, int, int, int, bytes] | None:
         """The next record from the daemon as ``(kind, a, b, c, d, payload)``; ``None`` at end
         of file (the daemon ended the stream: its status is on the Batches call).
+
+        ``nap_s > 0`` coalesces wake-ups: when no record is there yet, sleep ``nap_s`` seconds
+        before waiting on the socket, so that one wake-up finds several records (see
+        ``beton_client._stream.nap_for``). A record that arrives during the nap waits for it.
 
         Raises:
             TransportError: the daemon sent something that is not a record.
         """
+        sock = self._sock
         try:
-            data = self._sock.recv(notice.MAX_RECORD)
+            if nap_s > 0.0:
+                try:
+                    data = sock.recv(notice.MAX_RECORD, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    time.sleep(nap_s)
+                    data = sock.recv(notice.MAX_RECORD)
+            else:
+                data = sock.recv(notice.MAX_RECORD)
         except OSError:
             return None
         if not data:
