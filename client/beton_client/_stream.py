@@ -41,7 +41,7 @@ log = logging.getLogger("beton_client")
 
 #: Coalesced waits (see :meth:`_Stream.nap_for`): a stream whose batches come at most this many
 #: seconds apart naps before waiting for one that is not published yet ...
-NAP_MAX_PACE_S = 0.001
+NAP_MAX_PACE_S = 0.005
 #: ... for this many batch periods (so one wake-up finds about as many batches more), ...
 NAP_BATCHES = 2.5
 #: ... when its ring has at least this many slots (room for what is decoded meanwhile).
@@ -213,13 +213,16 @@ class _Stream:
         Why: when the daemon cannot keep up (every core busy), the iterator finds no batch
         ready almost every time, and each wait is a sleep and a wake-up of this process, which
         on the machines measured (virtual machines) costs ~30 us of CPU here and more in the
-        daemon's send, on cores the decoding needs; on CIFAR-sized batches (~0.4 ms each)
-        that is a tenth of the work. Napping ~2.5 batch periods instead makes one wake-up
-        collect ~3 batches: it changes when this process looks, not how fast batches come,
-        since the ring keeps being filled meanwhile (the client's CPU per batch, measured:
-        66-82 us -> 53-65 us on CIFAR, 2 cores). Only streams with batches under :data:`NAP_MAX_PACE_S` apart and
-        rings of :data:`NAP_MIN_SLOTS` slots or more nap, never for an epoch's first batch (its
-        latency is the start-up time), and never when a batch is already there.
+        daemon's send, on cores the decoding needs. On CIFAR-sized batches (~0.4 ms each, or
+        ~1.6 ms each for four clients of one daemon) that is a tenth of the work. Napping ~2.5
+        batch periods instead makes one wake-up collect ~3 batches: it changes when this
+        process looks, not how fast batches come, since the ring keeps being filled meanwhile
+        (2.5 periods are less than the ring's depth). Measured on CIFAR, 2 cores: one client's
+        CPU per batch 66-82 us -> 53-65 us; four clients' 82-84 us -> 66-68 us, and the
+        daemon's 613-616 us -> 591-599 us (benchmarks/RESULTS.md, session 16). Only streams
+        with batches under :data:`NAP_MAX_PACE_S` apart and rings of :data:`NAP_MIN_SLOTS`
+        slots or more nap, never for an epoch's first batch (its latency is the start-up
+        time), and never when a batch is already there.
         """
         last, self._last_ask = self._last_ask, now
         if first or not self._may_nap:
