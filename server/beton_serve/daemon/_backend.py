@@ -73,6 +73,8 @@ class EngineLike(Protocol):
         """Batches queued, not yet started (approximate)."""
         ...
 
+    #: Worker threads.
+    num_workers: int
     #: Workers that died and were replaced.
     workers_replaced: int
     #: Seconds the workers spent running tasks, summed.

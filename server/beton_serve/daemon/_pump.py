@@ -37,6 +37,15 @@ that epoch at batch 0, which it almost always does; any other start (a resume, a
 stream) discards them: cancelled, slots returned, references released. A stream with a
 bad-sample budget does not look ahead (the budget is spent in decode order).
 
+Depth: a pump keeps at most :func:`pump_depth` batches submitted and not yet published (this
+epoch's and the next's together): the engine's workers plus :data:`DEPTH_SLACK`, enough to keep
+every worker busy. The ring's other slots hold published batches the client has not released
+yet. Slots are taken lowest index first, so a stream whose client keeps up cycles through the
+same few slots, which stay in the CPU's caches; filling every free slot (as before) cycled
+through all 16 of a 32 MB ring, and the ring's traffic then cost the decode kernels 5-12 % more
+time (RESULTS.md, sessions 16 and 17). ``BETON_SERVE_PUMP_DEPTH`` sets the depth (``0``: every
+free slot, within the credits).
+
 The ``Batches`` call's own path (``Stream.run_epoch``) has no look-ahead. Every path takes slots
 with ``Stream.acquire``, submits with ``Stream.submit`` and publishes through ``Stream.finish``;
 this one with a ``NoticePublisher`` (``daemon._publish``).
@@ -54,6 +63,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import threading
 from collections import deque
 from concurrent.futures import CancelledError, Future
@@ -70,6 +81,30 @@ __all__ = ["Lookahead", "NoticePump"]
 #: waits for its client with nothing in flight, and only matters when a WAKE was missed.
 TIMER_FIRST_S = 0.001
 TIMER_MAX_S = 0.016
+
+#: Batches submitted and not yet published, beyond one per engine worker (see the module
+#: docstring): one finishing while the workers start the others, and one to spare.
+DEPTH_SLACK = 2
+#: Overrides :func:`pump_depth` (``0``: no limit but the credits and the ring).
+DEPTH_ENV = "BETON_SERVE_PUMP_DEPTH"
+
+log = logging.getLogger("beton_serve.daemon")
+
+
+def pump_depth(workers: int | None) -> int:
+    """Batches a pump keeps submitted and unpublished: ``workers + DEPTH_SLACK``, or
+    ``$BETON_SERVE_PUMP_DEPTH`` when set; ``0`` means no limit (also when ``workers`` is
+    ``None``: no engine to size it by)."""
+    raw = os.environ.get(DEPTH_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value >= 0:
+            return value
+        log.warning("ignoring %s=%r: not a count of batches (0 or more)", DEPTH_ENV, raw)
+    return 0 if workers is None else max(1, workers) + DEPTH_SLACK
 
 
 class NoticePump:
@@ -103,6 +138,8 @@ class NoticePump:
         self.ahead: Pending = deque()  # batches of the next epoch (see the module docstring)
         # n: nothing to look ahead at (see ``Stream.may_look_ahead``).
         self.ahead_next = 0 if stream.may_look_ahead() else n
+        engine = stream.engine
+        self.depth = pump_depth(engine.num_workers if engine is not None else None)
         self.adopted: list[Future[Any]] = []
         with stream.lock:
             la, stream.lookahead = stream.lookahead, None
@@ -178,7 +215,11 @@ class NoticePump:
         return new
 
     def _wants_slot(self) -> bool:
-        return self.b_next < self.n or self.ahead_next < self.n
+        """A batch is left to submit (this epoch's, or the next's to look ahead at) and fewer
+        than :attr:`depth` are submitted and unpublished."""
+        if self.b_next >= self.n and self.ahead_next >= self.n:
+            return False
+        return not self.depth or len(self.pending) + len(self.ahead) < self.depth
 
     def _submit_locked(self, new: list[Future[Any]]) -> None:
         s = self.stream
