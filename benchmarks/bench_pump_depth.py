@@ -89,9 +89,7 @@ def main() -> None:
                 ),
             )
             for depth, r in zip(depths, res[1:], strict=True):
-                rounds = [
-                    a / b for a, b in zip(loc["block_walls"], r["block_walls"], strict=True)
-                ]
+                rounds = [a / b for a, b in zip(loc["block_walls"], r["block_walls"], strict=True)]
                 print(
                     f"depth={depth}",
                     json.dumps(

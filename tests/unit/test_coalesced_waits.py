@@ -16,16 +16,14 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from beton_client import Loader, OrderOption, _stream
 from beton_client._transport import shm as client_shm
 from beton_client._transport.shm import NoticeChannel
-from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
 from beton_serve.loader import Loader as InProcessLoader
-from beton_serve.transforms import RandomHorizontalFlip, ToTensor
 from beton_wire import notice
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.served_epochs import assert_same_epochs, read_epochs, rrc_pipelines
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,22 +142,6 @@ def test_a_long_pause_in_the_training_loop_stops_the_naps() -> None:
     assert s.nap_for(100.0 + 60 * 0.0004 + 0.5, False) == 0.0  # the loop paused 0.5 s
 
 
-def _pipelines() -> dict:
-    return {
-        "image": [RandomResizedCropRGBImageDecoder((48, 48)), RandomHorizontalFlip(), ToTensor()],
-        "label": [IntDecoder(), ToTensor()],
-        "weight": None,
-    }
-
-
-def _epochs(ld: Any, n: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    out = []
-    for _ in range(n):
-        for image, label in ld:
-            out.append((image.numpy().copy(), label.numpy().copy(), ld.last_sample_ids.copy()))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("coalesce", ["1", "0"])
@@ -181,17 +163,14 @@ def test_a_stream_that_naps_serves_what_the_in_process_loader_does(
     monkeypatch.setattr(client_shm.time, "sleep", sleep)
     beton = fixtures_dir / "images_jpg.beton"
     kw: dict[str, Any] = dict(batch_size=4, order=OrderOption.RANDOM, seed=5, drop_last=False)
-    with InProcessLoader(str(beton), pipelines=_pipelines(), num_workers=1, **kw) as ref:
-        want = _epochs(ref, 3)
+    with InProcessLoader(str(beton), pipelines=rrc_pipelines(48), num_workers=1, **kw) as ref:
+        want = read_epochs(ref, 3)
     d = daemon_factory([beton], args=["--workers", "1"])
-    with Loader("images_jpg", pipelines=_pipelines(), server=d.address, **kw) as ld:
-        got = _epochs(ld, 3)
+    with Loader("images_jpg", pipelines=rrc_pipelines(48), server=d.address, **kw) as ld:
+        got = read_epochs(ld, 3)
         assert ld._feed is not None and ld._feed.notice is not None  # the notice channel
     assert len(got) == len(want) >= 6
-    for (gi, gl, gs), (wi, wl, ws) in zip(got, want, strict=True):
-        np.testing.assert_array_equal(gs, ws)
-        np.testing.assert_array_equal(gl, wl)
-        np.testing.assert_array_equal(gi, wi)
+    assert_same_epochs(got, want)
     if coalesce == "1":
         assert naps.naps, "the stream never napped: the test checked nothing about naps"
         assert all(x > 0.0 for x in naps.naps)
