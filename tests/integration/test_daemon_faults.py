@@ -280,12 +280,13 @@ def test_dataset_flag_serves_shards_as_one_dataset(daemon_factory, short_tmp: Pa
     assert "dataset name=train samples=18 shards=3" in d.log()
     pipes = {"id": [IntDecoder(), ToTensor()], "arr": None}
     with Loader("train", batch_size=4, drop_last=False, pipelines=pipes, server=d.address) as ld:
-        ids = np.concatenate([b[0].numpy().reshape(-1) for b in ld])
+        # copies: a batch's buffer is the daemon's again once the next one is asked for
+        ids = np.concatenate([b[0].numpy().reshape(-1).copy() for b in ld])
     assert ids.tolist() == list(range(18))
     with Loader(
         "train", batch_size=4, order=OrderOption.RANDOM, seed=5, pipelines=pipes, server=d.address
     ) as ld:
-        got = np.concatenate([b[0].numpy().reshape(-1) for b in ld])
+        got = np.concatenate([b[0].numpy().reshape(-1).copy() for b in ld])
     assert len(got) == 16 and len(set(got.tolist())) == 16 and set(got.tolist()) <= set(range(18))
     assert sorted(got.tolist()) != got.tolist()  # shuffled over the whole index space
 
