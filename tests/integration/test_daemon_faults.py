@@ -118,6 +118,33 @@ def test_sigterm_drains_exits_0_and_leaves_no_segment(daemon_factory, fixtures_d
         ld.close()
 
 
+def test_sigterm_repeated_while_stopping_still_exits_0_and_frees_everything(
+    daemon_factory, fixtures_dir: Path
+) -> None:
+    """A supervisor that repeats SIGTERM (or Ctrl-C pressed twice) must not cut the cleanup short.
+
+    Once the event loop closed, its handlers were gone and a second SIGTERM killed the daemon in
+    the middle of freeing its rings (exit -15, segments left behind: a CI run caught it through
+    the test helper's own SIGTERM)."""
+    d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
+    ld = Loader("mixed_fields", batch_size=4, pipelines=INT_ONLY, server=d.address)
+    try:
+        next(iter(ld))
+        assert d.segments()
+        deadline, sent = time.monotonic() + 20, 0
+        while d.proc.poll() is None and time.monotonic() < deadline:
+            d.proc.send_signal(signal.SIGTERM)  # the first starts the drain, the rest land on it
+            sent += 1
+            time.sleep(0.005)
+        assert d.proc.wait(5) == 0, d.log()
+        assert sent > 5  # the stop took long enough for the repeats to land while it ran
+        assert d.segments() == []
+        assert not list(SHM.glob(f"beton-{d.pid}-*"))
+        assert not os.path.exists(d.socket)
+    finally:
+        ld.close()
+
+
 def test_daemon_after_a_sigkilled_one_sweeps_its_segments(
     daemon_factory, fixtures_dir: Path
 ) -> None:

@@ -442,6 +442,11 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         log.info("stopped")
         if socket_path:
             _remove_spawn_log(socket_path)  # still holding the lock: no new daemon writes it yet
+    # Everything is freed. The interpreter's own exit (joining threads) takes a while, and it
+    # restores the default action of every Python-level handler, so a late SIGTERM would turn a
+    # clean exit into -15; an ignored signal it leaves as it is (SIGKILL still ends a stuck exit).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     return 0
 
 
@@ -564,6 +569,9 @@ async def _serve(
             loop.add_signal_handler(signal.SIGHUP, daemon.reloader)
         idle = loop.create_task(_idle_watch(daemon, cfg.idle_timeout, stop))
         await stop.wait()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)  # restores SIG_DFL: replaced at once, below
+            signal.signal(sig, _signal_while_stopping)
         idle.cancel()
         log.info("draining streams=%d", len(daemon.streams))
         await handle.set_serving(False)
@@ -573,6 +581,27 @@ async def _serve(
             # A scrape in flight waits for this loop (at most 2 s), so stop off the loop.
             await asyncio.get_running_loop().run_in_executor(None, metrics.stop)
         await handle.server.stop(grace=1.0)
+
+
+_late_signals = 0
+
+
+def _signal_while_stopping(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGINT once the daemon is already stopping: logged, not fatal.
+
+    Once the event loop closes, its handlers are gone and the default action would end the process
+    in the middle of its cleanup, leaving its shared memory behind (a second ``docker stop``, a
+    supervisor repeating SIGTERM, Ctrl-C pressed twice). The cleanup goes on; SIGKILL still ends it.
+    """
+    global _late_signals
+    _late_signals += 1
+    if _late_signals == 1:
+        log.warning(
+            "%s while stopping: the daemon finishes draining and frees its shared memory first; "
+            "kill -KILL %d ends it at once (and leaves shared memory behind)",
+            signal.Signals(signum).name,
+            os.getpid(),
+        )
 
 
 async def _idle_watch(daemon: Daemon, timeout: float, stop: asyncio.Event) -> None:
