@@ -43,13 +43,15 @@ def test_epochs_order_and_len():
         assert len(ld) == 5  # 22 // 4, drop_last
         for epoch in range(2):
             ids = ld.sample_order(epoch)
-            batches = list(ld)
+            # Copies: a batch is valid until the next one is asked for (FFCV's contract).
+            batches = [(np.array(img), np.array(lab)) for img, lab in ld]
             assert ld.next_epoch == epoch + 1
             assert len(batches) == 5
-            for b, (img, lab) in enumerate(batches[:1]):
+            for b, (img, lab) in enumerate(batches):
                 want = ids[b * 4 : b * 4 + 4]
                 np.testing.assert_array_equal(lab[:, 0], want.astype(np.int64) * 1010)
-                np.testing.assert_array_equal(img[0], fake_image(int(want[0])) + 1)
+                for i, sid in enumerate(want):
+                    np.testing.assert_array_equal(img[i], fake_image(int(sid)) + 1)
     assert not _beton_threads()
 
 
