@@ -319,7 +319,12 @@ def _remove_spawn_log(socket_path: str) -> None:
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
-    """Run the daemon until SIGTERM/SIGINT or the idle timeout; returns the exit status."""
+    """Run the daemon until SIGTERM/SIGINT or the idle timeout; returns the exit status.
+
+    Meant as the process's main (``beton-serve serve``): after a clean stop it returns with
+    SIGTERM and SIGINT ignored, so that one arriving while the interpreter exits cannot turn the
+    exit status into -15 (see :func:`_signal_while_stopping`).
+    """
     env = os.environ if environ is None else environ
     from beton_serve.daemon import expand_dataset_args
 
