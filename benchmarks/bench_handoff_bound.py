@@ -13,6 +13,8 @@ configuration in its own child process and alternated over ``--rounds``:
   ring of slots guarded by raw locks, and the consumer takes each batch as cached tensors. It
   keeps no futures, no credit, no ids, no resume state, no bad-sample budget and no timeouts,
   so it is a bound, not a product path.
+* ``pairs``: ``minimal`` with two batches per claim (two plan calls into a double slot, three
+  double slots): whether fewer, larger hand-offs would lift the scaling.
 
 For each it reports images/s, process CPU and consumer-thread CPU per batch, and the scaling
 from 1 to 2 workers. ``packing bound`` is the best 2-worker time that the 2-worker run's own CPU
@@ -56,6 +58,51 @@ if mode == "loader":
         for _ in ld:
             k += 1
         return k
+elif mode == "pairs":
+    # As "minimal", but a worker claims two batches at a time (two plan calls into a double
+    # slot): half the claims and hand-offs per batch.
+    src = ld._feed.source
+    plan, nb, S = src.plan, len(src), 3
+    slots = [[np.empty((2 * BATCH, *o.shape), o.dtype) for o in plan.outputs] for _ in range(S)]
+    views = [[tuple(torch.from_numpy(a[h * BATCH:(h + 1) * BATCH]) for a in s) for h in (0, 1)]
+             for s in slots]
+    npairs = (nb + 1) // 2
+
+    def run_epoch(epoch):
+        ready = [threading.Lock() for _ in range(S)]
+        free = [threading.Lock() for _ in range(S)]
+        for lock in ready:
+            lock.acquire()
+        counter = itertools.count()
+        keys, order = src.seed_keys(epoch), src.sample_order(epoch)
+
+        def work():
+            while (q := next(counter)) < npairs:
+                s = q % S
+                free[s].acquire()
+                for h in range(2 * q, min(2 * q + 2, nb)):  # the plan is sized to one batch
+                    ids = order[h * BATCH:(h + 1) * BATCH]
+                    r = (h % 2) * BATCH
+                    src._run(epoch, ids, 0, len(ids), [o[r:r + len(ids)] for o in slots[s]],
+                             keys, None)
+                ready[s].release()
+
+        threads = [threading.Thread(target=work) for _ in range(workers)]
+        for t in threads:
+            t.start()
+        prev = None
+        for b in range(nb):
+            s = (b // 2) % S
+            if b % 2 == 0:
+                if prev is not None:
+                    free[prev].release()
+                ready[s].acquire()
+                prev = s
+            out = views[s][b % 2]
+        free[prev].release()
+        for t in threads:
+            t.join()
+        return nb
 else:
     src = ld._feed.source
     plan, nb, S = src.plan, len(src), 4
