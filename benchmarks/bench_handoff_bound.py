@@ -58,15 +58,16 @@ if mode == "loader":
         for _ in ld:
             k += 1
         return k
-elif mode == "pairs":
-    # As "minimal", but a worker claims two batches at a time (two plan calls into a double
-    # slot): half the claims and hand-offs per batch.
+else:
+    # "minimal": one batch per claim, 4 slots. "pairs": a worker claims K = 2 batches at a
+    # time (two plan calls into a double slot, 3 double slots): half the claims and hand-offs.
     src = ld._feed.source
-    plan, nb, S = src.plan, len(src), 3
-    slots = [[np.empty((2 * BATCH, *o.shape), o.dtype) for o in plan.outputs] for _ in range(S)]
-    views = [[tuple(torch.from_numpy(a[h * BATCH:(h + 1) * BATCH]) for a in s) for h in (0, 1)]
+    K, S = (2, 3) if mode == "pairs" else (1, 4)
+    plan, nb = src.plan, len(src)
+    slots = [[np.empty((K * BATCH, *o.shape), o.dtype) for o in plan.outputs] for _ in range(S)]
+    views = [[tuple(torch.from_numpy(a[h * BATCH:(h + 1) * BATCH]) for a in s) for h in range(K)]
              for s in slots]
-    npairs = (nb + 1) // 2
+    nclaims = (nb + K - 1) // K
 
     def run_epoch(epoch):
         ready = [threading.Lock() for _ in range(S)]
@@ -77,12 +78,12 @@ elif mode == "pairs":
         keys, order = src.seed_keys(epoch), src.sample_order(epoch)
 
         def work():
-            while (q := next(counter)) < npairs:
+            while (q := next(counter)) < nclaims:
                 s = q % S
                 free[s].acquire()
-                for h in range(2 * q, min(2 * q + 2, nb)):  # the plan is sized to one batch
+                for h in range(K * q, min(K * q + K, nb)):  # the plan is sized to one batch
                     ids = order[h * BATCH:(h + 1) * BATCH]
-                    r = (h % 2) * BATCH
+                    r = (h % K) * BATCH
                     src._run(epoch, ids, 0, len(ids), [o[r:r + len(ids)] for o in slots[s]],
                              keys, None)
                 ready[s].release()
@@ -92,50 +93,13 @@ elif mode == "pairs":
             t.start()
         prev = None
         for b in range(nb):
-            s = (b // 2) % S
-            if b % 2 == 0:
+            s = (b // K) % S
+            if b % K == 0:
                 if prev is not None:
                     free[prev].release()
                 ready[s].acquire()
                 prev = s
-            out = views[s][b % 2]
-        free[prev].release()
-        for t in threads:
-            t.join()
-        return nb
-else:
-    src = ld._feed.source
-    plan, nb, S = src.plan, len(src), 4
-    slots = [[np.empty((BATCH, *o.shape), o.dtype) for o in plan.outputs] for _ in range(S)]
-    views = [tuple(torch.from_numpy(a) for a in s) for s in slots]
-
-    def run_epoch(epoch):
-        ready = [threading.Lock() for _ in range(S)]
-        free = [threading.Lock() for _ in range(S)]
-        for lock in ready:
-            lock.acquire()
-        counter = itertools.count()
-        keys, order = src.seed_keys(epoch), src.sample_order(epoch)
-
-        def work():
-            while (b := next(counter)) < nb:
-                s = b % S
-                free[s].acquire()
-                ids = order[b * BATCH:(b + 1) * BATCH]
-                src._run(epoch, ids, 0, len(ids), [o[:len(ids)] for o in slots[s]], keys, None)
-                ready[s].release()
-
-        threads = [threading.Thread(target=work) for _ in range(workers)]
-        for t in threads:
-            t.start()
-        prev = None
-        for b in range(nb):
-            s = b % S
-            if prev is not None:
-                free[prev].release()
-            ready[s].acquire()
-            out = views[s]  # what a consumer gets: the slot's tensors
-            prev = s
+            out = views[s][b % K]  # what a consumer gets: the slot's tensors
         free[prev].release()
         for t in threads:
             t.join()

@@ -26,7 +26,14 @@ from beton_serve.fields.decoders import IntDecoder
 from beton_serve.transforms import ToTensor
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
-from helpers.daemon import SHM, daemon, daemon_factory, short_tmp, start_daemon  # noqa: F401
+from helpers.daemon import (  # noqa: F401
+    SHM,
+    DaemonProcess,
+    daemon,
+    daemon_factory,
+    short_tmp,
+    start_daemon,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -94,6 +101,13 @@ def test_kill_9_client_mid_epoch_frees_its_slots_and_others_carry_on(daemon) -> 
     _wait(lambda: not daemon.segments(), 3.0)
 
 
+def _assert_left_nothing(d: DaemonProcess) -> None:
+    """A stopped daemon left no ring, no file of its pid under /dev/shm and no socket."""
+    assert d.segments() == []
+    assert not list(SHM.glob(f"beton-{d.pid}-*"))
+    assert not os.path.exists(d.socket)
+
+
 def test_sigterm_drains_exits_0_and_leaves_no_segment(daemon_factory, fixtures_dir: Path) -> None:
     d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
     ld = Loader("mixed_fields", batch_size=4, pipelines=INT_ONLY, server=d.address)
@@ -103,9 +117,7 @@ def test_sigterm_drains_exits_0_and_leaves_no_segment(daemon_factory, fixtures_d
         assert d.segments()
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(20) == 0
-        assert d.segments() == []
-        assert not list(SHM.glob(f"beton-{d.pid}-*"))
-        assert not os.path.exists(d.socket)
+        _assert_left_nothing(d)
         assert "draining" in d.log()
         # Batches already published stay readable (the client's mapping outlives the unlink);
         # then the stream's final status, UNAVAILABLE, surfaces as ServerUnavailable.
@@ -138,9 +150,7 @@ def test_sigterm_repeated_while_stopping_still_exits_0_and_frees_everything(
             time.sleep(0.005)
         assert d.proc.wait(5) == 0, d.log()
         assert sent > 5  # the stop took long enough for the repeats to land while it ran
-        assert d.segments() == []
-        assert not list(SHM.glob(f"beton-{d.pid}-*"))
-        assert not os.path.exists(d.socket)
+        _assert_left_nothing(d)
     finally:
         ld.close()
 
