@@ -1,6 +1,7 @@
 """How far 1 -> 2 workers can scale on CIFAR-like batches on this machine (issue 15 §4).
 
-    python benchmarks/bench_handoff_bound.py [--n 50000] [--epochs 5] [--rounds 2] [--modes loader,minimal] [--json]
+    python benchmarks/bench_handoff_bound.py [--n 50000] [--epochs 5] [--rounds 2] [--modes loader,minimal]
+        [--batch 512] [--tree LABEL=PATH] [--json]
 
 Issue 15 asks for >= 1.9x going from 1 to 2 workers. On CIFAR-like data (raw 32x32 images,
 SimpleRGBImageDecoder + RandomHorizontalFlip + ToTensor, batch 512) a batch is ~0.4 ms of decode,
@@ -16,6 +17,12 @@ configuration in its own child process and alternated over ``--rounds``:
 * ``pairs``: ``minimal`` with two batches per claim (two plan calls into a double slot, three
   double slots): whether fewer, larger hand-offs would lift the scaling.
 
+``--tree LABEL=PATH`` adds the Loader of another checkout (``git worktree add PATH COMMIT``),
+run with ``PATH``'s ``server``, ``client`` and ``proto`` first on ``PYTHONPATH`` and alternated
+with this tree's in every round: an A/B of two commits in one window. ``--batch 16`` makes the
+per-batch fixed cost (futures, submit, hand-off) most of a batch, where a change to it shows
+through this machine's noise.
+
 For each it reports images/s, process CPU and consumer-thread CPU per batch, and the scaling
 from 1 to 2 workers. ``packing bound`` is the best 2-worker time that the 2-worker run's own CPU
 allows on two cores, ``(process CPU per batch) / 2``. It gives ``T1 / that``: the scaling if
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -44,7 +52,7 @@ from beton_serve.loader import Loader, OrderOption
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
 
 mode, workers, n, epochs = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-BATCH = 512
+BATCH = int(sys.argv[6])
 pipes = {"image": [SimpleRGBImageDecoder(), RandomHorizontalFlip(), ToTensor()],
          "label": [IntDecoder(), ToTensor()]}
 ld = Loader(str(build("cifar", n)), batch_size=BATCH, order=OrderOption.RANDOM, seed=0,
@@ -52,7 +60,7 @@ ld = Loader(str(build("cifar", n)), batch_size=BATCH, order=OrderOption.RANDOM, 
 for _ in ld:  # compile, warm the page cache
     pass
 
-if mode == "loader":
+if mode.startswith("loader"):
     def run_epoch(epoch):
         k = 0
         for _ in ld:
@@ -116,9 +124,26 @@ print(json.dumps({"img_s": batches * BATCH / (w1 - w0), "wall_us": 1e6 * (w1 - w
 """
 
 
-def _child(mode: str, workers: int, n: int, epochs: int) -> dict:
+def _child(mode: str, workers: int, n: int, epochs: int, batch: int, tree: str | None) -> dict:
+    env = dict(os.environ)
+    if tree is not None:  # another checkout's packages ahead of this tree's editable install
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(tree) / d) for d in ("server", "client", "proto")]
+            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(HERE), mode, str(workers), str(n), str(epochs)],
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(HERE),
+            mode,
+            str(workers),
+            str(n),
+            str(epochs),
+            str(batch),
+        ],
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -133,17 +158,27 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--modes", default="loader,minimal")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     runs: dict[tuple[str, int], list[dict]] = {}
     modes = args.modes.split(",")
+    trees: dict[str, str | None] = {m: None for m in modes}
+    for spec in args.tree:
+        label, _, path = spec.partition("=")
+        if not path:
+            ap.error(f"--tree wants LABEL=PATH, got {spec!r}")
+        trees[f"loader@{label}"] = path
     for _ in range(args.rounds):
-        for mode in modes:
+        for mode, tree in trees.items():
             for w in (1, 2):
-                runs.setdefault((mode, w), []).append(_child(mode, w, args.n, args.epochs))
+                runs.setdefault((mode, w), []).append(
+                    _child(mode, w, args.n, args.epochs, args.batch, tree)
+                )
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
     report = {}
-    for mode in modes:
+    for mode in trees:
         one, two = med[(mode, 1)], med[(mode, 2)]
         report[mode] = {
             "img_s_1": round(one["img_s"]),
@@ -154,14 +189,17 @@ def main() -> None:
             "packing_bound": round(one["wall_us"] / (two["cpu_us"] / 2), 2),
         }
     if args.json:
-        print(json.dumps({"n": args.n, "epochs": args.epochs, "rounds": args.rounds, **report}))
+        print(json.dumps({"n": args.n, "batch": args.batch, "epochs": args.epochs,
+                          "rounds": args.rounds, **report}))  # fmt: skip
         return
-    print(f"CIFAR-like, n={args.n}, batch 512, {args.epochs} epochs x {args.rounds} rounds")
-    print(f"{'':8} {'1 worker':>10} {'2 workers':>10} {'scaling':>8} {'CPU/b @2':>9} "
+    print(
+        f"CIFAR-like, n={args.n}, batch {args.batch}, {args.epochs} epochs x {args.rounds} rounds"
+    )
+    print(f"{'':14} {'1 worker':>10} {'2 workers':>10} {'scaling':>8} {'CPU/b @2':>9} "
           f"{'consumer/b @2':>14} {'packing bound':>14}")  # fmt: skip
     for mode, r in report.items():
         print(
-            f"{mode:8} {r['img_s_1']:>10} {r['img_s_2']:>10} {r['scaling']:>8} "
+            f"{mode:14} {r['img_s_1']:>10} {r['img_s_2']:>10} {r['scaling']:>8} "
             f"{r['cpu_us_per_batch_2']:>7} us {r['consumer_us_per_batch_2']:>11} us "
             f"{r['packing_bound']:>14}"
         )
