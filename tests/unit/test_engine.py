@@ -316,39 +316,67 @@ def test_an_error_computing_the_next_order_early_reaches_only_that_epoch(monkeyp
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("owns_engine", [True, False])
-def test_an_epochs_finalizer_run_inside_one_of_its_tasks_waits_for_nothing(owns_engine):
+@pytest.mark.parametrize(
+    ("owns_engine", "failed"), [(True, True), (True, False), (False, True), (False, False)]
+)
+def test_an_epochs_finalizer_run_inside_one_of_its_tasks_waits_for_nothing(owns_engine, failed):
     """An in-process epoch's finalizer (``_Running.release``) may be run by the garbage
     collector on one of the engine's own workers, inside a task of that very epoch. It used to
-    wait ``join_timeout`` for that task (itself) and then fail to join its own thread."""
+    wait ``join_timeout`` for that task (itself) and then fail to join its own thread. It stops
+    an engine the Loader owns only when the epoch failed (the workers live with the Loader)."""
     from beton_serve.loader._loader import _Running
 
     engine = Engine(2, join_timeout=20.0)
     running = _Running(engine, owns_engine, 3)
+    running.failed = failed
     took: list[float] = []
-    failed: list[BaseException] = []
+    errors: list[BaseException] = []
 
     def task_collected_mid_run() -> int:
         t0 = time.perf_counter()
         try:
             running.release()  # as if the collector ran the finalizer here
         except BaseException as exc:
-            failed.append(exc)
+            errors.append(exc)
         took.append(time.perf_counter() - t0)
         return 7
 
     task = engine.submit(task_collected_mid_run)
     running.futures.append(task.future)
     assert task.future.result(timeout=10) == 7
-    assert failed == [] and took[0] < 5.0
+    assert errors == [] and took[0] < 5.0
     assert not running.futures
-    if owns_engine:
-        deadline = time.monotonic() + 10
-        while engine.alive_workers and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.alive_workers == 0  # told to stop, each after its task
-        with pytest.raises(BetonError, match="closed"):
-            engine.submit(int)
+    if owns_engine and failed:
+        _assert_stops(engine)
     else:
-        assert engine.submit(int, 3).future.result(timeout=10) == 3  # the shared engine lives
+        assert engine.submit(int, 3).future.result(timeout=10) == 3  # the engine lives
         engine.close()
+
+
+def _assert_stops(engine: Engine) -> None:
+    deadline = time.monotonic() + 10
+    while engine.alive_workers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.alive_workers == 0  # told to stop, each after its task
+    with pytest.raises(BetonError, match="closed"):
+        engine.submit(int)
+
+
+@pytest.mark.timeout(30)
+def test_a_loaders_engine_finalizer_run_inside_one_of_its_tasks_waits_for_nothing():
+    """The Loader's own engine outlives its epochs and is stopped by the feed's finalizer
+    (``_stop_engine``), which the garbage collector may also run inside one of its tasks."""
+    from beton_serve.loader._loader import _stop_engine
+
+    engine = Engine(2, join_timeout=20.0)
+    took: list[float] = []
+
+    def task_collected_mid_run() -> int:
+        t0 = time.perf_counter()
+        _stop_engine(engine)
+        took.append(time.perf_counter() - t0)
+        return 7
+
+    assert engine.submit(task_collected_mid_run).future.result(timeout=10) == 7
+    assert took[0] < 5.0
+    _assert_stops(engine)

@@ -35,7 +35,7 @@ def _loader(reader=None, **kw):
 
 
 def _beton_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("beton-")]
+    return {t for t in threading.enumerate() if t.name.startswith("beton-") and t.is_alive()}
 
 
 def test_epochs_order_and_len():
@@ -65,21 +65,116 @@ def test_drop_last_false_and_indices():
         assert img1.shape == (2, 4, 5, 3)
 
 
-def test_abandoned_iterator_stops_its_threads():
+def test_workers_live_with_the_loader_across_epochs():
+    """The owned workers start with the first epoch and serve every later one (no start and
+    join per epoch); an abandoned iterator cancels its queued batches but keeps them; closing
+    the Loader stops them."""
     ld = _loader(batches_ahead=2)
     it = iter(ld)
     next(it)
-    assert len(_beton_threads()) == 2
+    workers = _beton_threads()
+    assert len(workers) == 2
     del it
     gc.collect()
-    assert not _beton_threads()
+    engine = ld._engine_feed()._owned
+    deadline = time.monotonic() + 5
+    while engine.queue_depth and time.monotonic() < deadline:  # cancelled entries are skipped
+        time.sleep(0.01)
+    assert engine.queue_depth == 0 and not engine.closed
+    assert _beton_threads() == workers
+    for _ in range(2):  # whole epochs, on the same two threads, with the right contents
+        ids = ld.sample_order(ld.next_epoch)
+        for b, (img, lab) in enumerate(ld):
+            want = ids[b * 4 : b * 4 + 4]
+            np.testing.assert_array_equal(np.asarray(lab)[:, 0], want.astype(np.int64) * 1010)
+            np.testing.assert_array_equal(np.asarray(img)[0], fake_image(int(want[0])) + 1)
+        assert _beton_threads() == workers
     it2 = iter(ld)
     next(it2)
     it3 = iter(ld)  # a new iterator closes the previous one
-    assert len(_beton_threads()) == 2
     next(it3)
+    assert _beton_threads() == workers
     ld.close()
     assert not _beton_threads()
+
+
+def test_a_dropped_loader_stops_its_workers():
+    ld = _loader()
+    next(iter(ld))
+    assert len(_beton_threads()) == 2
+    del ld
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _beton_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _beton_threads()
+
+
+def test_a_failed_epoch_stops_its_workers_and_the_next_starts_new_ones():
+    r = FakeReader(n=16)
+    pipes = {"image": [FakeImageDecoder(fail_on=9)], "label": [AddIndex()]}
+    with _loader(r, pipelines=pipes, order=OrderOption.SEQUENTIAL) as ld:
+        it = iter(ld)
+        next(it), next(it)
+        first = _beton_threads()
+        with pytest.raises(PipelineError):
+            next(it)
+        assert not (_beton_threads() & first)  # stopped with the failed epoch
+        img, lab = next(iter(ld))  # the next epoch runs on new workers
+        np.testing.assert_array_equal(np.asarray(lab)[:, 0], [0, 1010, 2020, 3030])
+        np.testing.assert_array_equal(np.asarray(img)[3], fake_image(3))
+        assert len(_beton_threads()) == 2 and not (_beton_threads() & first)
+    assert not _beton_threads()
+
+
+def test_a_forked_child_runs_its_epochs_on_its_own_workers():
+    """The parent's workers do not exist in a fork's child: its engine is closed there and the
+    child's epoch starts new workers (it used to hang waiting for the parent's threads, had
+    they been kept). The child's batches equal the parent's."""
+    import os
+    import select
+    import signal
+
+    with _loader(seed=5, order=OrderOption.RANDOM) as ld:
+        next(iter(ld))  # the parent's workers are running
+        want = np.concatenate([np.asarray(lab)[:, 0] for _, lab in _copies(ld, ld.next_epoch)])
+        epoch = ld.next_epoch - 1
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one epoch, its labels through the pipe, then _exit
+            signal.alarm(30)  # a hung child dies on its own (SIGALRM's default action)
+            code = 1
+            try:
+                got = np.concatenate([np.asarray(lab)[:, 0] for _, lab in _copies(ld, epoch)])
+                os.write(w, got.astype(np.int64).tobytes())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        data = b""
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if select.select([r], [], [], 0.5)[0]:
+                    chunk = os.read(r, 1 << 16)
+                    if not chunk:
+                        break
+                    data += chunk
+        finally:
+            os.close(r)
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        np.testing.assert_array_equal(np.frombuffer(data, np.int64), want)
+        assert len(_beton_threads()) == 2  # the parent's own, untouched
+    assert not _beton_threads()
+
+
+def _copies(ld, epoch):
+    """Epoch ``epoch`` of ``ld``, each batch copied."""
+    ld.next_epoch = epoch
+    return [tuple(np.array(a) for a in batch) for batch in ld]
 
 
 def test_shared_engine_is_not_closed():

@@ -19,6 +19,12 @@ functions of their arguments, so a re-run writes the same result). A task that k
 ``max_task_retries + 1`` workers is a poison task: its future fails with ``PipelineError``. :meth:`Engine.close` cancels
 queued tasks, wakes every worker, joins each with a timeout and logs any that did not stop.
 
+Fork: a child process has none of its parent's threads. After a fork every engine the child
+inherited is marked closed there (:func:`_after_fork_in_child`), with fresh locks and queue
+(a parent thread may have held them at the fork), so that using one raises "the engine is
+closed" instead of queueing work no thread will run; the in-process Loader then makes itself a
+new one.
+
 Exit: the workers are daemon threads, so a process that leaves a Loader mid-epoch still exits.
 At exit every engine still open is closed (:func:`_close_all_at_exit`) *before* the
 interpreter's exit finalizers (``weakref.finalize``) run: those free TurboJPEG handles and
@@ -287,6 +293,11 @@ class Engine:
         with self._lock:
             return sum(t.is_alive() for t in self._threads)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or this process is a fork's child: module docstring)."""
+        return self._closed
+
     def on_worker_thread(self) -> bool:
         """Whether the calling thread is one of this engine's workers (a finalizer that the
         garbage collector runs inside a task, for one, must not wait for tasks)."""
@@ -340,6 +351,21 @@ _EXIT_JOIN_S = 5.0
 def _close_all_at_exit() -> None:
     for engine in list(_live):
         engine.close(timeout=_EXIT_JOIN_S)
+
+
+def _after_fork_in_child() -> None:
+    """Mark every inherited engine closed, touching none of its parent-side locks (one of the
+    parent's threads may have held them at the fork; they are replaced, not acquired)."""
+    for engine in list(_live):
+        engine._lock = threading.Lock()
+        engine._queue = queue.PriorityQueue()
+        engine._threads = []
+        engine._closed = True
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # atexit runs its handlers last-registered first. weakref.finalize registers its own exit hook

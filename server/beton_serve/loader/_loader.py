@@ -15,10 +15,15 @@ when a batch is taken.
 tail's reused buffers: it is valid until the next batch is requested (as in FFCV). Clone what
 you keep, or pass ``copy=True``.
 
-**Threads.** The worker threads (``beton-worker-N``) live as long as an epoch does, unless an
-``engine`` is passed (then they are the caller's). An epoch iterator that is exhausted, closed,
-replaced by a new ``iter(loader)``, or garbage-collected mid-epoch cancels its queued batches,
-waits for running ones and stops its workers: nothing leaks (FFCV #345, #393).
+**Threads.** Unless an ``engine`` is passed (then they are the caller's), the worker threads
+(``beton-worker-N``) start with the first epoch and live until the Loader is closed or
+garbage-collected; starting and joining them for every epoch cost ~0.6 ms of each epoch's start,
+while the workers idled (RESULTS.md, session 20). An epoch iterator that is exhausted, closed,
+replaced by a new ``iter(loader)``, or garbage-collected mid-epoch cancels its queued batches
+and waits for running ones (FFCV #345, #393). An epoch that fails (a batch's error, a
+``batch_timeout``) stops the workers as well, so that a worker stuck in an op is not handed the
+next epoch: the next ``iter()`` starts new ones. A process forked from one with a Loader starts
+new workers for its own epochs (the engine module's "Fork").
 
 **Resumption.** ``state_dict()`` is ``beton_wire.loader_state``, the same as the served Loader's:
 orders and augmentations are pure functions of (seed, epoch, sample id, op position), so a state
@@ -251,6 +256,30 @@ class EngineFeed:
         self._outputs: tuple[OutputInfo, ...] = ()
         self._outputs_generation = -1
         self._update_outputs()
+        #: The pool this feed owns when the backend has none (module docstring, "Threads").
+        self._owned: Engine | None = None
+        self._owned_stop: weakref.finalize[Any, Any] | None = None
+
+    def engine(self) -> tuple[Engine, bool]:
+        """The engine the next epoch runs on, and whether this feed owns it: the backend's, or
+        this feed's own, started now if it has none or its last one was closed (a failed epoch,
+        a fork)."""
+        shared = self.backend.engine
+        if shared is not None:
+            return shared, False
+        engine = self._owned
+        if engine is None or engine.closed:
+            self._stop_owned()
+            engine = self._owned = Engine(self.workers)
+            # The finalizer holds the engine, not the feed: a dropped Loader stops its workers.
+            self._owned_stop = weakref.finalize(self, _stop_engine, engine)
+        return engine, True
+
+    def _stop_owned(self) -> None:
+        stop, self._owned_stop = self._owned_stop, None
+        self._owned = None
+        if stop is not None:
+            stop()
 
     def _update_outputs(self) -> None:
         plan = self.plan
@@ -303,6 +332,13 @@ class EngineFeed:
 
     def close(self) -> None:
         self._slots = None
+        self._stop_owned()
+
+
+def _stop_engine(engine: Engine) -> None:
+    """Stop an owned engine; not waiting when called on one of its workers (a finalizer run by
+    the garbage collector inside a task: a worker cannot join itself)."""
+    engine.close(join=not engine.on_worker_thread())
 
 
 def _identity(plans: Sequence[PipelinePlan]) -> list[tuple[Any, ...]]:
@@ -315,12 +351,15 @@ class _Running:
     def __init__(self, engine: Engine, owns_engine: bool, batches_ahead: int) -> None:
         self.engine = engine
         self.owns_engine = owns_engine
+        #: Set when a batch failed or timed out: an owned engine is then stopped with the epoch.
+        self.failed = False
         self.futures: collections.deque[Future[Any]] = collections.deque()
         #: The epoch's in-flight batches, which size the prefetch slices (``Engine``).
         self.demand = engine.hold_demand(batches_ahead)
 
     def release(self) -> None:
-        """Cancel the epoch's queued tasks, wait for its running ones, close an owned engine.
+        """Cancel the epoch's queued tasks, wait for its running ones; close an owned engine
+        if the epoch failed (the feed starts a new one for the next epoch).
 
         As a finalizer it may run on one of the engine's own workers, inside a task (the
         garbage collector runs wherever an allocation triggers it). There it waits for nothing:
@@ -342,7 +381,7 @@ class _Running:
                 ):  # only waiting for completion; errors were raised
                     pass
         self.futures.clear()
-        if self.owns_engine:
+        if self.owns_engine and self.failed:
             self.engine.close(join=not on_worker)
 
 
@@ -357,13 +396,10 @@ class EngineEpochFeed:
         self._slots = feed._slots or []
         self._batches_ahead = feed.args.batches_ahead
         self._timeout = feed.backend.batch_timeout
-        # Everything that may raise comes before the engine, whose worker threads only
-        # ``_Running.release`` stops.
-        shared = feed.backend.engine
-        engine = shared if shared is not None else Engine(feed.workers)
+        engine, owned = feed.engine()  # the feed's own (kept across epochs) or the backend's
         self._source.engine = engine
         # the source's credit: the awaited batch and batches_ahead more (EngineBackend.source)
-        self._running = _Running(engine, shared is None, self._source.batches_ahead)
+        self._running = _Running(engine, owned, self._source.batches_ahead)
         self._finalizer = weakref.finalize(self, self._running.release)
         self._next_submit = start
         for _ in range(self._batches_ahead):
@@ -396,6 +432,7 @@ class EngineEpochFeed:
         try:
             arrays = fut.result(timeout=self._timeout)
         except FutureTimeout:
+            self._running.failed = True
             self.close()
             raise PipelineError(
                 f"batch {self.batch} of epoch {self.epoch} did not arrive within "
@@ -403,6 +440,7 @@ class EngineEpochFeed:
                 "(raise batch_timeout if batches are legitimately this slow)"
             ) from None
         except BaseException:
+            self._running.failed = True
             self.close()
             raise
         b = self.batch
@@ -413,7 +451,8 @@ class EngineEpochFeed:
         """Nothing to do: a slot is reused only ``batches_ahead + 2`` batches later."""
 
     def close(self) -> None:
-        """Cancel queued batches, wait for running ones, stop owned workers (idempotent)."""
+        """Cancel queued batches, wait for running ones; after a failure, stop owned workers
+        (idempotent)."""
         self._finalizer()
 
 
