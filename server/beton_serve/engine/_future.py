@@ -164,23 +164,22 @@ class LightFuture(Future[Any]):
 
     def set_result(self, result: Any) -> None:
         """Complete with ``result``; ``InvalidStateError`` if it is already done."""
-        with self._mutex:
-            if self._state in _DONE:
-                raise InvalidStateError(f"{self._state}: {self!r}")
-            self._result = result
-            for waiter in self._waiters:
-                waiter.add_result(self)
-            gate, callbacks = self._complete_locked(FINISHED)
-        self._after_complete(gate, callbacks)
+        self._finish(result, None)
 
     def set_exception(self, exception: BaseException | None) -> None:
         """Complete with ``exception``; ``InvalidStateError`` if it is already done."""
+        self._finish(None, exception)
+
+    def _finish(self, result: Any, exception: BaseException | None) -> None:
         with self._mutex:
             if self._state in _DONE:
                 raise InvalidStateError(f"{self._state}: {self!r}")
-            self._exception = exception
+            self._result, self._exception = result, exception
             for waiter in self._waiters:
-                waiter.add_exception(self)
+                if exception is None:
+                    waiter.add_result(self)
+                else:
+                    waiter.add_exception(self)
             gate, callbacks = self._complete_locked(FINISHED)
         self._after_complete(gate, callbacks)
 
@@ -206,30 +205,31 @@ class LightFuture(Future[Any]):
         except Exception:
             _cf_log.exception("exception calling callback for %r", self)
 
-    def _wait(self, timeout: float | None) -> None:
-        """Return once done; ``TimeoutError`` after ``timeout`` seconds (``None``: no bound)."""
+    def _wait_finished(self, timeout: float | None) -> None:
+        """Return once finished; ``CancelledError`` if cancelled, ``TimeoutError`` after
+        ``timeout`` seconds (``None``: no bound)."""
+        if self._state == FINISHED:
+            return
         with self._mutex:
-            if self._state in _DONE:
-                return
-            gate = self._gate
-            if gate is None:
-                gate = self._gate = threading.Lock()
+            gate = None
+            if self._state not in _DONE:
+                gate = self._gate
+                if gate is None:
+                    gate = self._gate = threading.Lock()
+                    gate.acquire()
+        if gate is not None:
+            if timeout is None:
                 gate.acquire()
-        if timeout is None:
-            gate.acquire()
-        elif not gate.acquire(timeout=min(max(0.0, timeout), threading.TIMEOUT_MAX)):
-            raise TimeoutError
-        gate.release()  # pass it on to the next waiter
+            elif not gate.acquire(timeout=min(max(0.0, timeout), threading.TIMEOUT_MAX)):
+                raise TimeoutError
+            gate.release()  # pass it on to the next waiter
+        if self._state in _CANCELLED:
+            raise CancelledError
 
     def result(self, timeout: float | None = None) -> Any:
         """The result, waiting up to ``timeout`` seconds; raises the future's exception,
         ``CancelledError``, or ``TimeoutError``."""
-        if self._state != FINISHED:
-            if self._state in _CANCELLED:
-                raise CancelledError
-            self._wait(timeout)
-            if self._state in _CANCELLED:
-                raise CancelledError
+        self._wait_finished(timeout)
         exc = self._exception
         if exc is not None:
             try:
@@ -241,12 +241,7 @@ class LightFuture(Future[Any]):
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception (``None`` if it returned), waiting as :meth:`result` does."""
-        if self._state != FINISHED:
-            if self._state in _CANCELLED:
-                raise CancelledError
-            self._wait(timeout)
-            if self._state in _CANCELLED:
-                raise CancelledError
+        self._wait_finished(timeout)
         return self._exception
 
 
