@@ -73,3 +73,67 @@ def test_thousand_inprocess_loaders_leave_nothing_behind(tmp_path: Path) -> None
     assert grown["fds"] <= 0, grown
     assert grown["threads"] <= 0, grown
     assert grown["rss"] <= RSS_SLACK_MB, f"RSS grew {grown['rss']:.1f} MB over 1,000 Loaders"
+
+
+_DROPPED = r"""
+import gc, json, os, sys, threading, weakref
+gc.disable()  # what is freed below is freed by reference counting alone
+from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+from beton_serve.loader import Loader
+from beton_serve.transforms import RandomHorizontalFlip
+path = os.path.realpath(sys.argv[1])
+
+def mapped():
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip().endswith(path) for line in f)
+
+def opened():
+    return sum(os.path.realpath(f"/proc/self/fd/{fd}") == path for fd in os.listdir("/proc/self/fd"))
+
+def one(stop_at):
+    pipes = {"image": [RandomResizedCropRGBImageDecoder((32, 32)), RandomHorizontalFlip()],
+             "label": [IntDecoder()]}
+    ld = Loader(path, batch_size=8, num_workers=2, seed=0, pipelines=pipes)
+    total = 0
+    for i, (img, label) in enumerate(ld):
+        total += int(img.sum()) + int(label.sum())
+        if i == stop_at:
+            break  # the iterator is dropped mid-epoch with batches in flight
+    assert total > 0
+    return weakref.ref(ld)
+
+one(None)  # warm-up: compiles, lazy imports
+gc.collect()
+threads = threading.active_count()
+gc.set_debug(gc.DEBUG_SAVEALL)
+out = []
+for stop_at in (None, 1):
+    ref = one(stop_at)
+    state = {"alive": ref() is not None, "mapped": mapped(), "opened": opened(),
+             "threads": threading.active_count() - threads}
+    gc.collect()
+    state["cyclic"] = sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage
+                              if type(o).__module__.startswith(("beton_serve", "beton_client"))})
+    gc.garbage.clear()
+    out.append(state)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_dropped_loader_is_freed_without_the_garbage_collector(tmp_path: Path) -> None:
+    """Dropping a Loader (finished or abandoned mid-epoch) frees its file and workers at once.
+
+    Its pipeline graph used to be a reference cycle (each node held its children, each child
+    its parent), and the decoders hold the file's mapped metadata: every dropped Loader kept
+    its mapping and descriptor until a cyclic collection (23 files open at once over 500
+    dropped CIFAR Loaders, +360 MB of RSS). Training scripts that build a validation Loader per
+    epoch drop one each time.
+    """
+    data = tmp_path / "img.beton"
+    DatasetWriter(
+        str(data), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(_Images())
+    proc = run_child(_DROPPED, str(data), env=child_env(), timeout=100)
+    for state in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert state == {"alive": False, "mapped": 0, "opened": 0, "threads": 0, "cyclic": []}

@@ -42,6 +42,10 @@ class Node:
         parent: the node whose output is this op's input (``None`` for a decoder).
         position: the op's index in the plan (depth-first in output order); seeds use it.
         output: the name of the output whose pipeline lists this op.
+        children: the positions of the nodes whose input is this op's output. Positions, not
+            nodes: a node that held its children while they hold their parent would be a
+            reference cycle, and a dropped Loader's graph (its decoders hold the file's mapped
+            metadata) would then wait for the garbage collector instead of being freed at once.
     """
 
     op: Operation
@@ -49,7 +53,7 @@ class Node:
     parent: Node | None
     position: int
     output: str
-    children: list[Node] = field(default_factory=list)
+    children: list[int] = field(default_factory=list)
 
     @property
     def is_decoder(self) -> bool:
@@ -147,7 +151,7 @@ def build_graph(
         nodes.append(node)
         node_of[id(op)] = node
         if parent is not None:
-            parent.children.append(node)
+            parent.children.append(node.position)
         return node
 
     pending = list(specs)

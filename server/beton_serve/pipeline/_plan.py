@@ -579,7 +579,7 @@ class Plan:
             q = self._alloc[leaf.position]
             st = self._states[leaf.position]
             ok = (
-                not any(self._jit[c.position] for c in leaf.children)
+                not any(self._jit[c] for c in leaf.children)
                 and isinstance(q, AllocationQuery)
                 and q.shape == st.shape
                 and np.dtype(q.dtype) == np.dtype(st.dtype)
@@ -601,7 +601,7 @@ class Plan:
         parent = node.parent
         if parent is None or not node.op.inplace or not self._jit[parent.position]:
             return None
-        if [c for c in parent.children if self._jit[c.position]] != [node]:
+        if [c for c in parent.children if self._jit[c]] != [node.position]:
             return None
         q, pq = self._alloc[node.position], self._alloc[parent.position]
         if not isinstance(q, AllocationQuery) or not isinstance(pq, AllocationQuery):
