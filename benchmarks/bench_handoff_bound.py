@@ -1,6 +1,7 @@
 """How far 1 -> 2 workers can scale on CIFAR-like batches on this machine (issue 15 §4).
 
-    python benchmarks/bench_handoff_bound.py [--n 50000] [--epochs 5] [--rounds 2] [--modes loader,minimal]
+    python benchmarks/bench_handoff_bound.py [--n 50000] [--epochs 5] [--rounds 2]
+        [--modes loader,minimal,pairs,kernel]
         [--batch 512] [--tree LABEL=PATH] [--json]
 
 Issue 15 asks for >= 1.9x going from 1 to 2 workers. On CIFAR-like data (raw 32x32 images,
@@ -16,6 +17,9 @@ configuration in its own child process and alternated over ``--rounds``:
   so it is a bound, not a product path.
 * ``pairs``: ``minimal`` with two batches per claim (two plan calls into a double slot, three
   double slots): whether fewer, larger hand-offs would lift the scaling.
+* ``kernel``: no hand-off and no consumer at all. The workers claim batch numbers from a shared
+  counter and run the same compiled plan into two private buffers each, which nobody reads.
+  What the decode alone scales to on this machine: the ceiling of every mode above.
 
 ``--tree LABEL=PATH`` adds the Loader of another checkout (``git worktree add PATH COMMIT``),
 run with ``PATH``'s ``server``, ``client`` and ``proto`` first on ``PYTHONPATH`` and alternated
@@ -66,6 +70,28 @@ if mode.startswith("loader"):
         for _ in ld:
             k += 1
         return k
+elif mode == "kernel":
+    src = ld._feed.source
+    plan, nb = src.plan, len(src)
+
+    def run_epoch(epoch):
+        counter = itertools.count()
+        keys, order = src.seed_keys(epoch), src.sample_order(epoch)
+
+        def work():
+            bufs = [[np.empty((BATCH, *o.shape), o.dtype) for o in plan.outputs] for _ in range(2)]
+            i = 0
+            while (h := next(counter)) < nb:
+                ids = order[h * BATCH:(h + 1) * BATCH]
+                src._run(epoch, ids, 0, len(ids), [o[:len(ids)] for o in bufs[i & 1]], keys, None)
+                i += 1
+
+        threads = [threading.Thread(target=work) for _ in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return nb
 else:
     # "minimal": one batch per claim, 4 slots. "pairs": a worker claims K = 2 batches at a
     # time (two plan calls into a double slot, 3 double slots): half the claims and hand-offs.
