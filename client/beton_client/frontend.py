@@ -37,7 +37,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from beton_wire.limits import MAX_BATCH_SIZE, MAX_BATCHES_AHEAD, MAX_WORLD_SIZE, short_repr
+from beton_wire.limits import (
+    MAX_BATCH_SIZE,
+    MAX_BATCHES_AHEAD,
+    MAX_WORKERS,
+    MAX_WORLD_SIZE,
+    short_repr,
+)
 from beton_wire.loader_state import (
     StateError,
     StateIdentity,
@@ -327,6 +333,11 @@ def check_args(
         raise spec(f"seed must be an int in [0, 2**64), not {short_repr(seed)}")
     if not is_int(num_workers):
         raise spec(f"num_workers must be an int, not {short_repr(num_workers)}")
+    if num_workers > MAX_WORKERS:
+        raise spec(
+            f"num_workers {num_workers} is out of range: use an int up to {MAX_WORKERS} "
+            "(< 1: one per CPU this process may use)"
+        )
     order, order_name = _order(order, spec, custom_order)
     distributed = bool(distributed)
     if seed is None:

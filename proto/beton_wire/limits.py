@@ -32,6 +32,11 @@ MAX_REQUEST_BYTES        46 MiB                       one gRPC message to the da
                                                       refuses a larger one (``RESOURCE_EXHAUSTED``)
 =======================  ===========================  ==============================================
 
+One more number is local, never sent, but checked the same way by every backend:
+:data:`MAX_WORKERS` (1,024) bounds ``num_workers`` of an in-process Loader and ``workers`` of a
+daemon. Each worker is a thread with its own stack; ``num_workers=100000`` is a typo, and it used
+to end in ``RuntimeError: can't start new thread``.
+
 Text that a client supplied is echoed in error messages through :func:`short_repr` only, so that
 a 1 MB name cannot turn an ``INVALID_ARGUMENT`` into an oversized status (gRPC drops trailers
 over 16 KiB); :data:`MAX_ERROR_CHARS` caps a whole message.
@@ -59,6 +64,7 @@ __all__ = [
     "MAX_REQUEST_BYTES",
     "MAX_SPEC_BYTES",
     "MAX_WIRE_RECORDS",
+    "MAX_WORKERS",
     "MAX_WORLD_SIZE",
     "cap_message",
     "human_bytes",
@@ -69,6 +75,7 @@ __all__ = [
 MAX_BATCH_SIZE = 1 << 16
 MAX_BATCHES_AHEAD = 64
 MAX_WORLD_SIZE = 1 << 16
+MAX_WORKERS = 1024
 MAX_INDICES = 1 << 22
 MAX_PIPELINES = 1024
 MAX_OPS = 64

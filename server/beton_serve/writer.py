@@ -34,6 +34,7 @@ allocations are never made (an empty ``BytesField`` value takes 1 byte).
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import uuid
@@ -43,6 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from beton_wire.limits import MAX_WORKERS, short_repr
 from numpy.typing import NDArray
 
 from beton_serve.errors import WriterError
@@ -137,13 +139,15 @@ class DatasetWriter:
         fields: field name -> field instance, in file order (the sample tuple's order).
         page_size: power of two, ``2 MiB <= page_size < 4 GiB`` (FFCV's limits).
         num_workers: worker threads that load and prepare samples; ``< 1`` means all usable
-            CPUs.
+            CPUs. At most :data:`~beton_wire.limits.MAX_WORKERS` (the writer keeps
+            ``2 * num_workers + 1`` samples in flight).
         seed: if set, random write choices are derived from ``(seed, index)`` and the output is
             identical for any ``num_workers``.
         progress: show a tqdm progress bar; default: only when stderr is a terminal.
 
     Raises:
-        WriterError: invalid fields (names must be 1-16 ASCII characters) or page size.
+        WriterError: invalid fields (names must be 1-16 ASCII characters), page size or
+            ``num_workers``.
     """
 
     #: FFCV's lower page-size limit (2 MiB). Tests lower it in a subclass to write tiny files,
@@ -182,10 +186,19 @@ class DatasetWriter:
                 f"page_size must be a power of two with {self._MIN_PAGE_SIZE} <= page_size "
                 f"< 4 GiB (FFCV's limits), got {page_size}"
             )
+        try:
+            workers = operator.index(num_workers)
+        except TypeError:
+            workers = MAX_WORKERS + 1
+        if workers > MAX_WORKERS:
+            raise WriterError(
+                f"num_workers {short_repr(num_workers)} is out of range: use an int up to "
+                f"{MAX_WORKERS} (< 1: all usable CPUs)"
+            )
         self.fname = os.fspath(fname)
         self.fields = dict(fields)
         self.page_size = page_size
-        self.num_workers = _usable_cpus() if num_workers < 1 else int(num_workers)
+        self.num_workers = _usable_cpus() if workers < 1 else workers
         self.seed = seed
         self.progress = sys.stderr.isatty() if progress is None else bool(progress)
 

@@ -201,6 +201,7 @@ def _varint(n: int) -> bytes:
         ({"batches_ahead": 0}, {}, "batches_ahead 0 is out of range"),
         ({"batches_ahead": 65}, {}, "batches_ahead 65 is out of range"),
         ({"batch_size": 1 << 17}, {}, "batch_size 131072 is out of range"),
+        ({"num_workers": 100_000}, {}, "num_workers 100000 is out of range"),
         ({"distributed": True}, {"RANK": "0", "WORLD_SIZE": "0"}, "world_size 0"),
         ({"distributed": True}, {"RANK": "0", "WORLD_SIZE": str(2**32 - 1)}, "world_size"),
         ({"fname_or_dataset": "x" * (1 << 20)}, {}, "(1048576 characters)"),

@@ -38,7 +38,8 @@ def test_defaults_and_full_file(tmp_path: Path) -> None:
     [
         ("colour = 1\n", ["unknown key", "colour"]),
         ("workers = 'many'\n", ["workers must be a int"]),
-        ("workers = -1\n", ["workers must be >= 0"]),
+        ("workers = -1\n", ["workers must be in 0..1024"]),
+        ("workers = 100000\n", ["workers must be in 0..1024", "100000"]),
         ("listen = '127.0.0.1:1'\n", ["listen must be a list"]),
         ("log_format = 'xml'\n", ["log_format"]),
         ("[[broken\n", ["not valid TOML"]),

@@ -8,8 +8,9 @@ import time
 import numpy as np
 import pytest
 from beton_serve.engine import BatchSource, Engine, OrderOption
-from beton_serve.errors import BetonError, PipelineError
+from beton_serve.errors import BetonError, PipelineError, ResourceExhausted, SpecError
 from beton_serve.pipeline import PlanCache, compile_pipelines
+from beton_wire.limits import MAX_WORKERS
 from helpers.fake_pipeline import AddIndex, AddOne, FakeImageDecoder, FakeReader, fake_image
 
 
@@ -57,6 +58,105 @@ def test_dead_worker_is_replaced():
         assert eng.workers_replaced == 2
         assert eng.submit(lambda: 7).future.result(60) == 7
         assert eng.alive_workers == 2
+
+
+def _refuse_threads_after(monkeypatch, allowed: int) -> None:
+    """Make ``threading.Thread.start`` fail as the system does at its thread limit, after
+    ``allowed`` more starts."""
+    real = threading.Thread.start
+    left = [allowed]
+
+    def start(self):
+        if left[0] <= 0:
+            raise RuntimeError("can't start new thread")
+        left[0] -= 1
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def _workers_alive() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("beton-worker")}
+
+
+def test_a_refused_thread_is_a_typed_error_and_stops_the_started_workers(monkeypatch):
+    before = _workers_alive()
+    _refuse_threads_after(monkeypatch, 2)
+    with pytest.raises(ResourceExhausted, match="worker thread 3 of 4: can't start new thread"):
+        Engine(4)
+    monkeypatch.undo()
+    deadline = time.monotonic() + 5
+    while _workers_alive() - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _workers_alive() - before == set()
+
+
+def test_absurd_worker_counts_are_refused_before_any_thread_starts(monkeypatch):
+    _refuse_threads_after(monkeypatch, 0)  # a SpecError, not a thread-limit error
+    with pytest.raises(SpecError, match=f"num_workers {MAX_WORKERS + 1} is out of range"):
+        Engine(MAX_WORKERS + 1)
+
+
+def test_a_dead_worker_that_cannot_be_replaced_leaves_a_smaller_pool_that_still_runs(
+    monkeypatch, caplog
+):
+    def die():
+        raise SystemExit("boom")
+
+    with Engine(2) as eng:
+        _refuse_threads_after(monkeypatch, 1)  # the first death is replaced, the second not
+        f = eng.submit(die).future
+        with pytest.raises(PipelineError, match="killed 2 worker"):
+            f.result(60)
+        monkeypatch.undo()
+        assert eng.workers_replaced == 1
+        assert "could not be replaced: can't start new thread" in caplog.text
+        assert eng.alive_workers == 1
+        assert [eng.submit(lambda i=i: i * i).future.result(60) for i in range(4)] == [0, 1, 4, 9]
+
+
+def test_when_no_worker_is_left_queued_tasks_fail_instead_of_waiting_forever(monkeypatch):
+    gate = threading.Event()
+
+    def die():
+        gate.wait(60)
+        raise SystemExit("boom")
+
+    eng = Engine(1, max_task_retries=3)
+    _refuse_threads_after(monkeypatch, 0)
+    poison = eng.submit(die).future
+    queued = [eng.submit(lambda: 1).future for _ in range(3)]
+    queued[1].cancel()
+    gate.set()
+    with pytest.raises(ResourceExhausted, match="last worker died"):
+        poison.result(60)
+    for f in (queued[0], queued[2]):
+        with pytest.raises(ResourceExhausted, match="refused a new thread"):
+            f.result(60)
+    assert queued[1].cancelled()
+    assert eng.closed and eng.alive_workers == 0
+    with pytest.raises(BetonError, match="closed"):
+        eng.submit(lambda: None)
+    eng.close()
+
+
+def test_close_fails_a_requeued_task_whose_future_already_runs():
+    """A task re-queued after its worker died has a running future, which ``cancel`` cannot
+    stop; closing the engine before it re-runs used to leave it pending forever."""
+    eng = Engine(1)
+    gate = threading.Event()
+    blocker = eng.submit(gate.wait, 60).future
+    deadline = time.monotonic() + 10
+    while not blocker.running() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    task = eng.submit(lambda: 1)
+    assert task.future.set_running_or_notify_cancel()  # as a task re-queued after a death
+    eng.close(join=False)
+    with pytest.raises(PipelineError, match="closed before the task re-ran"):
+        task.future.result(5)
+    gate.set()
+    assert blocker.result(60) is True
+    eng.close()
 
 
 def test_close_cancels_queued_work():

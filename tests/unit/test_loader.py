@@ -110,6 +110,12 @@ def test_a_dropped_loader_stops_its_workers():
     assert not _beton_threads()
 
 
+def test_an_absurd_worker_count_is_refused_before_any_thread_starts():
+    with pytest.raises(SpecError, match="num_workers 100000 is out of range: use an int up to"):
+        _loader(num_workers=100_000)
+    assert not _beton_threads()
+
+
 def test_a_failed_epoch_stops_its_workers_and_the_next_starts_new_ones():
     r = FakeReader(n=16)
     pipes = {"image": [FakeImageDecoder(fail_on=9)], "label": [AddIndex()]}

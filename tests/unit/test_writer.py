@@ -459,3 +459,17 @@ def test_ffcv_read_path_reads_everything_we_write(tmp_path: Path) -> None:
             assert np.array_equal(img, it[0])
     jrows, _ = got["j"]
     assert JSONField.unpack(jrows) == [it[5] for it in items]
+
+
+@pytest.mark.parametrize("workers", [100_000, 2.5, "8"])
+def test_an_absurd_or_non_int_worker_count_is_refused_before_writing(tmp_path: Path, workers):
+    with pytest.raises(WriterError, match="num_workers .* is out of range: use an int up to 1024"):
+        DatasetWriter(tmp_path / "x.beton", {"x": IntField()}, num_workers=workers)
+    assert not list(tmp_path.iterdir())
+
+
+def test_numpy_integer_worker_counts_are_accepted(tmp_path: Path) -> None:
+    w = DatasetWriter(tmp_path / "x.beton", {"x": IntField()}, num_workers=np.int64(2))
+    assert w.num_workers == 2
+    w.from_indexed_dataset([(i,) for i in range(5)])
+    assert (tmp_path / "x.beton").stat().st_size > 0

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from beton_wire.limits import MAX_WORKERS
+
 from beton_serve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -142,8 +144,10 @@ class ServeConfig:
     precompile: tuple[PrecompileSpec, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.workers < 0:
-            raise ConfigError(f"workers must be >= 0 (0 = one per core), got {self.workers}")
+        if not 0 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(
+                f"workers must be in 0..{MAX_WORKERS} (0 = one per core), got {self.workers}"
+            )
         if self.idle_close <= 0:
             raise ConfigError(f"idle_close must be > 0 seconds, got {self.idle_close}")
         if self.idle_timeout < 0:

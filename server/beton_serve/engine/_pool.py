@@ -60,10 +60,19 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import InvalidStateError
 from typing import Any
 
+from beton_wire.limits import MAX_WORKERS
+
 from beton_serve.engine._future import BatchFuture
-from beton_serve.errors import BetonError, PipelineError, drop_frame_locals
+from beton_serve.errors import (
+    BetonError,
+    PipelineError,
+    ResourceExhausted,
+    SpecError,
+    drop_frame_locals,
+)
 
 __all__ = ["Demand", "Engine", "Task"]
 
@@ -148,8 +157,14 @@ class Engine:
 
     Args:
         num_workers: number of threads; ``None`` or ``< 1`` means the CPUs this process may use.
+            At most :data:`~beton_wire.limits.MAX_WORKERS`.
         join_timeout: seconds :meth:`close` waits for each worker.
         max_task_retries: re-runs of a task whose worker died before it is failed.
+
+    Raises:
+        SpecError: ``num_workers`` is over :data:`~beton_wire.limits.MAX_WORKERS`.
+        ResourceExhausted: the system refused a thread (its thread or memory limit); the
+            workers already started are stopped first.
 
     Thread safety: every method may be called from any thread.
     """
@@ -166,6 +181,11 @@ class Engine:
                 len(os.sched_getaffinity(0))
                 if hasattr(os, "sched_getaffinity")
                 else (os.cpu_count() or 1)
+            )
+        if num_workers > MAX_WORKERS:
+            raise SpecError(
+                f"num_workers {num_workers} is out of range: use an int up to {MAX_WORKERS} "
+                "(< 1: one per CPU this process may use)"
             )
         self.num_workers = int(num_workers)
         self.join_timeout = float(join_timeout)
@@ -184,15 +204,32 @@ class Engine:
         #: Batches each consumer keeps in flight (:meth:`hold_demand`); see the module docstring.
         self._demand: deque[int] = deque()
         _live.add(self)
-        for _ in range(self.num_workers):
-            self._start_worker()
+        try:
+            for _ in range(self.num_workers):
+                self._start_worker()
+        except RuntimeError as exc:  # "can't start new thread"
+            started = len(self._threads)
+            self.close()
+            raise ResourceExhausted(
+                f"could not start worker thread {started + 1} of {self.num_workers}: {exc} "
+                "(the process's thread or memory limit); use fewer workers"
+            ) from None
 
     def _start_worker(self) -> None:
+        """Start one worker (listed first, so that it knows itself from its first task on).
+
+        Raises:
+            RuntimeError: the system refused the thread (it is not listed then).
+        """
         t = threading.Thread(
             target=self._work, name=f"beton-worker-{next(self._names)}", daemon=True
         )
         self._threads.append(t)
-        t.start()
+        try:
+            t.start()
+        except RuntimeError:
+            self._threads.remove(t)
+            raise
 
     def _work(self) -> None:
         while True:
@@ -232,8 +269,14 @@ class Engine:
         return True
 
     def _worker_died(self, task: Task, exc: BaseException) -> None:
-        """Replace the current worker; re-queue ``task`` unless it is a poison task."""
+        """Replace the current worker; re-queue ``task`` unless it is a poison task.
+
+        When the system refuses the replacement thread, the pool runs on with one worker less;
+        when that leaves no worker at all, the engine closes and fails every queued task with
+        :class:`ResourceExhausted` (nobody would ever run them).
+        """
         name = threading.current_thread().name
+        refused: RuntimeError | None = None
         with self._lock:
             closed = self._closed
             task.deaths += 1
@@ -242,14 +285,32 @@ class Engine:
                 task._claimed = False
                 self.tasks_retried += 1
             if not closed:
-                self.workers_replaced += 1
                 self._threads = [t for t in self._threads if t is not threading.current_thread()]
-                self._start_worker()
+                try:
+                    self._start_worker()
+                    self.workers_replaced += 1
+                except RuntimeError as start_exc:
+                    refused = start_exc
+                    if not self._threads:
+                        self._closed = closed = True
+                        retry = False
+        if refused is not None:
+            _log.error("worker %s died (%r) and could not be replaced: %s", name, exc, refused)
+            if closed:  # no worker left: nothing queued will ever run
+                err = ResourceExhausted(
+                    f"the engine's last worker died ({exc!r}) and the system refused a new "
+                    f"thread ({refused}); the engine is closed"
+                )
+                self._fail_queued(err)
+                _fail_future(task.future, err)
+                return
         if retry:
-            _log.error("worker %s died (%r); replaced, and its task re-queued", name, exc)
+            if refused is None:
+                _log.error("worker %s died (%r); replaced, and its task re-queued", name, exc)
             self._queue.put((0, task.seq, task))
             return
-        _log.error("worker %s died (%r); replaced", name, exc)
+        if refused is None:
+            _log.error("worker %s died (%r); replaced", name, exc)
         if not task.future.done():
             task.future.set_exception(
                 PipelineError(
@@ -258,6 +319,25 @@ class Engine:
                 if not closed
                 else exc
             )
+
+    def _fail_queued(self, exc: BaseException | None) -> None:
+        """Empty the queue: cancel each queued task's future, or fail it with ``exc`` (a
+        re-queued task's future already runs and can no longer be cancelled; ``None``: with a
+        ``PipelineError`` saying the engine closed)."""
+        while True:
+            try:
+                priority, _, task = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if priority == _STOP_PRIORITY:
+                continue
+            if exc is None:
+                if not task.future.cancel():
+                    _fail_future(
+                        task.future, PipelineError("the engine closed before the task re-ran")
+                    )
+            else:
+                _fail_future(task.future, exc)
 
     def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 1) -> Task:
         """Queue ``fn(*args)``; returns the :class:`Task` (its ``future`` holds the result).
@@ -317,13 +397,7 @@ class Engine:
                 return
             self._closed = True
             threads = list(self._threads)
-        while True:
-            try:
-                priority, _, task = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if priority != _STOP_PRIORITY:
-                task.future.cancel()
+        self._fail_queued(None)
         for _ in threads:
             self._queue.put((_STOP_PRIORITY, next(self._seq), None))
         if not join:
@@ -340,6 +414,19 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _fail_future(fut: BatchFuture, exc: BaseException) -> None:
+    """Complete ``fut`` with ``exc`` unless it is done or cancelled (pending or running)."""
+    if fut.done():
+        return
+    try:
+        if not fut.set_running_or_notify_cancel():
+            return  # cancelled meanwhile
+    except RuntimeError:
+        pass  # already running: a task re-queued after its worker died
+    with contextlib.suppress(InvalidStateError):  # completed by another thread meanwhile
+        fut.set_exception(exc)
 
 
 #: Every engine not yet closed (closed at exit, see the module docstring).
