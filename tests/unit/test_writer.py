@@ -463,7 +463,7 @@ def test_ffcv_read_path_reads_everything_we_write(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("workers", [100_000, 2.5, "8"])
 def test_an_absurd_or_non_int_worker_count_is_refused_before_writing(tmp_path: Path, workers):
-    with pytest.raises(WriterError, match="num_workers .* is out of range: use an int up to 1024"):
+    with pytest.raises(WriterError, match=r"num_workers .* is out of range: use an int up to 1024"):
         DatasetWriter(tmp_path / "x.beton", {"x": IntField()}, num_workers=workers)
     assert not list(tmp_path.iterdir())
 
