@@ -159,6 +159,26 @@ def test_close_fails_a_requeued_task_whose_future_already_runs():
     eng.close()
 
 
+def test_close_lets_a_running_task_finish_even_with_its_promoted_entry_still_queued():
+    eng = Engine(1)
+    first, second = threading.Event(), threading.Event()
+    blocker = eng.submit(first.wait, 60).future
+    deadline = time.monotonic() + 10
+    while not blocker.running() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    task = eng.submit(lambda: second.wait(60) and "done")
+    task.promote()  # a consumer waits for it: a second queue entry, at priority 0
+    first.set()  # the worker takes the priority-0 entry; the other stays queued
+    while not task.future.running() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    queued = eng.submit(lambda: 1).future
+    eng.close(join=False)
+    assert queued.cancelled()
+    second.set()
+    assert task.future.result(60) == "done"
+    eng.close()
+
+
 def test_close_cancels_queued_work():
     gate = threading.Event()
     eng = Engine(1)

@@ -331,6 +331,10 @@ class Engine:
                 return
             if priority == _STOP_PRIORITY:
                 continue
+            with self._lock:
+                claimed = task._claimed
+            if claimed:  # a promoted task's second entry, while a worker runs it: it finishes
+                continue
             if exc is None:
                 if not task.future.cancel():
                     _fail_future(
