@@ -380,6 +380,7 @@ class DatasetWriter:
         prepared: list[Any],
     ) -> None:
         packer.current = dest
+        i = 0
         for attempt in (0, 1):
             try:
                 for i, field in enumerate(fields):
@@ -400,7 +401,9 @@ class DatasetWriter:
             except WriterError:
                 raise
             except Exception as exc:
-                raise WriterError(f"encoding failed: {type(exc).__name__}: {exc}", dest) from exc
+                raise WriterError(
+                    f"(field {names[i]!r}) encoding failed: {type(exc).__name__}: {exc}", dest
+                ) from exc
 
     def _header(self, n: int, table_ptr: int) -> np.ndarray:
         h = np.zeros(1, dtype=HEADER_DTYPE)

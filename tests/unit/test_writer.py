@@ -473,3 +473,15 @@ def test_numpy_integer_worker_counts_are_accepted(tmp_path: Path) -> None:
     assert w.num_workers == 2
     w.from_indexed_dataset([(i,) for i in range(5)])
     assert (tmp_path / "x.beton").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("value", "words"), [(2**70, "OverflowError"), ("a", "invalid literal")])
+def test_a_value_that_cannot_be_encoded_names_its_field_and_sample(tmp_path: Path, value, words):
+    out = tmp_path / "x.beton"
+    data = [(1, 2), (3, value)]
+    with pytest.raises(WriterError, match=f"field 'label'\\) encoding failed: .*{words}") as info:
+        DatasetWriter(
+            out, {"id": IntField(), "label": IntField()}, num_workers=1
+        ).from_indexed_dataset(data)
+    assert info.value.index == 1
+    assert not out.exists()
