@@ -397,6 +397,21 @@ def test_cli_info_and_clear(store: DiskStore, capsys: pytest.CaptureFixture[str]
     assert cache_main([]) == 2
 
 
+def test_cli_info_says_when_the_directory_could_never_be_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    where = a_file / "cache"  # under a regular file: mkdir fails with ENOTDIR
+    assert cache_main(["info", "--dir", str(where)]) == 0
+    out = capsys.readouterr().out
+    assert f"not usable: cannot create {where}: {a_file} is not a directory" in out
+    assert cache_main(["info", "--json", "--dir", str(where)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["usable"] is False and "is not a directory" in info["problem"]
+    assert not info["exists"]
+
+
 # -- pre-compiling -----------------------------------------------------------------------------
 _PRECOMPILE_TOML = """
 [[precompile]]

@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     info = store.info()
     exists = info.path.exists()
+    problem = info.reason if exists else _cannot_create(info.path)
     if args.json:
         print(
             json.dumps(
@@ -76,14 +77,16 @@ def run(args: argparse.Namespace) -> int:
                     "entries": info.entries,
                     "bytes": info.total_bytes,
                     "max_bytes": info.max_bytes,
-                    "usable": info.enabled or not exists,
-                    "problem": "" if not exists else info.reason,
+                    "usable": not problem,
+                    "problem": problem,
                 }
             )
         )
         return 0
     print(f"path:     {info.path}")
-    if not exists:
+    if not exists and problem:
+        print(f"status:   not usable: {problem} (Loaders compile in memory, every process)")
+    elif not exists:
         print("status:   empty (created on the first compile)")
     elif info.enabled:
         print("status:   ok")
@@ -92,6 +95,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"entries:  {info.entries}")
     print(f"size:     {_mib(info.total_bytes)} of {_mib(info.max_bytes)}")
     return 0
+
+
+def _cannot_create(path: Path) -> str:
+    """Why ``path`` (absent) could not be created by this user, or ``""`` if it could."""
+    parent = path
+    while not parent.exists():
+        if parent.parent == parent:
+            return ""
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot create {path}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {path}: {parent} is not writable by this user"
+    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
