@@ -29,10 +29,13 @@ Threading: a Loader is used from one thread at a time.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import signal
 import sys
+import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -503,14 +506,7 @@ class FrontEnd:
         if prev is not None:
             prev.close()
         plans = self._split()
-        if not feed.accepts(plans):
-            feed.close()
-            self._feed = None
-            try:
-                feed = self._backend.open(self._args, plans)
-            except BaseException as err:
-                feed = self._reconnected(err, plans)
-            self._feed = feed
+        feed = self._feed_accepting(feed, plans)
         self._plans = plans
         epoch, start = self.next_epoch, self._resume_batch
         self.next_epoch, self._resume_batch = epoch + 1, 0
@@ -518,6 +514,21 @@ class FrontEnd:
         it = EpochIterator(self, feed, epoch, start)
         self._current = weakref.ref(it)
         return it
+
+    def _feed_accepting(self, feed: Feed, plans: Sequence[PipelinePlan]) -> Feed:
+        """``feed``, or a re-opened one when it cannot run ``plans`` (an op's parameters
+        changed, or its last epoch was left early on a backend that cannot drop it)."""
+        if feed.accepts(plans):
+            return feed
+        with _sigint_deferred():  # Ctrl-C comes after the stream is open (see there)
+            feed.close()
+            self._feed = None
+            try:
+                feed = self._backend.open(self._args, plans)
+            except BaseException as err:
+                feed = self._reconnected(err, plans)
+            self._feed = feed
+        return feed
 
     def _reconnected(self, err: BaseException, plans: Sequence[PipelinePlan]) -> Feed:
         """The backend's new feed after ``err``; re-raises ``err`` when it is final."""
@@ -610,6 +621,35 @@ class FrontEnd:
         self.close()
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold back Ctrl-C (SIGINT) while a stream is opened and started, and deliver it after.
+
+    A ``KeyboardInterrupt`` raised inside gRPC's blocking calls can leave a lock of the
+    channel held (it may land between a lock's acquire and the block that releases it), and
+    every later call on the channel then hangs; one raised half-way through building a stream
+    leaks its call. Only the main thread receives SIGINT, and only a Python-level handler can be
+    swapped: elsewhere this does nothing. The previous handler is restored, then called once if
+    a SIGINT came meanwhile (the default one raises ``KeyboardInterrupt`` there, with the stream
+    opened and consistent).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    pending: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            previous(*pending[0])
+
+
 class EpochIterator:
     """Yields one epoch of a :class:`FrontEnd`: each raw batch through the tails.
 
@@ -646,6 +686,9 @@ class EpochIterator:
             assert ef is not None
             try:
                 return ef.next()
+            except KeyboardInterrupt:
+                self._interrupted()
+                raise
             except BaseException as err:
                 loader = self.loader
                 ef.close()
@@ -664,21 +707,68 @@ class EpochIterator:
                 self.feed = feed
                 self._epoch_feed = feed.epoch(self.epoch, self.batch)
 
+    def _interrupted(self) -> None:
+        """A ``KeyboardInterrupt`` (Ctrl-C) stopped ``next()`` before it yielded: drop the
+        epoch's feed, whose position may have moved past the batch not yielded. The next
+        ``next()`` re-opens the epoch at that batch (:meth:`_reopen`), so that a training loop
+        interrupted in a notebook and resumed goes on with exactly the batches it has not seen,
+        as FFCV's iterator does."""
+        ef, self._epoch_feed = self._epoch_feed, None
+        if ef is not None:
+            ef.close()
+
+    def _reopen(self) -> EpochFeed:
+        """The epoch's feed again, from the first batch not yet yielded (after
+        :meth:`_interrupted`); what the backend had prepared ahead is prepared again."""
+        loader = self.loader
+        try:
+            with _sigint_deferred():
+                feed = loader._feed_accepting(loader._feed_or_raise(), loader._plans)
+                if feed.num_batches != self.feed.num_batches:
+                    raise loader._errors.spec(
+                        f"the re-opened stream has {feed.num_batches} batches per epoch "
+                        f"instead of {self.feed.num_batches}"
+                    )
+                if feed is not self.feed:
+                    loader._build_tails(feed)
+                    self.feed = feed
+                ef = self._epoch_feed = feed.epoch(self.epoch, self.batch)
+        except KeyboardInterrupt:
+            raise  # delivered once the epoch is re-opened: the next call goes on from it
+        except BaseException:
+            self.done = True
+            raise
+        return ef
+
     def __next__(self) -> tuple[Any, ...]:
         if self.done:
             # Asking past the end releases the last batch (as asking for a next batch does).
             self.close()
             raise StopIteration
         ef = self._epoch_feed
-        assert ef is not None
+        if ef is None:  # interrupted (Ctrl-C) before it yielded: re-open at this batch
+            ef = self._reopen()
         ef.release()
-        raw = self._next_raw()
+        try:
+            return self._yield(self._next_raw())
+        except KeyboardInterrupt:
+            if not self.done:
+                self._interrupted()  # nothing was yielded: the next call makes this batch again
+            raise
+
+    def _yield(self, raw: RawBatch | None) -> tuple[Any, ...]:
+        """The batch to yield from ``raw`` (through the tails); counts it as yielded."""
         ef = self._epoch_feed
         assert ef is not None
+        loader = self.loader
         if raw is None:
             self.close()
+            if self.batch < self.feed.num_batches:  # never silently short (see _interrupted)
+                raise loader._errors.pipeline(
+                    f"epoch {self.epoch} ended after {self.batch} of {self.feed.num_batches} "
+                    "batches"
+                )
             raise StopIteration
-        loader = self.loader
         arrays = raw.arrays
         if loader.copy:
             arrays = [
@@ -694,6 +784,8 @@ class EpochIterator:
         except client_errors.BetonClientError as exc:
             self.close()
             raise loader._as(exc) from exc.__cause__
+        except KeyboardInterrupt:
+            raise  # __next__ keeps the epoch resumable
         except BaseException:
             self.close()
             raise

@@ -439,6 +439,8 @@ class EngineEpochFeed:
                 f"{self._timeout} s; a worker may be stuck in an op "
                 "(raise batch_timeout if batches are legitimately this slow)"
             ) from None
+        except KeyboardInterrupt:
+            raise  # not a failed batch: the front end re-opens the epoch at this batch
         except BaseException:
             self._running.failed = True
             self.close()

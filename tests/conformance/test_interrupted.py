@@ -1,0 +1,244 @@
+"""Ctrl-C in a training loop: the epoch goes on with exactly the batches not yet yielded.
+
+A ``KeyboardInterrupt`` that reaches the loop from inside ``next()`` (a notebook user pressing
+Ctrl-C while the loop waits for a batch, or while a client-side op runs) used to end the epoch:
+continuing the same iterator then stopped after the batches already seen, silently, on every
+backend. FFCV's iterator goes on where it was. Now the epoch's feed is dropped and re-opened at
+the first batch not yielded, so continuing yields the rest of the epoch, pixel for pixel the
+batches an uninterrupted run yields; the next epoch is unchanged too.
+
+The interrupt is injected where it lands in practice, on every backend:
+
+* ``waiting``: before the backend hands over the batch (the wait for it);
+* ``consumed``: after the backend handed it over but before it was yielded (the worst case:
+  the backend's position has moved past a batch the loop never saw);
+* ``tail``: inside a client-side op of the batch (here a torch ``nn.Module``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+from beton_serve.transforms import (
+    Convert,
+    RandomHorizontalFlip,
+    Squeeze,
+    ToTensor,
+    ToTorchImage,
+)
+from helpers.daemon import DaemonProcess
+
+from conformance._backends import (
+    BACKENDS,
+    assert_same_batches,
+    epoch,
+    epochs,
+    make_loader,
+    module_daemon,
+    snap,
+)
+
+pytestmark = pytest.mark.slow
+
+BATCH = 8
+AT = 2  # the batch whose next() is interrupted
+
+
+@pytest.fixture(scope="module")
+def beton(fixtures_dir: Path) -> Path:
+    return fixtures_dir / "images_jpg.beton"
+
+
+@pytest.fixture(scope="module")
+def daemon(beton: Path) -> Iterator[DaemonProcess]:
+    with module_daemon([beton]) as d:
+        yield d
+
+
+class Halve(torch.nn.Module):
+    """A client-side op: the tail's last step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / 2
+
+
+def pipes() -> dict[str, Any]:
+    return {
+        "image": [
+            RandomResizedCropRGBImageDecoder((32, 32)),
+            RandomHorizontalFlip(),
+            ToTensor(),
+            ToTorchImage(),
+            Convert(torch.float32),
+            Halve(),
+        ],
+        "label": [IntDecoder(), ToTensor(), Squeeze()],
+    }
+
+
+def _loader(backend: str, beton: Path, daemon: DaemonProcess) -> Any:
+    return make_loader(
+        backend, beton, pipes(), address=daemon.address, order="RANDOM", seed=7, batch_size=BATCH
+    )
+
+
+def _interrupt_once(monkeypatch: pytest.MonkeyPatch, cls: type, name: str, after: bool) -> None:
+    """``cls.name`` raises ``KeyboardInterrupt`` on its next call: before doing its work, or
+    (``after``) once its work is done and its result would be returned."""
+    real = getattr(cls, name)
+
+    def interrupted(self: Any, *args: Any, **kw: Any) -> Any:
+        monkeypatch.setattr(cls, name, real)  # once
+        if after:
+            real(self, *args, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cls, name, interrupted)
+
+
+@pytest.mark.parametrize("where", ["waiting", "consumed", "tail"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_interrupted_epoch_goes_on_with_the_batches_not_yet_yielded(
+    beton: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, backend: str, where: str
+) -> None:
+    reference = epochs(_loader("inproc", beton, daemon), 2)
+    assert len(reference[0]) > AT + 2
+    with _loader(backend, beton, daemon) as ld:
+        it = iter(ld)
+        head = [snap(next(it)) for _ in range(AT)]
+        if where == "tail":
+            image_tail = ld._tails[0]
+            _interrupt_once(monkeypatch, type(image_tail), "__call__", after=False)
+        else:
+            _interrupt_once(monkeypatch, type(it._epoch_feed), "next", after=where == "consumed")
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        state = ld.state_dict()
+        assert (state["epoch"], state["batch"]) == (0, AT)  # nothing more was yielded
+        rest = epoch(it)
+        assert_same_batches(head + rest, reference[0], f"{backend}, interrupted {where}")
+        assert_same_batches(epoch(ld), reference[1], f"{backend}: the epoch after it")
+        assert (ld.state_dict()["epoch"], ld.state_dict()["batch"]) == (2, 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_interrupted_twice_in_a_row_and_then_abandoned(
+    beton: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Ctrl-C twice (the second while nothing was yielded since the first), then a new epoch:
+    the interrupted epoch is dropped cleanly and the next one is the reference's next one."""
+    reference = epochs(_loader("inproc", beton, daemon), 2)
+    with _loader(backend, beton, daemon) as ld:
+        it = iter(ld)
+        head = [snap(next(it))]
+        for after in (True, False):
+            cls = type(it._epoch_feed) if it._epoch_feed is not None else None
+            if cls is None:  # re-opened lazily by the next next(): interrupt its tail instead
+                _interrupt_once(monkeypatch, type(ld._tails[0]), "__call__", after=False)
+            else:
+                _interrupt_once(monkeypatch, cls, "next", after=after)
+            with pytest.raises(KeyboardInterrupt):
+                next(it)
+        head.append(snap(next(it)))
+        assert_same_batches(head, reference[0][:2], f"{backend}: twice interrupted")
+        assert_same_batches(epoch(ld), reference[1], f"{backend}: the next epoch")
+
+
+@pytest.mark.parametrize("backend", ["inproc", "shm"])
+def test_real_interrupts_at_random_moments_never_lose_or_repeat_a_batch(
+    beton: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """SIGINT (what Ctrl-C sends) from a timer, 1-4 ms into each ``next()`` of a ``for`` loop
+    that is re-entered after every interrupt, as a notebook user re-runs the cell: it lands in
+    the wait, in the hand-over or in the tail, wherever it falls.
+
+    The handler raises only while the loop is inside ``next()``: a ``KeyboardInterrupt`` that
+    reaches the loop body would be the loop's own business, not the Loader's.
+    """
+    import _thread
+    import signal
+    import threading
+
+    inside = [False]
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if inside[0]:
+            raise KeyboardInterrupt
+
+    reference = epochs(_loader("inproc", beton, daemon), 4)
+    interrupted = 0
+    timers: list[threading.Timer] = []
+
+    def arm(k: int) -> None:
+        timer = threading.Timer(0.001 * (1 + k % 4), _thread.interrupt_main)
+        timers.append(timer)
+        timer.start()
+        inside[0] = True
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with _loader(backend, beton, daemon) as ld:
+            for trial in range(4):
+                it = iter(ld)
+                got: list[Any] = []
+                arm(trial)
+                while True:
+                    try:
+                        for batch in it:
+                            inside[0] = False
+                            got.append(snap(batch))
+                            arm(trial + len(got))
+                        inside[0] = False
+                        break
+                    except KeyboardInterrupt:
+                        inside[0] = False
+                        interrupted += 1
+                        arm(trial + len(got) + interrupted)
+                    assert interrupted < 200, "interrupted without end"
+                assert_same_batches(got, reference[trial], f"{backend}, epoch {trial}")
+    finally:
+        inside[0] = False
+        for timer in timers:
+            timer.cancel()
+            timer.join()
+        signal.signal(signal.SIGINT, previous)
+    assert interrupted > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_epoch_that_ends_early_is_an_error_not_a_short_epoch(
+    beton: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    with _loader(backend, beton, daemon) as ld:
+        it = iter(ld)
+        next(it), next(it)
+        cls = type(it._epoch_feed)
+        monkeypatch.setattr(cls, "next", lambda self: None)  # a backend that says "the end"
+        with pytest.raises(ld._errors.pipeline, match=f"epoch 0 ended after 2 of {len(ld)}"):
+            next(it)
+
+
+def test_sigint_is_held_back_while_a_stream_opens_and_delivered_after() -> None:
+    import os
+    import signal
+
+    from beton_client.frontend import _sigint_deferred
+
+    before = signal.getsignal(signal.SIGINT)
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with _sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs between bytecodes: give it the chance
+                steps.append(1)
+            steps.append("opened")
+    assert steps[-1] == "opened"  # the block ran to its end first
+    assert signal.getsignal(signal.SIGINT) is before
+    with _sigint_deferred():  # no SIGINT: nothing raised
+        steps.append("again")
+    assert signal.getsignal(signal.SIGINT) is before
