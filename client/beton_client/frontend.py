@@ -715,7 +715,10 @@ class EpochIterator:
         as FFCV's iterator does."""
         ef, self._epoch_feed = self._epoch_feed, None
         if ef is not None:
-            ef.close()
+            # Held back too: in process, closing waits for the batches still running, whose
+            # buffers the re-opened epoch reuses.
+            with _sigint_deferred():
+                ef.close()
 
     def _reopen(self) -> EpochFeed:
         """The epoch's feed again, from the first batch not yet yielded (after

@@ -102,9 +102,14 @@ class ShuttingDown(TransportError):
 
 
 class ResourceExhausted(BetonError):
-    """The daemon cannot take this stream now: its memory budget for stream buffers
-    (``max_ring_bytes``) is full. The message says how much the stream needs and what is held;
-    it fits once other streams close, or with a smaller ``batch_size`` / ``batches_ahead``."""
+    """A resource is exhausted, and the message says which:
+
+    * the daemon cannot take this stream now: its memory budget for stream buffers
+      (``max_ring_bytes``) is full. The message says how much the stream needs and what is
+      held; it fits once other streams close, or with a smaller ``batch_size`` /
+      ``batches_ahead``;
+    * the system refused a worker thread (its thread or memory limit): an ``Engine`` that
+      could not start its workers, or whose last worker died and could not be replaced."""
 
 
 class ConfigError(BetonError, ValueError):
