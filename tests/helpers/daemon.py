@@ -29,7 +29,20 @@ import grpc
 import pytest
 
 SHM = Path("/dev/shm")
-_LAUNCH = "import sys; from beton_serve.cli import main; sys.exit(main())"
+#: The daemon's command line. A test daemon also stops (SIGTERM, a clean drain) when the process
+#: that started it is gone: pytest-timeout ends a hung run with ``os._exit``, and fixtures then
+#: never stop their daemons, which used to linger (~400 MB each) until someone killed them.
+_LAUNCH = """
+import os, signal, sys, threading, time
+parent = os.getppid()
+def watch_parent():
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=watch_parent, name="test-parent-watch", daemon=True).start()
+from beton_serve.cli import main
+sys.exit(main())
+"""
 
 
 @dataclass
