@@ -43,9 +43,9 @@ import numpy as np
 from beton_wire.limits import (
     MAX_BATCH_SIZE,
     MAX_BATCHES_AHEAD,
-    MAX_WORKERS,
     MAX_WORLD_SIZE,
     short_repr,
+    workers_out_of_range,
 )
 from beton_wire.loader_state import (
     StateError,
@@ -336,11 +336,8 @@ def check_args(
         raise spec(f"seed must be an int in [0, 2**64), not {short_repr(seed)}")
     if not is_int(num_workers):
         raise spec(f"num_workers must be an int, not {short_repr(num_workers)}")
-    if num_workers > MAX_WORKERS:
-        raise spec(
-            f"num_workers {num_workers} is out of range: use an int up to {MAX_WORKERS} "
-            "(< 1: one per CPU this process may use)"
-        )
+    if message := workers_out_of_range(num_workers, "one per CPU this process may use"):
+        raise spec(message)
     order, order_name = _order(order, spec, custom_order)
     distributed = bool(distributed)
     if seed is None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from typing import Any
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "human_bytes",
     "parse_params",
     "short_repr",
+    "workers_out_of_range",
 ]
 
 MAX_BATCH_SIZE = 1 << 16
@@ -124,6 +126,24 @@ def cap_message(message: str, limit: int = MAX_ERROR_CHARS) -> str:
     if len(message) <= limit:
         return message
     return f"{message[:limit]}... ({len(message) - limit} more characters cut)"
+
+
+def workers_out_of_range(value: object, below_one: str) -> str | None:
+    """The message for a worker count over :data:`MAX_WORKERS`, or ``None`` when it is within.
+
+    ``value`` is what the caller passed (an integer, ``operator.index``; anything else is out
+    of range), and ``below_one`` says what a count under 1 means to that caller, e.g. ``"one
+    per CPU this process may use"``. The caller raises its own error type with the message.
+    """
+    try:
+        if operator.index(value) <= MAX_WORKERS:  # type: ignore[arg-type]
+            return None
+    except TypeError:
+        pass
+    return (
+        f"num_workers {short_repr(value)} is out of range: use an int up to {MAX_WORKERS} "
+        f"(< 1: {below_one})"
+    )
 
 
 class _TooDeep(Exception):

@@ -44,7 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-from beton_wire.limits import MAX_WORKERS, short_repr
+from beton_wire.limits import workers_out_of_range
 from numpy.typing import NDArray
 
 from beton_serve.errors import WriterError
@@ -186,18 +186,12 @@ class DatasetWriter:
                 f"page_size must be a power of two with {self._MIN_PAGE_SIZE} <= page_size "
                 f"< 4 GiB (FFCV's limits), got {page_size}"
             )
-        try:
-            workers = operator.index(num_workers)
-        except TypeError:
-            workers = MAX_WORKERS + 1
-        if workers > MAX_WORKERS:
-            raise WriterError(
-                f"num_workers {short_repr(num_workers)} is out of range: use an int up to "
-                f"{MAX_WORKERS} (< 1: all usable CPUs)"
-            )
+        if message := workers_out_of_range(num_workers, "all usable CPUs"):
+            raise WriterError(message)
         self.fname = os.fspath(fname)
         self.fields = dict(fields)
         self.page_size = page_size
+        workers = operator.index(num_workers)
         self.num_workers = _usable_cpus() if workers < 1 else workers
         self.seed = seed
         self.progress = sys.stderr.isatty() if progress is None else bool(progress)

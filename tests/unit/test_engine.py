@@ -10,7 +10,7 @@ import pytest
 from beton_serve.engine import BatchSource, Engine, OrderOption
 from beton_serve.errors import BetonError, PipelineError, ResourceExhausted, SpecError
 from beton_serve.pipeline import PlanCache, compile_pipelines
-from beton_wire.limits import MAX_WORKERS
+from beton_wire.limits import MAX_WORKERS, workers_out_of_range
 from helpers.fake_pipeline import AddIndex, AddOne, FakeImageDecoder, FakeReader, fake_image
 
 
@@ -95,6 +95,19 @@ def test_absurd_worker_counts_are_refused_before_any_thread_starts(monkeypatch):
     _refuse_threads_after(monkeypatch, 0)  # a SpecError, not a thread-limit error
     with pytest.raises(SpecError, match=f"num_workers {MAX_WORKERS + 1} is out of range"):
         Engine(MAX_WORKERS + 1)
+
+
+def test_the_shared_worker_bound_message_names_the_value_and_what_below_one_means():
+    # One helper words the bound for the Loader, the engine and the writer.
+    for ok in (-1, 0, 1, MAX_WORKERS, np.int64(4)):
+        assert workers_out_of_range(ok, "all usable CPUs") is None
+    assert workers_out_of_range(MAX_WORKERS + 1, "all usable CPUs") == (
+        f"num_workers {MAX_WORKERS + 1} is out of range: use an int up to {MAX_WORKERS} "
+        "(< 1: all usable CPUs)"
+    )
+    long = workers_out_of_range("8" * 1000, "one per CPU")
+    assert long is not None and "(1000 characters)" in long and len(long) < 300
+    assert workers_out_of_range(2.5, "x") is not None
 
 
 def test_a_dead_worker_that_cannot_be_replaced_leaves_a_smaller_pool_that_still_runs(

@@ -63,7 +63,7 @@ from collections.abc import Callable
 from concurrent.futures import InvalidStateError
 from typing import Any
 
-from beton_wire.limits import MAX_WORKERS
+from beton_wire.limits import workers_out_of_range
 
 from beton_serve.engine._future import BatchFuture
 from beton_serve.errors import (
@@ -182,11 +182,8 @@ class Engine:
                 if hasattr(os, "sched_getaffinity")
                 else (os.cpu_count() or 1)
             )
-        if num_workers > MAX_WORKERS:
-            raise SpecError(
-                f"num_workers {num_workers} is out of range: use an int up to {MAX_WORKERS} "
-                "(< 1: one per CPU this process may use)"
-            )
+        if message := workers_out_of_range(num_workers, "one per CPU this process may use"):
+            raise SpecError(message)
         self.num_workers = int(num_workers)
         self.join_timeout = float(join_timeout)
         self.max_task_retries = max(0, int(max_task_retries))
