@@ -305,8 +305,35 @@ class Stream:
         return self.ring.acquire()
 
     def abandon(self, slot: int) -> None:
-        """Give back a slot acquired for a batch that will not be published."""
+        """Give back a slot acquired for a batch that will not be published (and that nothing
+        writes into any more: see :meth:`abandon_when_done`)."""
         self.ring.abandon(slot)
+
+    def abandon_when_done(self, slot: int, cfut: Future[Any] | None) -> None:
+        """Cancel the batch submitted into ``slot`` and give the slot back once nothing writes
+        into it (hold :attr:`lock`).
+
+        At once when the batch never ran (cancelled) or has finished. A decode that is already
+        running cannot be cancelled: the slot then goes back when it ends (on the worker that
+        ends it). Given back at once, the slot could be handed to the next batch while the old
+        decode still wrote into it, over the next batch's pixels: a client that resumed at
+        another position than the one decoded ahead (``load_state_dict``, an epoch re-opened
+        after Ctrl-C) received a batch with another batch's rows in it.
+        """
+        if cfut is not None:
+            for task in getattr(cfut, "tasks", ()):  # the parts of a split batch not started
+                task.future.cancel()
+            cfut.cancel()
+        if cfut is None or cfut.done():
+            self.abandon(slot)
+            return
+
+        def give_back(_f: Future[Any]) -> None:
+            with self.lock:
+                if not self.closed:
+                    self.abandon(slot)
+
+        cfut.add_done_callback(give_back)
 
     @property
     def client_idle(self) -> bool:
@@ -521,8 +548,8 @@ class Stream:
         slots and references, and forget them (its frame keeps none of them: see there)."""
         for b, slot, fut in pending:
             fut.cancel()
-            self.abandon(slot)
             cfut = self._submitted.get(b)
+            self.abandon_when_done(slot, cfut)
             if cfut is not None:  # decoded (or being decoded) by reference, never published
                 cfut.add_done_callback(_release_shared_ref)
         self._submitted.clear()
@@ -537,10 +564,10 @@ class Stream:
 
     def discard(self, pending: Pending) -> None:
         """Cancel submitted ``(batch, slot, future)`` entries that will not be published:
-        return their slots and shared references, and empty ``pending`` (hold :attr:`lock`)."""
+        return their slots (:meth:`abandon_when_done`) and shared references, and empty
+        ``pending`` (hold :attr:`lock`)."""
         for _, slot, cfut in pending:
-            cfut.cancel()
-            self.abandon(slot)
+            self.abandon_when_done(slot, cfut)
             # Decoded (or still being decoded) by reference, never published: the reference is
             # set just before the future completes, so release it then (now, if done).
             cfut.add_done_callback(_release_shared_ref)
