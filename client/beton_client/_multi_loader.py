@@ -152,7 +152,12 @@ class RemoteStream:
         return self._outputs
 
     def accepts(self, plans: Sequence[PipelinePlan]) -> bool:
-        return self.complete and not self.closed and pipelines_key(plans) == self.key
+        return (
+            self.complete
+            and not self.closed
+            and not self.reader.out_of_step
+            and pipelines_key(plans) == self.key
+        )
 
     def epoch(self, epoch: int, start: int = 0) -> RemoteEpochFeed:
         """``epoch`` from batch ``start``."""

@@ -310,6 +310,63 @@ def test_receive_timeout_cancels_a_silent_stream() -> None:
         rec.shutdown()
 
 
+def test_ctrl_c_in_receive_leaves_the_channel_usable_and_no_thread_behind() -> None:
+    """A KeyboardInterrupt while ``receive`` waits (Ctrl-C in the training loop) lands in the
+    wait on the stream's queue, never inside grpcio's locks: the stream then closes at once, its
+    reader thread ends, and a new stream on the same channel works. A later receive after a
+    timeout raises again instead of waiting."""
+    import signal
+
+    gate = threading.Event()
+
+    def fn(epoch: int, b: int) -> dict[str, np.ndarray]:
+        if b == 0:
+            gate.wait(10)
+        return make_batch(epoch, b)
+
+    def readers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "beton-grpc-recv"]
+
+    rec = Recorder(fn)
+    try:
+        with threaded_server(rec) as (_, target):
+            with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                stream = BatchStream(ch)
+                assert len(readers()) == 1
+                stream.want([(0, 0)])
+                main = threading.main_thread().ident
+                timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
+                timer.start()
+                t0 = time.monotonic()
+                with pytest.raises(KeyboardInterrupt):
+                    stream.receive(timeout=20)
+                timer.join()
+                assert time.monotonic() - t0 < 5
+                stream.close()
+                assert time.monotonic() - t0 < 5
+                assert readers() == []
+                gate.set()
+                again = BatchStream(ch)
+                again.want([(0, 1)])
+                batch = again.receive(timeout=20)
+                assert (batch.epoch, batch.batch_index) == (0, 1)
+                want = make_batch(0, 1)
+                assert all(np.array_equal(batch.arrays[k], v) for k, v in want.items())
+                again.close()
+                silent = BatchStream(ch)
+                gate.clear()
+                silent.want([(0, 0)])
+                for _ in range(2):
+                    with pytest.raises(ServerUnavailable):
+                        silent.receive(timeout=0.2)
+                silent.close()
+                gate.set()
+                assert readers() == []
+    finally:
+        gate.set()
+        rec.shutdown()
+
+
 def test_bearer_token_required_and_health_exempt() -> None:
     rec = Recorder()
     try:

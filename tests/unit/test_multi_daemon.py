@@ -171,6 +171,39 @@ def test_stopping_early_drains_and_releases_what_was_prefetched() -> None:
     assert [(b.epoch, b.index) for b in out] == [(1, 0), (1, 1), (1, 2), (1, 3)]
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_an_epoch_stopped_by_ctrl_c_drains_nothing_and_is_out_of_step(exc) -> None:
+    """Ctrl-C can land between a link's receive and the reader's bookkeeping (here: the answer
+    is taken, then the interrupt). A drain would then wait for an answer that never comes (a
+    gRPC link waited for good): the reader drains nothing, gives back what it holds, and says
+    it is out of step, so its owner re-opens the stream."""
+    daemons = [FakeDaemon(i) for i in range(2)]
+    reader = MultiDaemonReader(daemons, credits_per_daemon=3, discard=lambda b: b.release())
+    it = reader.iter_epoch(0, 50)
+    assert [next(it).index for _ in range(3)] == [0, 1, 2]
+    real = daemons[1].receive
+
+    def receive_then_interrupted() -> Batch:
+        real()  # the answer is consumed, never counted
+        raise exc
+
+    daemons[1].receive = receive_then_interrupted  # type: ignore[method-assign]
+    assert not reader.out_of_step
+    with pytest.raises(exc):
+        next(it)
+    assert reader.out_of_step
+    owed = [len(d.requested) - len(d.answered) for d in daemons]
+    assert owed[0] > 0  # daemon 0 still owed answers, and nobody waited for them
+    received_not_yielded = {(d.index, p) for d in daemons for p in d.answered} - {
+        (0, (0, 0)),
+        (1, (0, 1)),
+        (0, (0, 2)),
+        (1, (0, 3)),  # the one lost to the interrupt
+    }
+    released = {(d.index, p) for d in daemons for p in d.released}
+    assert released == received_not_yielded
+
+
 def test_callable_link_adapts_a_fetch_function() -> None:
     calls: list[tuple[int, int, int]] = []
     dead = {1}

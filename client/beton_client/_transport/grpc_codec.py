@@ -34,10 +34,15 @@ API::
     iter_batches(stream, positions, *, prefetch=2, timeout=None) -> Iterator[DecodedBatch]
 
 Threading: a BatchStream is used by one thread. grpcio consumes the request iterator on its own
-thread; :meth:`BatchStream.close` ends it. A receive timeout runs a ``beton-grpc-deadline`` timer
-thread that cancels the call, joined before ``receive`` returns. No thread is started once the
-stream is closed or the interpreter is shutting down (``receive`` then raises at once): a thread
-started at shutdown never runs, and waiting for it hung the process (issue 11).
+thread, and a ``beton-grpc-recv`` thread of the stream reads the call's messages into a queue;
+:meth:`BatchStream.close` ends both (it cancels the call and joins the reader). The thread that
+uses the stream therefore never waits inside grpcio: it waits on the queue. grpcio's Python layer
+is not safe against asynchronous exceptions: a ``KeyboardInterrupt`` (Ctrl-C in the training
+loop) that lands between one of its locks' acquire and the block that releases it leaves the
+lock held, and every later call on the channel, the cancel included, hangs. A wait on the queue
+can be interrupted anywhere (no message is lost inside the queue). A receive timeout is the
+queue's own timeout, and cancels the call. ``receive`` raises at once when the stream is closed
+or the interpreter is shutting down (issue 11: nothing can be waited for then).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import collections
 import queue
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -84,6 +90,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 keepalive, so a vanished daemon surfaces as UNAVAILABLE instead of a hang."""
 
 _SENTINEL = object()
+#: The reader's mark: the call ended without an error (the daemon ended the stream).
+_END = object()
+#: The mark of a call that ``receive`` cancelled on its timeout.
+_CANCELLED_BY_DEADLINE = object()
 #: Seconds :meth:`BatchStream.close` waits for the daemon to end a call that never delivered
 #: anything (see there).
 CLOSE_WAIT_S = 1.0
@@ -138,6 +148,20 @@ class BufferPool:
         self._returned.append(buf)
 
 
+def _read_call(call: Any, inbox: queue.SimpleQueue[Any], received: threading.Event) -> None:
+    """The ``beton-grpc-recv`` thread: move the call's messages into ``inbox``, then ``_END``
+    or the call's ``RpcError`` (a cancel, a lost daemon, the daemon's error status)."""
+    try:
+        for msg in call:
+            received.set()
+            inbox.put(msg)
+        inbox.put(_END)
+    except grpc.RpcError as err:
+        inbox.put(err)
+    except BaseException as err:  # a bug: the receiving thread raises it
+        inbox.put(err)
+
+
 class BatchStream:
     """One bidirectional batch call (see the module docstring).
 
@@ -173,9 +197,27 @@ class BatchStream:
         self._requests.put(self.open_request.to_bytes())
         self._pending: collections.deque[tuple[int, int]] = collections.deque()
         self._closed = False
-        self._received = False  # a message arrived: the daemon's handler runs
+        #: Set by the reader when a message arrived: the daemon's handler runs (see close).
+        self._received = threading.Event()
+        #: What the reader took from the call: messages, then _END or the call's RpcError.
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: The call's end (_END or its RpcError), once the reader reported it: later receives
+        #: raise the same.
+        self._end: Any = None
         stub = channel.stream_stream(method)  # no serializers: bytes in, bytes out
         self._call = stub(self._request_iter(), metadata=tuple(metadata))
+        # A module function, not a method: the thread must not keep the stream alive.
+        self._reader = threading.Thread(
+            target=_read_call,
+            args=(self._call, self._inbox, self._received),
+            name="beton-grpc-recv",
+            daemon=True,
+        )
+        try:
+            self._reader.start()
+        except BaseException:
+            self._call.cancel()
+            raise
 
     def _request_iter(self) -> Iterator[bytes]:
         while True:
@@ -229,39 +271,44 @@ class BatchStream:
             raise BetonClientError(
                 "receive() without an outstanding want()", code="FAILED_PRECONDITION"
             )
-        timer = None
-        if timeout is not None:
-            timer = threading.Timer(timeout, self._call.cancel)
-            timer.name = "beton-grpc-deadline"
-            timer.start()
-        try:
-            while True:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            item = self._end
+            if item is None:
                 try:
-                    msg = next(self._call)
-                except StopIteration:
+                    item = self._inbox.get(
+                        timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+                    )
+                except queue.Empty:
+                    self._call.cancel()
+                    self._end = _CANCELLED_BY_DEADLINE
                     raise ServerUnavailable(
-                        f"the daemon ended the stream with {len(self._pending)} batches owed",
-                        code="UNAVAILABLE",
+                        f"no batch within {timeout} s; the stream was cancelled",
+                        code="DEADLINE_EXCEEDED",
                     ) from None
-                except grpc.RpcError as err:
-                    if timer is not None and not timer.is_alive() and not self._closed:
-                        raise ServerUnavailable(
-                            f"no batch within {timeout} s; the stream was cancelled",
-                            code="DEADLINE_EXCEEDED",
-                        ) from None
-                    raise from_rpc_error(err) from None
-                self._received = True
-                try:
-                    batch = self._decoder.feed(msg)
-                except FramingError as exc:
-                    self.close()
-                    raise TransportError(f"malformed batch stream: {exc}") from None
-                if batch is not None:
-                    break
-        finally:
-            if timer is not None:
-                timer.cancel()
-                timer.join()
+            if item is _END or item is _CANCELLED_BY_DEADLINE:
+                self._end = item
+                why = (
+                    "the daemon ended the stream"
+                    if item is _END
+                    else "the stream was cancelled after a receive timeout"
+                )
+                raise ServerUnavailable(
+                    f"{why} with {len(self._pending)} batches owed", code="UNAVAILABLE"
+                )
+            if isinstance(item, grpc.RpcError):
+                self._end = item
+                raise from_rpc_error(item) from None
+            if isinstance(item, BaseException):  # a bug in the reader: hand it over as it is
+                self._end = item
+                raise item
+            try:
+                batch = self._decoder.feed(item)
+            except FramingError as exc:
+                self.close()
+                raise TransportError(f"malformed batch stream: {exc}") from None
+            if batch is not None:
+                break
         expected = self._pending.popleft()
         buf = self._last_buf
         if buf is not None:
@@ -287,11 +334,14 @@ class BatchStream:
             return
         self._closed = True
         self._requests.put(_SENTINEL)
-        if not self._received and not sys.is_finalizing():
+        finalizing = sys.is_finalizing()
+        if not self._received.is_set() and not finalizing:
             ended = threading.Event()
             self._call.add_done_callback(lambda _call: ended.set())
             ended.wait(CLOSE_WAIT_S)
         self._call.cancel()
+        if not finalizing and self._reader is not threading.current_thread():
+            self._reader.join(CLOSE_WAIT_S)  # the cancel ends its iteration at once
 
     def __enter__(self) -> BatchStream:
         return self

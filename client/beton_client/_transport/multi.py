@@ -28,7 +28,10 @@ Any other exception propagates unchanged.
 
 Stopping early. An epoch iterator that is closed before its end (``break`` then ``close()``)
 *drains*: it receives the answers still owed, so that the links stay in step for the next epoch.
-Once the reader itself is closed (:meth:`MultiDaemonReader.close`, which the Loader's stream calls
+An epoch stopped by Ctrl-C (``KeyboardInterrupt``) does not drain: the interrupt may have landed
+between a receive and its bookkeeping, so what the links still owe is unknown, and the reader
+says it is :attr:`~MultiDaemonReader.out_of_step` (its owner re-opens the stream). Once the
+reader itself is closed (:meth:`MultiDaemonReader.close`, which the Loader's stream calls
 when it is closed, abandoned or the interpreter exits) nothing is drained: an iterator finalised
 later, even by the garbage collector at interpreter shutdown, never blocks and never receives
 (issue 11: a drain that ran at shutdown started a timer thread and hung the process for good).
@@ -61,6 +64,10 @@ __all__ = [
     "MultiDaemonReader",
     "StreamLink",
 ]
+
+#: Exceptions that may land between any two bytecodes (a signal handler raises them), so
+#: between a link's receive and the reader's bookkeeping of it: see ``out_of_step``.
+ASYNC_EXCEPTIONS = (KeyboardInterrupt, SystemExit)
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -172,11 +179,22 @@ class MultiDaemonReader(Generic[T]):
         self._failures: dict[int, BaseException] = {}
         self._alive: list[int] = list(range(len(self._links)))
         self._closed = False
+        #: An asynchronous exception (Ctrl-C) stopped an epoch: see :attr:`out_of_step`.
+        self._out_of_step = False
 
     @property
     def alive(self) -> tuple[int, ...]:
         """Indices of the daemons not declared dead, ascending."""
         return tuple(self._alive)
+
+    @property
+    def out_of_step(self) -> bool:
+        """Whether an epoch was stopped by an asynchronous exception (``KeyboardInterrupt``,
+        ``SystemExit``). It may have landed between a link's send or receive and the reader's
+        bookkeeping of it (a batch received and not yet counted), so the answers the links still
+        owe are unknown: nothing is drained (a drain could wait for an answer that never comes),
+        and the links must be closed, not used for another epoch."""
+        return self._out_of_step
 
     @property
     def closed(self) -> bool:
@@ -237,6 +255,9 @@ class MultiDaemonReader(Generic[T]):
                 ep.held[src] -= 1
                 ep.cursor += 1
                 yield item
+        except ASYNC_EXCEPTIONS:
+            self._out_of_step = True
+            raise
         finally:
             ep.drain()
 
@@ -323,7 +344,7 @@ class _Epoch(Generic[T]):
         for item, _ in self.ready.values():
             self.r._discard(item)
         self.ready.clear()
-        if self.r._closed or sys.is_finalizing():
+        if self.r._closed or self.r._out_of_step or sys.is_finalizing():
             for pending in self.outstanding:
                 pending.clear()
             return
@@ -331,6 +352,9 @@ class _Epoch(Generic[T]):
             while pending and d in self.r._alive:
                 try:
                     item = self.r._links[d].receive()
+                except ASYNC_EXCEPTIONS:
+                    self.r._out_of_step = True
+                    raise
                 except ConnectionError as exc:
                     pending.clear()
                     self.r._dead.add(d)
