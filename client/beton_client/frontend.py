@@ -660,6 +660,8 @@ class EpochIterator:
         self.epoch = epoch
         self.batch = start
         self.done = False
+        #: A ``next()`` began and did not return (see :meth:`__next__`).
+        self._unfinished = False
         self._epoch_feed: EpochFeed | None = feed.epoch(epoch, start)
         loader._build_tails(feed)
 
@@ -709,13 +711,18 @@ class EpochIterator:
         epoch's feed, whose position may have moved past the batch not yielded. The next
         ``next()`` re-opens the epoch at that batch (:meth:`_reopen`), so that a training loop
         interrupted in a notebook and resumed goes on with exactly the batches it has not seen,
-        as FFCV's iterator does."""
-        ef, self._epoch_feed = self._epoch_feed, None
+        as FFCV's iterator does.
+
+        The feed is forgotten only once it is closed: an interrupt landing here before the
+        deferral starts leaves it in place, and the next ``next()`` closes it (it sees the
+        unfinished call)."""
+        ef = self._epoch_feed
         if ef is not None:
             # Held back too: in process, closing waits for the batches still running, whose
             # buffers the re-opened epoch reuses.
             with _sigint_deferred():
                 ef.close()
+                self._epoch_feed = None
 
     def _reopen(self) -> EpochFeed:
         """The epoch's feed again, from the first batch not yet yielded (after
@@ -733,6 +740,7 @@ class EpochIterator:
                     loader._build_tails(feed)
                     self.feed = feed
                 ef = self._epoch_feed = feed.epoch(self.epoch, self.batch)
+                self._unfinished = False  # a consistent feed at the batch not yet yielded
         except KeyboardInterrupt:
             raise  # delivered once the epoch is re-opened: the next call goes on from it
         except BaseException:
@@ -746,18 +754,32 @@ class EpochIterator:
             self.close()
             raise StopIteration
         ef = self._epoch_feed
-        if ef is None:  # interrupted (Ctrl-C) before it yielded: re-open at this batch
+        if ef is None or self._unfinished:
+            # The last call did not return (Ctrl-C, perhaps twice: a second interrupt can land
+            # in the first one's handling below): its feed may have moved past this batch.
+            self._interrupted()
             ef = self._reopen()
+        self._unfinished = True
         ef.release()
         try:
-            return self._yield(self._next_raw())
+            out = self._yield(self._next_raw())
         except KeyboardInterrupt:
             if not self.done:
                 self._interrupted()  # nothing was yielded: the next call makes this batch again
             raise
+        # The batch counts as yielded only here, with no call between these steps and the
+        # return (Python runs signal handlers at calls and loops, not between plain stores).
+        # An interrupt before this point leaves the batch to be made again by the next call.
+        b = self.batch + 1
+        self.batch = b
+        self._unfinished = False
+        self.loader._position = (self.epoch, b)
+        if b >= self.feed.num_batches:
+            self.done = True  # the buffers stay valid until the next epoch or close
+        return out
 
     def _yield(self, raw: RawBatch | None) -> tuple[Any, ...]:
-        """The batch to yield from ``raw`` (through the tails); counts it as yielded."""
+        """The batch to yield from ``raw`` (through the tails); :meth:`__next__` counts it."""
         ef = self._epoch_feed
         assert ef is not None
         loader = self.loader
@@ -789,15 +811,13 @@ class EpochIterator:
         except BaseException:
             self.close()
             raise
-        self.batch += 1
-        loader._position = (epoch, self.batch)
-        if self.batch >= self.feed.num_batches:
-            self.done = True  # the buffers stay valid until the next epoch or close
         return out
 
     def close(self) -> None:
-        """Stop early: the backend cancels what it prepared ahead (idempotent)."""
+        """Stop early: the backend cancels what it prepared ahead (idempotent). The feed is
+        forgotten only once closed, so a close cut short by Ctrl-C is finished by the next."""
         self.done = True
-        ef, self._epoch_feed = self._epoch_feed, None
+        ef = self._epoch_feed
         if ef is not None:
             ef.close()
+            self._epoch_feed = None

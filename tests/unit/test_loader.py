@@ -183,6 +183,30 @@ def _copies(ld, epoch):
     return [tuple(np.array(a) for a in batch) for batch in ld]
 
 
+def test_a_new_epoch_first_releases_an_epoch_that_nobody_closed():
+    """Two epochs of one Loader share its batch slots. An epoch feed left unclosed (a Ctrl-C
+    can land between an iterator forgetting its feed and closing it) must not keep decoding
+    into slots the next epoch hands out: the next epoch first cancels its queued batches and
+    waits for its running ones."""
+    reference = _copies(_loader(batches_ahead=3), 1)
+    ld = _loader(batches_ahead=3)
+    it = iter(ld)
+    next(it)
+    old = it._epoch_feed
+    running = old._running
+    futures = list(running.futures)
+    assert futures  # batches were prepared ahead
+    it._epoch_feed = None  # forgotten, never closed; `old` keeps it alive
+    got = _copies(ld, 1)
+    assert not running.futures and all(f.done() for f in futures)
+    assert len(got) == len(reference)
+    for g, w in zip(got, reference, strict=True):
+        for a, b in zip(g, w, strict=True):
+            np.testing.assert_array_equal(a, b)
+    del old
+    ld.close()
+
+
 def test_shared_engine_is_not_closed():
     with Engine(2) as eng:
         with _loader(engine=eng) as ld:

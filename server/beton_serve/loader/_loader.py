@@ -259,6 +259,8 @@ class EngineFeed:
         #: The pool this feed owns when the backend has none (module docstring, "Threads").
         self._owned: Engine | None = None
         self._owned_stop: weakref.finalize[Any, Any] | None = None
+        #: The last epoch's release (its finalizer): run before the next epoch starts.
+        self._last_epoch: weakref.finalize[Any, Any] | None = None
 
     def engine(self) -> tuple[Engine, bool]:
         """The engine the next epoch runs on, and whether this feed owns it: the backend's, or
@@ -309,6 +311,18 @@ class EngineFeed:
         return _identity(plans) == self._ops
 
     def epoch(self, epoch: int, start: int) -> EngineEpochFeed:
+        """Epoch ``epoch`` from batch ``start``.
+
+        The previous epoch of this feed is released first (queued batches cancelled, running
+        ones waited for) even if nobody closed it: the two epochs' batches share
+        :attr:`_slots`, and a batch of the old epoch still running would write into a slot the
+        new epoch hands out. The front end closes an epoch before it starts another; this makes
+        that an invariant of the feed rather than of every caller (a Ctrl-C can land between
+        the two).
+        """
+        last, self._last_epoch = self._last_epoch, None
+        if last is not None:
+            last()  # idempotent: nothing left to do when the epoch was closed
         plan = self.plan
         changed = plan.refresh(epoch, recompile=self.args.recompile and self._planned)
         self._planned = True
@@ -328,7 +342,9 @@ class EngineFeed:
                     "beton-serve inspect FILE)"
                 ) from None
         self._update_outputs()
-        return EngineEpochFeed(self, epoch, start)
+        ef = EngineEpochFeed(self, epoch, start)
+        self._last_epoch = ef._finalizer
+        return ef
 
     def close(self) -> None:
         self._slots = None
