@@ -770,11 +770,11 @@ class EpochIterator:
         # The batch counts as yielded only here, with no call between these steps and the
         # return (Python runs signal handlers at calls and loops, not between plain stores).
         # An interrupt before this point leaves the batch to be made again by the next call.
-        b = self.batch + 1
+        b, last = self.batch + 1, self.feed.num_batches
         self.batch = b
         self._unfinished = False
         self.loader._position = (self.epoch, b)
-        if b >= self.feed.num_batches:
+        if b >= last:
             self.done = True  # the buffers stay valid until the next epoch or close
         return out
 
