@@ -156,9 +156,7 @@ def _read_call(call: Any, inbox: queue.SimpleQueue[Any], received: threading.Eve
             received.set()
             inbox.put(msg)
         inbox.put(_END)
-    except grpc.RpcError as err:
-        inbox.put(err)
-    except BaseException as err:  # a bug: the receiving thread raises it
+    except BaseException as err:  # an RpcError, or a bug: the receiving thread raises it
         inbox.put(err)
 
 
