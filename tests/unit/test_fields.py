@@ -51,13 +51,72 @@ def test_zero_argument_blobs_round_trip(field) -> None:
         type(field).from_binary(bad)
 
 
-def test_scalar_encode_follows_numpy_casting() -> None:
+@pytest.mark.parametrize(
+    ("value", "stored"),
+    [
+        (3, 3),
+        (3.0, 3),
+        (np.int32(-7), -7),
+        (np.uint64(2**63 - 1), 2**63 - 1),
+        (-(2**63), -(2**63)),
+        (True, 1),
+        (np.array([4]), 4),
+        (np.float32(2.0), 2),
+    ],
+)
+def test_int_field_stores_integers_exactly(value, stored) -> None:
     d = _dest(IntField())
-    IntField().encode(d, 3.9, Recorder())
-    assert d[0] == 3
+    IntField().encode(d, value, Recorder())
+    assert int(d[0]) == stored
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (3.9, "FFCV would store as 3"),  # FFCV truncates: a wrong label, silently
+        (-0.5, "FFCV would store as 0"),
+        (float("nan"), "use FloatField"),
+        (float("inf"), "use FloatField"),
+        ("5", "got '5'"),  # numpy would parse it
+        (None, "got None"),
+        (2**63, "outside its range"),
+        (np.uint64(2**64 - 1), "outside its range"),
+        (1 + 0j, "stores integers"),
+        (np.array([1, 2]), "shape \\(2,\\)"),
+        (np.array(["a"]), "dtype <U1"),
+    ],
+)
+def test_int_field_refuses_values_it_would_change(value, message) -> None:
+    d = _dest(IntField())
+    d[0] = 11
+    with pytest.raises(ValueError, match=message):
+        IntField().encode(d, value, Recorder())
+    assert d[0] == 11  # nothing stored
+
+
+def test_int_field_takes_torch_scalars() -> None:
+    torch = pytest.importorskip("torch")
+    d = _dest(IntField())
+    IntField().encode(d, torch.tensor(5), Recorder())
+    assert d[0] == 5
+    with pytest.raises(ValueError, match="FFCV would store as 2"):
+        IntField().encode(d, torch.tensor(2.5), Recorder())
+
+
+def test_float_field_stores_real_numbers() -> None:
     d = _dest(FloatField())
     FloatField().encode(d, -0.0, Recorder())
     assert np.signbit(d[0])
+    for value, stored in [(2, 2.0), (np.float32(1.5), 1.5), (np.array([3.25]), 3.25), (True, 1.0)]:
+        FloatField().encode(d, value, Recorder())
+        assert d[0] == stored
+    FloatField().encode(d, float("nan"), Recorder())  # a NaN given is a NaN stored
+    assert np.isnan(d[0])
+    for value in [None, "5", b"5", 1 + 2j, np.complex64(1), np.array([1.0, 2.0])]:
+        d[0] = 7.0
+        with pytest.raises(ValueError, match="FloatField"):
+            FloatField().encode(d, value, Recorder())
+        assert d[0] == 7.0
 
 
 def test_decoder_classes_are_imported_lazily() -> None:
@@ -115,6 +174,39 @@ def test_ndarray_field_validation_and_casting() -> None:
         f.encode(_dest(f), np.zeros(4, np.float32), rec)
     with pytest.raises(ValueError, match="cannot store"):
         f.encode(_dest(f), np.zeros((2, 2), np.complex64), rec)
+    # within the kind: rounding to a narrower float is kept, a changed value is refused
+    f.encode(_dest(f), np.full((2, 2), 0.1), rec)
+    assert np.array_equal(
+        rec.buf[rec.used - 16 : rec.used].view(np.float32), np.full(4, np.float32(0.1))
+    )
+    with pytest.raises(ValueError, match=r"element \(1, 0\) is 1e\+300, .* stored as inf"):
+        f.encode(_dest(f), np.array([[1.0, 2.0], [1e300, 3.0]]), rec)
+    f.encode(_dest(f), np.array([[np.inf, np.nan], [-np.inf, 3.0]]), rec)  # given, not made
+    with pytest.raises(ValueError, match=r"element \(0, 1\) is 16777217, .* 16777216"):
+        f.encode(_dest(f), np.array([[1, 2**24 + 1], [0, 0]], np.int64), rec)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "values", "bad"),
+    [
+        (np.int8, [1, 2, 300], "element \\(2,\\) is 300, which would be stored as 44"),
+        (np.int64, np.array([1, 2**63], np.uint64), "is 9223372036854775808"),
+        (np.uint32, np.array([1, 2**33], np.uint64), "is 8589934592, .* stored as 0"),
+        (np.int16, [True, False], None),
+        (np.uint8, np.array([0, 255], np.uint16), None),
+        (np.int64, np.array([1, 2], np.uint64), None),
+    ],
+)
+def test_ndarray_field_integers_are_stored_exactly_or_refused(dtype, values, bad) -> None:
+    arr = np.asarray(values)
+    f = NDArrayField(dtype, arr.shape)
+    rec = Recorder()
+    if bad is None:
+        f.encode(_dest(f), arr, rec)
+        assert np.array_equal(rec.buf[: arr.size * f.dtype.itemsize].view(dtype), arr)
+    else:
+        with pytest.raises(ValueError, match=bad):
+            f.encode(_dest(f), arr, rec)
     bad = f.to_binary()
     bad[264:270] = np.frombuffer(b"garbag", np.uint8)
     with pytest.raises(ValueError):

@@ -475,7 +475,10 @@ def test_numpy_integer_worker_counts_are_accepted(tmp_path: Path) -> None:
     assert (tmp_path / "x.beton").stat().st_size > 0
 
 
-@pytest.mark.parametrize(("value", "words"), [(2**70, "OverflowError"), ("a", "invalid literal")])
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [(2**70, "ValueError: IntField stores int64 values"), ("a", "ValueError: .*got 'a'")],
+)
 def test_a_value_that_cannot_be_encoded_names_its_field_and_sample(tmp_path: Path, value, words):
     out = tmp_path / "x.beton"
     data = [(1, 2), (3, value)]
@@ -485,3 +488,30 @@ def test_a_value_that_cannot_be_encoded_names_its_field_and_sample(tmp_path: Pat
         ).from_indexed_dataset(data)
     assert info.value.index == 1
     assert not out.exists()
+
+
+def test_a_label_the_field_would_change_names_its_sample(tmp_path: Path) -> None:
+    """FFCV stores 3.7 in an IntField as 3, silently; here the sample is named and no file left."""
+    out = tmp_path / "f.beton"
+    rows = [(0, 0.5), (1, 1.5), (2.0, 2.5), (3.7, 3.5), (4, 4.5)]
+    with pytest.raises(WriterError, match="FFCV would store as 3") as info:
+        DatasetWriter(
+            out, {"y": IntField(), "v": FloatField()}, num_workers=1
+        ).from_indexed_dataset(rows)
+    assert info.value.index == 3
+    assert not out.exists()
+    rows[3] = (3, None)
+    with pytest.raises(
+        WriterError, match="FloatField stores a number per sample, got None"
+    ) as info:
+        DatasetWriter(
+            out, {"y": IntField(), "v": FloatField()}, num_workers=1
+        ).from_indexed_dataset(rows)
+    assert info.value.index == 3
+    rows[3] = (3, 3.5)
+    DatasetWriter(out, {"y": IntField(), "v": FloatField()}, num_workers=1).from_indexed_dataset(
+        rows
+    )
+    with BetonReader(out) as r:
+        assert r.field_metadata("y").tolist() == [0, 1, 2, 3, 4]
+        assert r.field_metadata("v").tolist() == [0.5, 1.5, 2.5, 3.5, 4.5]

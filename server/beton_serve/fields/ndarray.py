@@ -7,8 +7,12 @@ text ``json.dumps(dtype.descr)``, e.g. ``[["", "<f4"]]``; the rest is zero.
 
 FFCV strips trailing zero dimensions when reading, crashes on a 0-d shape and cannot read
 structured dtypes back, so the constructor rejects all three: FFCV must read what we write.
-Values are converted to the field's dtype when numpy can do so safely (``same_kind``); FFCV
-instead reinterprets the bytes of any array with the same byte size.
+Values are converted to the field's dtype within their kind (numpy's ``same_kind``: ``float64``
+into a ``float32`` field, ``int64`` into ``uint8``), and only when the values survive: an integer
+that does not fit the field's dtype, an integer a float dtype cannot hold exactly, or a float that
+overflows to infinity is a ``ValueError`` naming the first such element (floats may round to the
+narrower dtype, as they always do). FFCV instead reinterprets the bytes of any array with the
+same byte size, and wraps or truncates what numpy casts.
 """
 
 from __future__ import annotations
@@ -124,7 +128,7 @@ class NDArrayField(Field):
         if arr.dtype != self.dtype:
             if not np.can_cast(arr.dtype, self.dtype, casting="same_kind"):
                 raise ValueError(f"cannot store a {arr.dtype} array in a {self.dtype} field")
-            arr = arr.astype(self.dtype)
+            arr = _cast_exact(arr, self.dtype)
         return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
 
     def prepare(self, value: Any, rng: np.random.Generator | None = None) -> Any:
@@ -151,6 +155,35 @@ class NDArrayField(Field):
 
     def describe(self) -> dict[str, Any]:
         return {"dtype": self.dtype.str, "shape": list(self.shape)}
+
+
+def _cast_exact(arr: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """``arr`` as ``dtype`` (a ``same_kind`` cast), refused when it would change a value (see the
+    module docstring).
+
+    Raises:
+        ValueError: naming the first element the cast would change, and what it would become.
+    """
+    with np.errstate(all="ignore"):
+        out = arr.astype(dtype)
+    if np.can_cast(arr.dtype, dtype, casting="safe") and arr.dtype.kind == dtype.kind:
+        return out  # a wider dtype of the same kind holds every value
+    if dtype.kind in "fc" and arr.dtype.kind in "fc":  # rounding is expected; overflow is not
+        with np.errstate(all="ignore"):
+            bad = np.isinf(out) & np.isfinite(arr)
+    elif dtype.kind in "iu" and arr.dtype.kind in "iu":  # compared as Python ints: no wrap
+        info = np.iinfo(dtype)
+        bad = (arr < info.min) | (arr > info.max) if arr.size else np.zeros(arr.shape, bool)
+    else:  # integers or booleans into another kind: exactly, or not at all
+        with np.errstate(all="ignore"):
+            bad = out.astype(arr.dtype) != arr
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"a {arr.dtype} array does not fit this {dtype} field: element {where} is "
+            f"{arr[where].item()!r}, which would be stored as {out[where].item()!r}"
+        )
+    return out
 
 
 # FFCV also exposes its decoders here (e.g. ``ffcv.fields.ndarray.<Decoder>``).
