@@ -91,6 +91,29 @@ def test_a_refused_thread_is_a_typed_error_and_stops_the_started_workers(monkeyp
     assert _workers_alive() - before == set()
 
 
+def test_ctrl_c_while_a_worker_starts_stops_the_started_workers(monkeypatch):
+    """``Thread.start`` waits for the new thread; Ctrl-C breaks that wait with the thread
+    running. The engine was never returned, and its workers, which hold it, ran for ever (a
+    Loader interrupted in its first ``iter()`` leaked one engine per interrupt)."""
+    real = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def start(self: threading.Thread) -> None:
+        real(self)
+        started.append(self)
+        if len(started) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        Engine(3)
+    monkeypatch.undo()
+    assert len(started) == 2
+    for t in started:
+        t.join(5)
+    assert not [t.name for t in started if t.is_alive()]
+
+
 def test_absurd_worker_counts_are_refused_before_any_thread_starts(monkeypatch):
     _refuse_threads_after(monkeypatch, 0)  # a SpecError, not a thread-limit error
     with pytest.raises(SpecError, match=f"num_workers {MAX_WORKERS + 1} is out of range"):

@@ -211,6 +211,12 @@ class Engine:
                 f"could not start worker thread {started + 1} of {self.num_workers}: {exc} "
                 "(the process's thread or memory limit); use fewer workers"
             ) from None
+        except BaseException:
+            # Ctrl-C: ``Thread.start`` waits for the new thread, and a KeyboardInterrupt breaks
+            # that wait with the thread running. Nobody would hold this engine, and its workers
+            # (which hold it) would run for ever: tell them to stop.
+            self.close(join=False)
+            raise
 
     def _start_worker(self) -> None:
         """Start one worker (listed first, so that it knows itself from its first task on).

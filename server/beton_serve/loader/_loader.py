@@ -272,9 +272,17 @@ class EngineFeed:
         engine = self._owned
         if engine is None or engine.closed:
             self._stop_owned()
-            engine = self._owned = Engine(self.workers)
-            # The finalizer holds the engine, not the feed: a dropped Loader stops its workers.
-            self._owned_stop = weakref.finalize(self, _stop_engine, engine)
+            engine = Engine(self.workers)
+            try:
+                self._owned = engine
+                # The finalizer holds the engine, not the feed: a dropped Loader stops its
+                # workers.
+                self._owned_stop = weakref.finalize(self, _stop_engine, engine)
+            except BaseException:  # Ctrl-C before the finalizer held it: nobody else will
+                if self._owned_stop is None:
+                    self._owned = None
+                    engine.close(join=False)
+                raise
         return engine, True
 
     def _stop_owned(self) -> None:
