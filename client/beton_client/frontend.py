@@ -442,7 +442,8 @@ class FrontEnd:
         self._tails_for: Sequence[OutputInfo] | None = None
         try:
             plans = self._split()
-            self._feed = backend.open(args, plans)
+            with _sigint_deferred():  # Ctrl-C comes after the stream is open (see there)
+                self._feed = backend.open(args, plans)
             self._plans = plans
             self._build_tails(self._feed)
         except BaseException:
@@ -506,10 +507,16 @@ class FrontEnd:
         feed = self._feed_accepting(feed, plans)
         self._plans = plans
         epoch, start = self.next_epoch, self._resume_batch
+        it = EpochIterator(self, feed, epoch, start)  # opens nothing yet: see EpochIterator
+        ref = weakref.ref(it)
+        # The epoch is taken only here, by plain stores that no signal handler can run between
+        # (Python runs them at calls and loops): a Ctrl-C anywhere in ``iter()`` leaves the
+        # Loader where it was, and the user's next ``iter()`` starts the same epoch, at the same
+        # resume position. Opening the epoch's stream (the slow, interruptible part) is the
+        # first ``next()``'s, which re-opens it if interrupted.
         self.next_epoch, self._resume_batch = epoch + 1, 0
         self._position = (epoch, start)
-        it = EpochIterator(self, feed, epoch, start)
-        self._current = weakref.ref(it)
+        self._current = ref
         return it
 
     def _feed_accepting(self, feed: Feed, plans: Sequence[PipelinePlan]) -> Feed:
@@ -600,16 +607,23 @@ class FrontEnd:
         return ident
 
     def close(self) -> None:
-        """Stop the current epoch, close the feed and the backend (idempotent)."""
-        ref = self._current
-        cur = ref() if ref is not None else None
-        if cur is not None:
-            cur.close()
-        feed, self._feed = self._feed, None
-        if feed is not None:
-            self._len = feed.num_batches
-            feed.close()
-        self._backend.close()
+        """Stop the current epoch, close the feed and the backend (idempotent).
+
+        Ctrl-C is held back until it is done (:func:`_sigint_deferred`): closing is short
+        (cancelling calls, unmapping, waiting for the batches running in process), and one cut
+        short left a stream half closed that nothing closed again, or, on gRPC, a lock of the
+        channel held, on which the channel's own close then hung.
+        """
+        with _sigint_deferred():
+            ref = self._current
+            cur = ref() if ref is not None else None
+            if cur is not None:
+                cur.close()
+            feed, self._feed = self._feed, None
+            if feed is not None:
+                self._len = feed.num_batches
+                feed.close()
+            self._backend.close()
 
     def __enter__(self) -> FrontEnd:
         return self
@@ -620,7 +634,8 @@ class FrontEnd:
 
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[None]:
-    """Hold back Ctrl-C (SIGINT) while a stream is opened and started, and deliver it after.
+    """Hold back Ctrl-C (SIGINT) while a stream is opened, started or closed, and deliver it
+    after.
 
     A ``KeyboardInterrupt`` raised inside gRPC's blocking calls can leave a lock of the
     channel held (it may land between a lock's acquire and the block that releases it), and
@@ -662,8 +677,9 @@ class EpochIterator:
         self.done = False
         #: A ``next()`` began and did not return (see :meth:`__next__`).
         self._unfinished = False
-        self._epoch_feed: EpochFeed | None = feed.epoch(epoch, start)
-        loader._build_tails(feed)
+        #: The epoch's feed: opened by the first ``next()`` (:meth:`_reopen`), so that
+        #: ``FrontEnd.__iter__`` does nothing a Ctrl-C could leave half done.
+        self._epoch_feed: EpochFeed | None = None
 
     @property
     def index(self) -> int:
@@ -725,8 +741,9 @@ class EpochIterator:
                 self._epoch_feed = None
 
     def _reopen(self) -> EpochFeed:
-        """The epoch's feed again, from the first batch not yet yielded (after
-        :meth:`_interrupted`); what the backend had prepared ahead is prepared again."""
+        """The epoch's feed, from the first batch not yet yielded: opened for the first
+        ``next()``, or again after :meth:`_interrupted` (what the backend had prepared ahead
+        is prepared again)."""
         loader = self.loader
         try:
             with _sigint_deferred():
@@ -736,10 +753,10 @@ class EpochIterator:
                         f"the re-opened stream has {feed.num_batches} batches per epoch "
                         f"instead of {self.feed.num_batches}"
                     )
-                if feed is not self.feed:
-                    loader._build_tails(feed)
-                    self.feed = feed
+                self.feed = feed
                 ef = self._epoch_feed = feed.epoch(self.epoch, self.batch)
+                # After ``epoch``: it may change the outputs (progressive resizing).
+                loader._build_tails(feed)
                 self._unfinished = False  # a consistent feed at the batch not yet yielded
         except KeyboardInterrupt:
             raise  # delivered once the epoch is re-opened: the next call goes on from it
@@ -755,8 +772,9 @@ class EpochIterator:
             raise StopIteration
         ef = self._epoch_feed
         if ef is None or self._unfinished:
-            # The last call did not return (Ctrl-C, perhaps twice: a second interrupt can land
-            # in the first one's handling below): its feed may have moved past this batch.
+            # The epoch's first call (its feed is opened here), or the last call did not return
+            # (Ctrl-C, perhaps twice: a second interrupt can land in the first one's handling
+            # below): its feed may have moved past this batch.
             self._interrupted()
             ef = self._reopen()
         self._unfinished = True

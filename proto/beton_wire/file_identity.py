@@ -53,8 +53,10 @@ class FileIdentity:
             OSError: it cannot be opened or read.
         """
         text = os.path.abspath(os.fspath(path))
-        fd = os.open(text, os.O_RDONLY | os.O_CLOEXEC)
-        try:
+        # A file object, not a bare descriptor: a Ctrl-C right after a bare ``os.open`` (in a
+        # Loader's construction) leaked the descriptor.
+        with open(text, "rb", buffering=0) as f:
+            fd = f.fileno()
             st = os.fstat(fd)
             return cls(
                 path=text,
@@ -64,8 +66,6 @@ class FileIdentity:
                 mtime_ns=st.st_mtime_ns,
                 fingerprint=_fingerprint(fd, st.st_size),
             )
-        finally:
-            os.close(fd)
 
     def same_file(self, other: FileIdentity, *, same_host: bool) -> bool:
         """Whether ``other`` names this file: (device, inode, size, mtime) on one host; size

@@ -17,6 +17,8 @@ The interrupt is injected where it lands in practice, on every backend:
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,36 @@ def test_an_interrupted_epoch_goes_on_with_the_batches_not_yet_yielded(
         assert_same_batches(head + rest, reference[0], f"{backend}, interrupted {where}")
         assert_same_batches(epoch(ld), reference[1], f"{backend}: the epoch after it")
         assert (ld.state_dict()["epoch"], ld.state_dict()["batch"]) == (2, 0)
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_interrupted_iter_takes_no_epoch_and_keeps_the_resume_position(
+    beton: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, backend: str, where: str
+) -> None:
+    """Ctrl-C inside ``iter(loader)``, here after a resume: the next ``iter()`` starts the
+    same epoch at the same batch. It used to start the epoch after it (the interrupted call
+    had taken the epoch and the resume position): the rest of the resumed epoch was skipped,
+    silently, and a resumed run then ran one epoch further than the uninterrupted one."""
+    from beton_client.frontend import EpochIterator
+
+    reference = epochs(_loader("inproc", beton, daemon), 2)
+    with _loader("inproc", beton, daemon) as src:  # a checkpoint in the middle of epoch 0
+        it = iter(src)
+        for _ in range(AT):
+            next(it)
+        state = src.state_dict()
+    with _loader(backend, beton, daemon) as ld:
+        ld.load_state_dict(state)
+        if where == "before":  # before the iterator exists
+            _interrupt_once(monkeypatch, type(ld), "_split", after=False)
+        else:  # the iterator was made; the interrupt comes before iter() returns it
+            _interrupt_once(monkeypatch, EpochIterator, "__init__", after=True)
+        with pytest.raises(KeyboardInterrupt):
+            iter(ld)
+        assert ld.state_dict() == state
+        assert_same_batches(epoch(ld), reference[0][AT:], f"{backend}: the resumed epoch")
+        assert_same_batches(epoch(ld), reference[1], f"{backend}: the epoch after it")
 
 
 @pytest.mark.parametrize("where", ["consumed", "tail"])
@@ -244,6 +276,105 @@ def test_real_interrupts_at_random_moments_never_lose_or_repeat_a_batch(
             timer.join()
         signal.signal(signal.SIGINT, previous)
     assert interrupted > 0
+
+
+def _fds() -> set[str]:
+    import os
+
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, gone by now
+            out.add(f"{fd} {os.readlink(f'/proc/self/fd/{fd}')}")
+    return out
+
+
+@pytest.mark.parametrize(("backend", "rounds"), [("inproc", 6), ("shm", 3), ("grpc", 3)])
+def test_real_interrupts_anywhere_in_a_checkpoint_and_resume_loop_lose_and_leak_nothing(
+    beton: Path, daemon: DaemonProcess, backend: str, rounds: int
+) -> None:
+    """A training script that checkpoints and resumes, hit by SIGINT at random moments of any
+    Loader call (construction, ``load_state_dict``, ``iter``, ``next``, ``state_dict``,
+    ``close``), each call re-run when interrupted, as a notebook user re-runs a cell. The
+    batches it collects over three epochs are those of one uninterrupted run, and no thread
+    or descriptor is left behind.
+
+    Found this way: an interrupted ``iter()`` took the epoch and the resume position (the rest
+    of a resumed epoch was skipped, silently); an interrupt while ``iter()`` started the
+    workers leaked them with their engine; one inside a gRPC call of a Loader's construction
+    left the channel's lock held, and the channel's close hung; one right after a bare
+    ``os.open`` leaked the descriptor.
+    """
+    import gc
+    import random
+    import signal
+    import threading
+
+    rng = random.Random(f"{backend}-resume")
+    main = threading.main_thread().ident
+    inside = [False]
+    interrupts: dict[str, int] = {}
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if inside[0]:
+            raise KeyboardInterrupt
+
+    def call(what: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, re-run until a call is not interrupted (StopIteration passes)."""
+        while True:
+            delay = rng.choice([0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.004, 0.01, 1.0])
+            timer = threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT))
+            try:
+                inside[0] = True
+                timer.start()
+                return fn(*args)
+            except KeyboardInterrupt:
+                interrupts[what] = interrupts.get(what, 0) + 1
+                assert sum(interrupts.values()) < 2000, f"interrupted without end: {interrupts}"
+            finally:
+                inside[0] = False
+                timer.cancel()
+                timer.join()
+
+    reference = [b for e in epochs(_loader("inproc", beton, daemon), 3) for b in e]
+    per_epoch = len(reference) // 3
+    warm = _loader(backend, beton, daemon)  # what a first Loader sets up once per process
+    epoch(warm)
+    warm.close()
+    del warm
+    gc.collect()
+    threads, fds = set(threading.enumerate()), _fds()
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        for r in range(rounds):
+            got: list[Any] = []
+            state = None
+            while len(got) < len(reference):
+                ld = call("Loader()", _loader, backend, beton, daemon)
+                if state is not None:
+                    call("load_state_dict", ld.load_state_dict, state)
+                it = call("iter", iter, ld)
+                for _ in range(rng.randint(1, per_epoch + 3)):
+                    if len(got) == len(reference):
+                        break
+                    try:
+                        got.append(snap(call("next", next, it)))
+                    except StopIteration:
+                        it = call("iter", iter, ld)
+                state = call("state_dict", ld.state_dict)
+                call("close", ld.close)
+                del ld, it
+            assert_same_batches(got, reference, f"{backend}, round {r}, {interrupts}")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert sum(interrupts.values()) > 10
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        gc.collect()
+        if set(threading.enumerate()) <= threads and _fds() <= fds:
+            break
+        time.sleep(0.05)
+    assert [t.name for t in set(threading.enumerate()) - threads] == []
+    assert sorted(_fds() - fds) == []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

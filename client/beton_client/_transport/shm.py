@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from beton_wire import notice
@@ -88,28 +89,28 @@ class ShmReceiver:
             raise TransportError(f"refusing to map {segment!r}: not a beton-serve segment name")
         path = shm_dir / segment
         try:
-            fd = os.open(path, os.O_RDWR)
+            # A file object, not a bare descriptor: one Ctrl-C between the open and the code
+            # that closes it would leak a bare one (the mapping keeps its own).
+            f = open(path, "r+b", buffering=0)  # closed below
         except OSError as exc:
             raise TransportError(
                 f"cannot open the daemon's shared memory {path}: {exc}. The trainer must run on "
                 "the daemon's host, as its user, sharing its /dev/shm (containers: --ipc=host)"
             ) from None
-        try:
-            size = os.fstat(fd).st_size
+        with f:
+            size = os.fstat(f.fileno()).st_size
             if size < segment_bytes or segment_bytes < slot_count * slot_bytes:
                 raise TransportError(
                     f"shared memory {path} has {size} bytes, the daemon announced {segment_bytes}"
                 )
-            self._mmap = mmap.mmap(fd, segment_bytes, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+            self._mmap = mmap.mmap(f.fileno(), segment_bytes, mmap.MAP_SHARED)
         self.segment = segment
         self.slot_count = slot_count
         self.slot_bytes = slot_bytes
         self._base = np.frombuffer(self._mmap, dtype=np.uint8)
         self._shm_dir = shm_dir
-        #: Other segments of the daemon: descriptor and size, by name.
-        self._extra: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        #: Other segments of the daemon: open file (read-only) and size, by name.
+        self._extra: OrderedDict[str, tuple[BinaryIO, int]] = OrderedDict()
         #: Batches read from other segments (sharing arenas), for tests and diagnostics.
         self.shared_batches = 0
         self._ids: np.ndarray | None = None
@@ -182,7 +183,7 @@ class ShmReceiver:
             got = self._open_extra(segment)
         else:
             self._extra.move_to_end(segment)
-        fd, size = got
+        f, size = got
         if offset < 0 or offset + self.slot_bytes > size:  # past the end would be SIGBUS
             raise TransportError(
                 f"a {self.slot_bytes}-byte batch at {offset} does not fit in {segment} ({size} B)"
@@ -191,7 +192,7 @@ class ShmReceiver:
         length = offset - start + self.slot_bytes
         try:
             mapping = mmap.mmap(
-                fd,
+                f.fileno(),
                 length,
                 flags=mmap.MAP_PRIVATE,
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
@@ -205,23 +206,23 @@ class ShmReceiver:
         base = np.frombuffer(mapping, dtype=np.uint8)
         return _views(base, offset - start, self.slot_bytes, tensors)
 
-    def _open_extra(self, segment: str) -> tuple[int, int]:
+    def _open_extra(self, segment: str) -> tuple[BinaryIO, int]:
         owner = self.segment.split("-", 2)[:2]  # ["beton", "<daemon pid>"]
         if "/" in segment or segment.split("-", 2)[:2] != owner:
             raise TransportError(f"refusing to map {segment!r}: not a segment of this daemon")
         path = self._shm_dir / segment
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            f = open(path, "rb", buffering=0)  # kept; closed by close()
         except FileNotFoundError:
             # Only its daemon removes its segments: it stopped (or is stopping) with this batch
             # published but not yet read.
             raise SegmentGone(f"the daemon's shared memory {path} is gone") from None
         except OSError as exc:
             raise TransportError(f"cannot open the daemon's shared memory {path}: {exc}") from None
-        got = (fd, os.fstat(fd).st_size)
+        got = (f, os.fstat(f.fileno()).st_size)
         self._extra[segment] = got
         while len(self._extra) > MAX_EXTRA_SEGMENTS:
-            os.close(self._extra.popitem(last=False)[1][0])
+            self._extra.popitem(last=False)[1][0].close()
         return got
 
     def arrays(self, slot: int, tensors: Sequence[TensorInfo]) -> list[np.ndarray]:
@@ -265,9 +266,9 @@ class ShmReceiver:
         self._base = np.empty(0, np.uint8)
         self._ids = self._ctl = None
         extra, self._extra = self._extra, OrderedDict()
-        for fd, _ in extra.values():  # the mappings made from them live on while viewed
+        for f, _ in extra.values():  # the mappings made from them live on while viewed
             with contextlib.suppress(OSError):
-                os.close(fd)
+                f.close()
         with contextlib.suppress(BufferError):
             self._mmap.close()
 
