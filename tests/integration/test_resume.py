@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from beton_client import Loader, OrderOption, RetryPolicy, ServerUnavailable
+from beton_serve.daemon._streams import MAX_RING_SLOTS
 from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
 from helpers.daemon import (  # noqa: F401
@@ -210,10 +211,16 @@ def test_state_dict_resumes_across_a_trainer_restart(daemon_factory, fixtures_di
 
 def test_budget_spent_raises_server_unavailable(daemon_factory, fixtures_dir: Path) -> None:
     d = daemon_factory([fixtures_dir / "images_jpg.beton"])
-    ld = _loader(d.address, reconnect=RetryPolicy(budget_s=1.0, initial_s=0.05, max_s=0.2))
+    # 64 batches of one sample: more than the daemon's ring (16 slots) can hold ahead, so the
+    # epoch cannot end before the daemon is found gone. With the file's 16 batches of 4, the
+    # daemon could publish the whole epoch before the SIGKILL landed (seen once in CI).
+    ld = _loader(
+        d.address, batch_size=1, reconnect=RetryPolicy(budget_s=1.0, initial_s=0.05, max_s=0.2)
+    )
     try:
         it = iter(ld)
         next(it)
+        assert len(ld) > MAX_RING_SLOTS + 1
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait(10)
         t0 = time.monotonic()
