@@ -239,14 +239,30 @@ class Stream:
             self.notice = conn
         return self.notice
 
+    def pending_notice(self) -> NoticeConn | None:
+        """The client's notice connection when it connected and no serving call took it up
+        yet (before its first ``Start``); ``None`` otherwise."""
+        fut = self.notice_future
+        if self.notice is not None or fut is None or not fut.done() or fut.cancelled():
+            return None
+        if fut.exception() is not None:
+            return None
+        return fut.result()
+
     def closed_before_start(self) -> bool:
         """Whether the client connected the notice channel and closed it before its first
         ``Start``: it closed the stream, which the daemon then ends at once (the liveness
         monitor asks) rather than after ``UNATTACHED_TIMEOUT_S``."""
-        fut = self.notice_future
-        if self.notice is not None or fut is None or not fut.done() or fut.cancelled():
-            return False
-        return bool(fut.result().closed)
+        conn = self.pending_notice()
+        return conn is not None and conn.closed
+
+    def client_connected(self) -> bool:
+        """Whether the client holds the stream's notice channel open: it is alive (the
+        channel's end-of-file and ``SO_PEERCRED`` pid tell when it is not) and will start the
+        stream when it iterates, however long it takes to get there (a model to build, a
+        ``torch.compile``). Such a stream is not reclaimed as unattached."""
+        conn = self.notice if self.notice is not None else self.pending_notice()
+        return conn is not None and not conn.closed
 
     def _notice_release(self, slot: int, index: int, wait_us: int) -> None:
         self.on_release(ReleaseSlot(slot, index, wait_us))
@@ -639,6 +655,12 @@ class Stream:
         if self.notice is not None:  # the client reads end-of-file, then the call's status
             self.notice.on_close = None
             self.notice.close()
+        else:
+            # Connected, never started: closed too, or a client that iterates later would wait
+            # on it for ever (it read nothing, and nobody wrote to it any more).
+            conn = self.pending_notice()
+            if conn is not None:
+                conn.close()
         refs, self._refs = self._refs, {}
         for ref in refs.values():
             ref.release()

@@ -5,7 +5,10 @@ A stream is added when OpenStream accepts it and leaves the table exactly once, 
 * its serving call ending (the ``Batches`` call or the grpc batch method): :meth:`remove`;
 * the liveness monitor (:meth:`watch`): the client's process is gone, the client closed its
   notice channel before its first ``Start``, or no call came within
-  :data:`UNATTACHED_TIMEOUT_S`: :meth:`end`, which also cancels a running serving task;
+  :data:`UNATTACHED_TIMEOUT_S` while no client held the notice channel open (a client that
+  holds it is alive, and starts when it iterates, minutes later if it builds a model first:
+  the timeout used to end such a stream, and the client then waited on its channel for
+  ever): :meth:`end`, which also cancels a running serving task;
 * the daemon draining or closing: :meth:`drain`, :meth:`close`.
 
 Either way :meth:`Stream.close <beton_serve.daemon._stream.Stream.close>` runs, which reclaims
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -39,8 +43,27 @@ __all__ = [
 
 log = logging.getLogger("beton_serve.daemon")
 
-#: Seconds a stream may stay open without a Batches call before it is reclaimed.
-UNATTACHED_TIMEOUT_S = 30.0
+#: Overrides :data:`UNATTACHED_TIMEOUT_S` (seconds; tests use a short one).
+UNATTACHED_ENV = "BETON_SERVE_UNATTACHED_TIMEOUT_S"
+
+
+def _unattached_timeout(default: float = 30.0) -> float:
+    raw = os.environ.get(UNATTACHED_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value > 0 and value == value:  # not NaN
+        return value
+    log.warning("ignoring %s=%r: not a number of seconds above 0", UNATTACHED_ENV, raw)
+    return default
+
+
+#: Seconds a stream may stay open with no serving call and no client connected to its notice
+#: channel (a client that died or hung after OpenStream) before it is reclaimed.
+UNATTACHED_TIMEOUT_S = _unattached_timeout()
 #: Rings of small slots may grow to this many bytes (deeper prefetch hides per-batch latency).
 SMALL_RING_BYTES = 32 << 20
 #: ... but to at most this many slots.
@@ -133,6 +156,9 @@ class StreamTable:
     def sweep(self, now: float) -> None:
         """End the streams whose client is gone or never came (see the module docstring)."""
         for s in self:
+            pending = s.pending_notice()
+            if pending is not None and pending.peer_pid:  # the kernel's word, as on attach
+                s.client_pid = pending.peer_pid
             if s.client_pid and not pid_alive(s.client_pid):
                 # A client process that exits without closing its Loader is a normal end
                 # of a stream (INFO), not a fault: real failures are logged where they occur.
@@ -148,7 +174,11 @@ class StreamTable:
                 # dropped by gRPC), but the notice channel's end-of-file always does.
                 log.info("stream %s: closed by the client before it started", s.stream_id)
                 self.end(s)
-            elif s.task is None and now - s.created > UNATTACHED_TIMEOUT_S:
+            elif (
+                s.task is None
+                and not s.client_connected()
+                and now - s.created > UNATTACHED_TIMEOUT_S
+            ):
                 log.info("stream %s: never started; closing it", s.stream_id)
                 self.end(s)
 
