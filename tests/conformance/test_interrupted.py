@@ -288,7 +288,9 @@ def _fds() -> set[str]:
     return out
 
 
-@pytest.mark.parametrize(("backend", "rounds"), [("inproc", 6), ("shm", 3), ("grpc", 3)])
+@pytest.mark.parametrize(
+    ("backend", "rounds"), [("inproc", 6), ("shm", 3), ("grpc", 3), ("two_daemons", 2)]
+)
 def test_real_interrupts_anywhere_in_a_checkpoint_and_resume_loop_lose_and_leak_nothing(
     beton: Path, daemon: DaemonProcess, backend: str, rounds: int
 ) -> None:
@@ -303,12 +305,47 @@ def test_real_interrupts_anywhere_in_a_checkpoint_and_resume_loop_lose_and_leak_
     workers leaked them with their engine; one inside a gRPC call of a Loader's construction
     left the channel's lock held, and the channel's close hung; one right after a bare
     ``os.open`` leaked the descriptor.
+
+    ``two_daemons``: the multi-daemon Loader (``server=[a, b]``, batches from both, over grpc).
+    Every daemon ends with no stream open.
     """
+
+    with contextlib.ExitStack() as stack:
+        daemons = [daemon]
+        if backend == "two_daemons":
+            daemons.append(stack.enter_context(module_daemon([beton])))
+        _resume_loop_under_interrupts(beton, daemons, backend, rounds)
+    for d in daemons[:1]:  # the second one is stopped already
+        deadline = time.monotonic() + 10
+        while d.stats().streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(d.stats().streams) == []
+
+
+def _make(backend: str, beton: Path, daemons: list[DaemonProcess]) -> Any:
+    if backend != "two_daemons":
+        return _loader(backend, beton, daemons[0])
+    from beton_client import Loader, OrderOption, ServeOptions
+
+    return Loader(
+        str(beton),
+        pipelines=pipes(),
+        order=OrderOption.RANDOM,
+        seed=7,
+        batch_size=BATCH,
+        serve=ServeOptions(server=[d.address for d in daemons], spawn=False),
+    )
+
+
+def _resume_loop_under_interrupts(
+    beton: Path, daemons: list[DaemonProcess], backend: str, rounds: int
+) -> None:
     import gc
     import random
     import signal
     import threading
 
+    daemon = daemons[0]
     rng = random.Random(f"{backend}-resume")
     main = threading.main_thread().ident
     inside = [False]
@@ -337,7 +374,7 @@ def test_real_interrupts_anywhere_in_a_checkpoint_and_resume_loop_lose_and_leak_
 
     reference = [b for e in epochs(_loader("inproc", beton, daemon), 3) for b in e]
     per_epoch = len(reference) // 3
-    warm = _loader(backend, beton, daemon)  # what a first Loader sets up once per process
+    warm = _make(backend, beton, daemons)  # what a first Loader sets up once per process
     epoch(warm)
     warm.close()
     del warm
@@ -349,7 +386,7 @@ def test_real_interrupts_anywhere_in_a_checkpoint_and_resume_loop_lose_and_leak_
             got: list[Any] = []
             state = None
             while len(got) < len(reference):
-                ld = call("Loader()", _loader, backend, beton, daemon)
+                ld = call("Loader()", _make, backend, beton, daemons)
                 if state is not None:
                     call("load_state_dict", ld.load_state_dict, state)
                 it = call("iter", iter, ld)
