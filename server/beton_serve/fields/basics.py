@@ -62,7 +62,7 @@ def exact_int(value: Any) -> int:
 
 def _whole(x: Any, value: Any) -> int:
     """The int a float ``x`` (from ``value``) equals; ``ValueError`` if it has a fraction."""
-    if isinstance(x, (complex, np.complexfloating)) or not isinstance(x, (float, np.floating)):
+    if not isinstance(x, (float, np.floating)):  # a complex number, or no number at all
         raise ValueError(f"IntField stores integers, got {value!r}")
     f = float(x)
     if not math.isfinite(f):

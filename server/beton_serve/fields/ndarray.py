@@ -173,7 +173,7 @@ def _cast_exact(arr: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
             bad = np.isinf(out) & np.isfinite(arr)
     elif dtype.kind in "iu" and arr.dtype.kind in "iu":  # compared as Python ints: no wrap
         info = np.iinfo(dtype)
-        bad = (arr < info.min) | (arr > info.max) if arr.size else np.zeros(arr.shape, bool)
+        bad = (arr < info.min) | (arr > info.max)
     else:  # integers or booleans into another kind: exactly, or not at all
         with np.errstate(all="ignore"):
             bad = out.astype(arr.dtype) != arr
