@@ -132,13 +132,6 @@ time.sleep(120)
 """
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, not fixed (session 23): in about 2 of 5 runs here, on this session's code "
-    "and on the code before it, a surviving member's stream ends with 'internal error: "
-    "CancelledError' after the holder is SIGKILLed (a cancelled shared batch reaches another "
-    "member's publish path); see the closing note",
-)
 def test_a_killed_member_frees_what_it_held_and_the_others_carry_on(
     daemon_factory, fixtures_dir
 ) -> None:

@@ -794,3 +794,54 @@ def test_a_lone_stream_decodes_straight_into_its_slot() -> None:
         alone.close()
         assert reg.members(key) == 0
     assert counter[0] == 3 * 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_member_that_discards_a_shared_batch_never_cancels_it_for_the_others() -> None:
+    """A stream that closes (its client killed) or resumes elsewhere cancels the batches it
+    submitted and will not publish: the tasks its futures expose. The group's batch is another
+    member's too, so that must not cancel its decode: the other member's stream failed with
+    'internal error: CancelledError' (session 23's flaky SIGKILL test)."""
+    from beton_serve.engine import BatchSource, Engine, OrderOption
+    from beton_serve.engine.shared_source import SharedSource
+    from beton_serve.pipeline import compile_pipelines
+    from helpers.fake_pipeline import AddIndex, AddOne, FakeImageDecoder, FakeReader
+
+    reader = FakeReader(n=32)
+    plan = compile_pipelines(
+        reader, {"image": [FakeImageDecoder(), AddOne()], "label": [AddIndex()]}, batch_size=8
+    )
+
+    def make(eng):
+        return BatchSource(
+            engine=eng, plan=plan, order=OrderOption.RANDOM, batch_size=8, seed=5,
+            drop_last=False, batches_ahead=3,
+        )  # fmt: skip
+
+    key = ShareKey.build(
+        dataset="fake", pipeline={"p": 1}, seed=5, order="RANDOM", batch_size=8, drop_last=False
+    )
+    reg = SharingRegistry(max_lag=8, retain=0)
+    gate = threading.Event()
+    with Engine(1) as eng:
+        expected = [a.copy() for a in make(eng).submit(0, 0).result(60)]
+        gate_task = eng.submit(gate.wait, 30, priority=0)  # nothing runs until the gate opens
+        leaver, stayer = SharedSource(make(eng), reg, key), SharedSource(make(eng), reg, key)
+        slots = [[np.zeros((8, *o.shape), o.dtype) for o in plan.outputs] for _ in range(2)]
+        mine = leaver.submit(0, 0, slots[0])  # produced for the group, queued behind the gate
+        theirs = stayer.submit(0, 0, slots[1])  # the same group batch
+        assert mine.decoded_here and not theirs.decoded_here
+        # What a stream does with a batch it will not publish (Stream.abandon_when_done):
+        for task in getattr(mine, "tasks", ()):
+            task.future.cancel()
+        mine.cancel()
+        leaver.close()
+        gate.set()
+        gate_task.future.result(30)
+        arrays = theirs.result(60)  # was: CancelledError
+        for a, x in zip(arrays, expected, strict=True):
+            np.testing.assert_array_equal(a, x)
+        stayer.promote(theirs)  # promoting a shared batch still reaches the group's tasks
+        stayer.close()
+    assert reg.groups() == {}

@@ -251,8 +251,14 @@ class BatchFuture(LightFuture):
     Attributes:
         sample_ids: the ids the batch holds, when its source knows them (a skipped sample is
             replaced: ``engine._source``); ``None`` means "the order's ids".
-        tasks: the pool tasks computing it, for ``promote`` (emptied when it completes, which
-            breaks the task -> future -> task cycle).
+        tasks: the pool tasks computing it, for ``promote`` and for cancelling what has not
+            started (emptied when it completes, which breaks the task -> future -> task cycle).
+        group_tasks: the tasks computing the sharing group's batch this one delivers, for
+            ``promote`` only: one member must not cancel work that the other members still
+            read (a cancelled group batch failed their streams with ``CancelledError``). A
+            group batch that every member gave up on is still decoded (at most the members'
+            read-ahead, once): "no holder" does not mean "nobody waits for it" (a member that
+            re-attaches leaves batches its stream still waits for).
         decoded_here: ``False`` when another stream of a sharing group decoded it.
         shared_ref: the group buffer holding it when delivered by reference, else ``None``.
     """
@@ -261,6 +267,7 @@ class BatchFuture(LightFuture):
         super().__init__()
         self.sample_ids: NDArray[np.uint64] | None = None
         self.tasks: list[Task] = []
+        self.group_tasks: list[Task] = []
         self.decoded_here = True
         self.shared_ref: Releasable | None = None
 

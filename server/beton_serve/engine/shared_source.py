@@ -197,7 +197,9 @@ class SharedSource:
         result.decoded_here = decoded_here
         group_future = produced.future
         if isinstance(group_future, BatchFuture):
-            result.tasks = group_future.tasks  # shared: emptied when the group batch completes
+            # Promoted, never cancelled, through this future (``BatchFuture.group_tasks``); the
+            # list is the group batch's own, emptied when it completes.
+            result.group_tasks = group_future.tasks
             # The ids the group batch holds (a skipped sample replaced), as the producer's
             # source patched them (engine._source.delivered_ids).
             result.sample_ids = group_future.sample_ids
@@ -275,7 +277,7 @@ class SharedSource:
     def promote(self, fut: Future[Any]) -> None:
         """Move the decode behind ``fut`` ahead of prefetch work (its consumer is waiting)."""
         if isinstance(fut, BatchFuture):
-            for task in fut.tasks:
+            for task in (*fut.tasks, *fut.group_tasks):
                 task.promote()
 
     def close(self) -> None:
