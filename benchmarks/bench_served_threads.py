@@ -4,7 +4,7 @@
                                               [--calls]
 
 The same loaders as ``bench_served.py`` part 1 (CIFAR-like raw 32x32 + flip, batch 512, RANDOM,
-2 workers in process and in the daemon), taking turns in blocks of ``--epochs`` epochs after an
+2 workers in process and in the daemon, ``--workers`` to change), taking turns in blocks of ``--epochs`` epochs after an
 untimed one. Around each block it reads every thread's counters from ``/proc/PID/task``, of
 this process and of the daemon, and prints per batch: CPU (user + system, ms), user CPU (ms),
 voluntary and involuntary context switches, minor page faults. Threads of this process are
@@ -16,6 +16,8 @@ not wall): ``Plan.run`` (the decode and augmentation of one batch or slice, in b
 and the daemon's ``NoticePump._on_done`` (publish a finished batch, collect released slots,
 submit the next), per call. The daemon is instrumented through a ``sitecustomize`` module put
 first on its ``PYTHONPATH`` (it replaces any other ``sitecustomize``); each wrapper adds ~1 us.
+``--more module:Class.method,...`` times more calls the same way (nested ones overlap), e.g.
+``--more beton_serve.daemon._stream:Stream.finish,beton_serve.daemon._stream:Stream.submit``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ _INSTRUMENT = textwrap.dedent(
     import json, os, signal, threading, time
     CALLS = [("beton_serve.pipeline._plan", "Plan", "run"),
              ("beton_serve.daemon._pump", "NoticePump", "_on_done")]
+    for spec in filter(None, os.environ.get("BS_CALLS_MORE", "").split(",")):
+        module, _, qual = spec.partition(":")
+        CALLS.append((module, *qual.split(".", 1)))
     TOTALS = {}
 
     def wrap(module, cls_name, name):
@@ -127,7 +132,9 @@ def main() -> None:
     ap.add_argument("--cifar-n", type=int, default=50000)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--calls", action="store_true")
+    ap.add_argument("--more", default="", help="more calls to time: module:Class.method,...")
     args = ap.parse_args()
 
     from bench_loader import build, pipelines
@@ -147,13 +154,14 @@ def main() -> None:
             site.mkdir()
             (site / "sitecustomize.py").write_text(_INSTRUMENT)
             os.environ["BS_CALLS_OUT"] = str(tmpdir)
+            os.environ["BS_CALLS_MORE"] = args.more
             os.environ["PYTHONPATH"] = os.pathsep.join(
                 [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
             )
             namespace: dict = {}
             exec(compile(_INSTRUMENT, "instrument", "exec"), namespace)  # this process too
             local_calls = namespace["TOTALS"]
-        d = start_daemon([path], tmpdir, args=["--workers", "2"])
+        d = start_daemon([path], tmpdir, args=["--workers", str(args.workers)])
         try:
             local = LocalLoader(
                 str(path),
@@ -161,7 +169,7 @@ def main() -> None:
                 order=LocalOrder.RANDOM,
                 seed=0,
                 pipelines=pipelines("cifar"),
-                num_workers=2,
+                num_workers=args.workers,
             )
             served = ServedLoader(
                 str(path),
@@ -204,6 +212,17 @@ def main() -> None:
                                 k: round((v[0] - c0.get(k, [0, 0])[0]) / 1000 / n, 1)
                                 for k, v in c1.items()
                                 if (n := v[1] - c0.get(k, [0, 0])[1]) > 0
+                            }
+                            for where, c0, c1 in (
+                                ("this_process", c_own0, c_own1),
+                                ("daemon", c_dmn0, c_dmn1),
+                            )
+                        }
+                        report["calls_per_batch"] = {
+                            where: {
+                                k: round((v[1] - c0.get(k, [0, 0])[1]) / batches, 2)
+                                for k, v in c1.items()
+                                if v[1] > c0.get(k, [0, 0])[1]
                             }
                             for where, c0, c1 in (
                                 ("this_process", c_own0, c_own1),
