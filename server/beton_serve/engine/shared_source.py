@@ -38,6 +38,13 @@ the batch (for the group or privately) and false when the batch was a copy of an
 work: the daemon adds a batch to its ``samples_decoded`` counter only when it is true, so the
 counter shows 1x the epoch for N identical streams.
 
+Cancelling. A stream cancels what it submitted and will not publish (its client closed or was
+killed, a resume elsewhere) through the tasks its futures expose. A group batch is other
+members' too, so the futures ``submit`` returns expose its tasks for ``promote`` only
+(``BatchFuture.group_tasks``): one member leaving used to cancel a batch the others waited for,
+and their streams failed with ``CancelledError``. A group batch every member gave up on is then
+decoded anyway (at most the members' read-ahead, once).
+
 Threads. ``submit``, ``promote`` and ``close`` are called by the stream's owner (the daemon's
 event-loop thread). The copy into ``out`` runs in the done-callback of the group batch: on the
 engine worker that finished it, or in ``submit`` itself when the batch was already done.
