@@ -622,17 +622,15 @@ def test_shared_source_detached_stream_keeps_its_position() -> None:
         slow.submit(1, 1, slot)
 
 
-@pytest.mark.slow
-def test_shared_source_on_the_real_engine() -> None:
-    """Four streams over the real Engine/BatchSource: bit-identical to an unshared stream, 1x decode."""
-    from beton_serve.engine import BatchSource, Engine, OrderOption
-    from beton_serve.engine.shared_source import SharedSource
+def _real_sources(n: int):
+    """A compiled fake-image plan over ``n`` samples, ``make(engine) -> BatchSource`` (batch 8,
+    RANDOM, seed 5, 3 ahead) and the share key of such sources."""
+    from beton_serve.engine import BatchSource, OrderOption
     from beton_serve.pipeline import compile_pipelines
     from helpers.fake_pipeline import AddIndex, AddOne, FakeImageDecoder, FakeReader
 
-    reader = FakeReader(n=48)
     plan = compile_pipelines(
-        reader,
+        FakeReader(n=n),
         {"image": [FakeImageDecoder(), AddOne()], "label": [AddIndex()]},
         batch_size=8,
     )
@@ -646,6 +644,16 @@ def test_shared_source_on_the_real_engine() -> None:
     key = ShareKey.build(
         dataset="fake", pipeline={"p": 1}, seed=5, order="RANDOM", batch_size=8, drop_last=False
     )
+    return plan, make, key
+
+
+@pytest.mark.slow
+def test_shared_source_on_the_real_engine() -> None:
+    """Four streams over the real Engine/BatchSource: bit-identical to an unshared stream, 1x decode."""
+    from beton_serve.engine import Engine
+    from beton_serve.engine.shared_source import SharedSource
+
+    plan, make, key = _real_sources(48)
     reg = SharingRegistry(max_lag=1000, retain=12)  # streams start at slightly different times
     with Engine(2) as eng:
         ref = make(eng)
@@ -803,25 +811,10 @@ def test_a_member_that_discards_a_shared_batch_never_cancels_it_for_the_others()
     submitted and will not publish: the tasks its futures expose. The group's batch is another
     member's too, so that must not cancel its decode: the other member's stream failed with
     'internal error: CancelledError' (session 23's flaky SIGKILL test)."""
-    from beton_serve.engine import BatchSource, Engine, OrderOption
+    from beton_serve.engine import Engine
     from beton_serve.engine.shared_source import SharedSource
-    from beton_serve.pipeline import compile_pipelines
-    from helpers.fake_pipeline import AddIndex, AddOne, FakeImageDecoder, FakeReader
 
-    reader = FakeReader(n=32)
-    plan = compile_pipelines(
-        reader, {"image": [FakeImageDecoder(), AddOne()], "label": [AddIndex()]}, batch_size=8
-    )
-
-    def make(eng):
-        return BatchSource(
-            engine=eng, plan=plan, order=OrderOption.RANDOM, batch_size=8, seed=5,
-            drop_last=False, batches_ahead=3,
-        )  # fmt: skip
-
-    key = ShareKey.build(
-        dataset="fake", pipeline={"p": 1}, seed=5, order="RANDOM", batch_size=8, drop_last=False
-    )
+    plan, make, key = _real_sources(32)
     reg = SharingRegistry(max_lag=8, retain=0)
     gate = threading.Event()
     with Engine(1) as eng:
