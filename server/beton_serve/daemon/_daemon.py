@@ -477,6 +477,7 @@ class Daemon:
         if setup.kind != "shm" or self.notices is None:
             return setup
         stream.notice_token, stream.notice_future = self.notices.register()
+        stream.notice_future.add_done_callback(stream.adopt_peer_pid)
         stream.notice_unregister = self.notices.unregister
         return dataclasses.replace(
             setup, notice_socket=self.notices.name, notice_token=stream.notice_token

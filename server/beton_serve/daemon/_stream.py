@@ -234,10 +234,19 @@ class Stream:
             conn.on_wake = self._notice_wake
             conn.on_start = self._notice_start
             conn.on_close = on_hangup
-            if conn.peer_pid:  # the kernel's word, never the request's (transport.peer)
-                self.client_pid = conn.peer_pid
             self.notice = conn
         return self.notice
+
+    def adopt_peer_pid(self, fut: asyncio.Future[NoticeConn]) -> None:
+        """Take the client's pid from its notice connection as soon as it connects (a done
+        callback of :attr:`notice_future`): the kernel's word (``SO_PEERCRED``), never the
+        request's (``transport.peer``), so that the liveness monitor ends the stream when that
+        process dies, started or not."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        pid = fut.result().peer_pid
+        if pid:
+            self.client_pid = pid
 
     def pending_notice(self) -> NoticeConn | None:
         """The client's notice connection when it connected and no serving call took it up

@@ -156,9 +156,6 @@ class StreamTable:
     def sweep(self, now: float) -> None:
         """End the streams whose client is gone or never came (see the module docstring)."""
         for s in self:
-            pending = s.pending_notice()
-            if pending is not None and pending.peer_pid:  # the kernel's word, as on attach
-                s.client_pid = pending.peer_pid
             if s.client_pid and not pid_alive(s.client_pid):
                 # A client process that exits without closing its Loader is a normal end
                 # of a stream (INFO), not a fault: real failures are logged where they occur.
