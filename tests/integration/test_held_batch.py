@@ -37,7 +37,11 @@ HOLD_S = 0.02
 
 def _pipelines() -> dict:
     return {
-        "image": [RandomResizedCropRGBImageDecoder((24, 24)), RandomHorizontalFlip(0.5), ToTensor()],
+        "image": [
+            RandomResizedCropRGBImageDecoder((24, 24)),
+            RandomHorizontalFlip(0.5),
+            ToTensor(),
+        ],
         "label": [IntDecoder(), ToTensor()],
     }
 
