@@ -6,7 +6,11 @@ streams). Before the budget, any client of the daemon could open streams with la
 until ``/dev/shm`` (half the RAM) was full, for every program on the host. Now a stream that
 would take the open streams' rings past the budget is refused with ``ResourceExhausted``
 (``RESOURCE_EXHAUSTED``), naming what it needs and what is held, and allocates nothing; it fits
-again once other streams close.
+again once other streams close. Only a ring's required slots (the batch the client holds and
+its ``batches_ahead``) can get a stream refused; the deeper ring small slots get is granted only
+as far as the rings stay within half the budget (``test_the_optional_depth_...`` below). The
+other tests ask for ``batches_ahead=15``: 16 required slots, the deep ring's size, so that every
+ring is the same size under any budget.
 """
 
 from __future__ import annotations
@@ -29,9 +33,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 #: 16 pairs of 32x24 RGB images: a 4-image batch slot is ~37 KB, so a ring is its slots.
 FILE = "image_pairs"
+#: Rings of ``PINNED_AHEAD + 1`` = 16 slots, all required (the deep ring's size): see above.
+PINNED_AHEAD = 15
 
 
-def _loader(address: str, batch_size: int = 4, transport: str = "shm") -> Loader:
+def _loader(
+    address: str, batch_size: int = 4, transport: str = "shm", ahead: int = PINNED_AHEAD
+) -> Loader:
     return Loader(
         FILE,
         batch_size=batch_size,
@@ -40,6 +48,7 @@ def _loader(address: str, batch_size: int = 4, transport: str = "shm") -> Loader
         server=address,
         transport=transport,
         spawn=False,
+        batches_ahead=ahead,
     )
 
 
@@ -123,6 +132,7 @@ def _smart(address: str, batch_size: int = 4) -> Loader:
         pipelines={"image": [CenterCropRGBImageDecoder((24, 24), 0.8)], "label": [IntDecoder()]},
         server=address,
         spawn=False,
+        batches_ahead=PINNED_AHEAD,
     )
 
 
@@ -189,3 +199,48 @@ def test_an_arena_that_would_overshoot_the_budget_is_not_made_and_the_group_copi
     finally:
         a.close()
         b.close()
+
+
+def test_the_optional_depth_of_small_rings_never_gets_a_stream_refused(
+    daemon_factory, fixtures_dir: Path
+) -> None:
+    """Small slots get a deeper ring than ``batches_ahead + 1`` (16 slots here), but only from
+    the first half of the budget: on a budget that holds three streams' required 4 slots, the
+    first stream gets 4 + 2, the second its 4, and only a third is refused, naming the 4 slots
+    it needs. Every admitted stream reads exact batches, whatever its depth. (Before, each ring
+    counted its 16 slots as required: the second stream was refused though its 4 fitted.)"""
+    files = [fixtures_dir / f"{FILE}.beton"]
+    d0 = daemon_factory(files)
+    with _loader(d0.address, ahead=3) as ld:  # the default batches_ahead
+        it = iter(ld)
+        next(it)
+        (st,) = d0.stats().streams
+        slot_bytes = d0.stats().ring_bytes // st.slot_count
+        it.close()
+        epoch = _batches(ld)
+    assert st.slot_count == 16  # the deep ring, with no budget to fit in
+    d0.stop()
+    base = 4 * slot_bytes  # the batch held and 3 ahead
+    budget = 3 * base
+    d = daemon_factory(files, args=["--max-ring-bytes", str(budget)])
+    first = _loader(d.address, ahead=3)
+    second = None
+    try:
+        it1 = iter(first)
+        got1 = [next(it1)]
+        second = _loader(d.address, ahead=3)
+        slots = {s.stream_id: s.slot_count for s in d.stats().streams}
+        assert sorted(slots.values()) == [4, 6]  # 4 + 2 within half the budget; then 4
+        with pytest.raises(ResourceExhausted, match=r"needs .* \(4 slots of") as info:
+            _loader(d.address, ahead=3)
+        assert "2 open streams hold" in str(info.value)
+        assert d.stats().ring_bytes <= budget
+        got1 = [tuple(np.array(t) for t in got1[0]), *_batches(it1)]
+        _same(got1, epoch)
+        _same(_batches(second), epoch)
+        _same(_batches(first), epoch)  # a second epoch on the deeper ring
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+    assert d.proc.poll() is None

@@ -374,8 +374,7 @@ class Daemon:
         same_host: bool,
     ) -> Stream:
         """The stream's source (in its sharing group) and ring, made into a :class:`Stream`."""
-        slots = ring_size(req.batches_ahead, layout.slot_bytes)
-        self._check_ring_budget(req, slots, layout.slot_bytes)
+        slots = self._ring_slots(req, layout.slot_bytes)
         shm = factory if neg.transport == "shm" and isinstance(factory, ShmFactory) else None
         source = self._make_source(req, ds, entry, layout, slots, shm)
         try:
@@ -394,6 +393,23 @@ class Daemon:
             client_name=req.client_name,
             engine=self.engine,
         )
+
+    def _ring_slots(self, req: StreamRequest, slot_bytes: int) -> int:
+        """Slots for a new stream's ring (event loop, no await before the ring is made): the
+        batch the client holds plus its ``batches_ahead``, which must fit the budget
+        (:meth:`_check_ring_budget`), and the deeper ring small slots get (``ring_size``) only
+        while the open rings stay within half of :attr:`max_ring_bytes`. The extra depth used to
+        count as required: on a small ``/dev/shm`` (Docker's default is 64 MiB) one CIFAR-sized
+        stream took 16 slots and the next rank's stream was refused though its own 4 fitted.
+
+        Raises:
+            ResourceExhausted: the required slots do not fit.
+        """
+        base = req.batches_ahead + 1
+        self._check_ring_budget(req, base, slot_bytes)
+        budget = self.max_ring_bytes
+        room = None if budget <= 0 else budget // 2 - self.ring_bytes() - base * slot_bytes
+        return ring_size(req.batches_ahead, slot_bytes, room)
 
     def _check_ring_budget(self, req: StreamRequest, slots: int, slot_bytes: int) -> None:
         """Refuse a stream whose ring would take the open streams' rings past
