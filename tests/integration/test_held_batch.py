@@ -13,6 +13,8 @@ copy taken on arrival and against the in-process Loader's batch, bit for bit.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from pathlib import Path
 
@@ -91,6 +93,7 @@ def test_a_held_batch_keeps_its_contents_while_the_daemon_runs_ahead(
                 if transport == "shm" and got % 4 == 1:
                     (st,) = d.stats().streams
                     ahead = max(ahead, st.batches_sent - (got + 1))
+                    assert st.client_pid == os.getpid()  # from the notice channel's SO_PEERCRED
                 assert torch.equal(img, on_arrival[0]), f"batch {got}'s pixels changed"
                 assert torch.equal(lab, on_arrival[1]), f"batch {got}'s labels changed"
                 got += 1
@@ -102,3 +105,5 @@ def test_a_held_batch_keeps_its_contents_while_the_daemon_runs_ahead(
     while d.stats().streams and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not d.stats().streams
+    # a Unix-socket call carries no pid: the open is logged without one (not as "pid=0")
+    assert re.search(r"opened: dataset=images_smart client=\S+ pid=- ", d.log()), d.log()

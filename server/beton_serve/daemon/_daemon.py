@@ -534,12 +534,14 @@ class Daemon:
 
 
 def _log_opened(stream: Stream, req: StreamRequest, neg: Negotiation, cached: bool) -> None:
+    # A Unix-socket call carries no pid (transport.peer): the stream learns it from the notice
+    # channel's SO_PEERCRED moments later (Stream.adopt_peer_pid, logged there).
     log.info(
-        "stream %s opened: dataset=%s client=%s pid=%d batch_size=%d batches=%d %s%s",
+        "stream %s opened: dataset=%s client=%s pid=%s batch_size=%d batches=%d %s%s",
         stream.stream_id,
         stream.dataset.name,
         req.client_name or "-",
-        req.offer.identity.pid,
+        req.offer.identity.pid or "-",
         req.batch_size,
         stream.num_batches,
         neg.summary(),

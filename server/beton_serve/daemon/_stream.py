@@ -245,8 +245,9 @@ class Stream:
         if fut.cancelled() or fut.exception() is not None:
             return
         pid = fut.result().peer_pid
-        if pid:
+        if pid and pid != self.client_pid:
             self.client_pid = pid
+            log.debug("stream %s: client pid %d (its notice channel)", self.stream_id, pid)
 
     def pending_notice(self) -> NoticeConn | None:
         """The client's notice connection when it connected and no serving call took it up
