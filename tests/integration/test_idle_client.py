@@ -2,12 +2,13 @@
 """A client that builds its Loader and iterates much later: its stream waits for it; a client
 that dies before iterating frees its stream at once.
 
-The daemon reclaims a stream that no serving call took up within ``UNATTACHED_TIMEOUT_S`` (30
-s): a client that died right after ``OpenStream``. It also reclaimed the stream of a live shm
+The daemon reclaims a stream that no serving call took up within its ``unattached_timeout`` (30
+s by default) while no client holds its notice channel: a client that died right after
+``OpenStream``. It also reclaimed the stream of a live shm
 client that simply had not iterated yet (a training script builds its Loader, then its model;
 a ``torch.compile`` takes minutes), and that client's first ``next()`` then waited on its
 notice channel for ever: the daemon had dropped the stream without closing the connection.
-Here the daemon runs with ``BETON_SERVE_UNATTACHED_TIMEOUT_S=1``.
+Here the daemon runs with ``--unattached-timeout 1``.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ TIMEOUT_S = 1.0
 
 
 @pytest.fixture
-def daemon(
-    short_tmp: Path, fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[DaemonProcess]:
-    monkeypatch.setenv("BETON_SERVE_UNATTACHED_TIMEOUT_S", str(TIMEOUT_S))
-    d = start_daemon([fixtures_dir / "images_jpg.beton"], short_tmp)
+def daemon(short_tmp: Path, fixtures_dir: Path) -> Iterator[DaemonProcess]:
+    d = start_daemon(
+        [fixtures_dir / "images_jpg.beton"],
+        short_tmp,
+        args=["--unattached-timeout", str(TIMEOUT_S)],
+    )
     try:
         yield d
     finally:
@@ -124,3 +126,27 @@ def test_a_client_killed_before_it_iterates_frees_its_stream_at_once(
     finally:
         client.kill()
         client.wait(10)
+
+
+def test_a_stream_nobody_took_up_ends_after_the_configured_timeout(
+    daemon: DaemonProcess, fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream whose client never connected its notice channel and never started (what a
+    client killed right after ``OpenStream`` leaves) ends after ``--unattached-timeout``, not
+    the default 30 s: its ring is freed and the daemon says why."""
+    monkeypatch.setattr("beton_client._stream._connect_notices", lambda *a: None)
+    beton = fixtures_dir / "images_jpg.beton"
+    ld = make_loader("shm", beton, pipes(), address=daemon.address, batch_size=BATCH)
+    try:
+        assert len(daemon.stats().streams) == 1
+        opened = time.monotonic()
+        deadline = opened + 10 * TIMEOUT_S
+        while daemon.stats().streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        took = time.monotonic() - opened
+        assert not daemon.stats().streams, "the unattached stream was not ended"
+        assert took < 5 * TIMEOUT_S  # the configured 1 s (and the 0.25 s tick), not 30 s
+        assert "never started; closing it" in daemon.log()
+        assert not [s for s in daemon.segments() if "-ring-" in s]
+    finally:
+        _within(15, ld.close)  # closing a Loader whose stream the daemon ended does not hang

@@ -42,6 +42,8 @@ def test_defaults_and_full_file(tmp_path: Path) -> None:
         ("workers = 100000\n", ["workers must be in 0..1024", "100000"]),
         ("listen = '127.0.0.1:1'\n", ["listen must be a list"]),
         ("log_format = 'xml'\n", ["log_format"]),
+        ("unattached_timeout = 0\n", ["unattached_timeout must be > 0 seconds"]),
+        ("unattached_timeout = nan\n", ["unattached_timeout must be > 0 seconds"]),
         ("[[broken\n", ["not valid TOML"]),
     ],
 )
@@ -60,6 +62,15 @@ def test_flags_override_the_file() -> None:
     assert c.files == ("a.beton", "b.beton") and c.workers == 4 and c.socket == "/x.sock"
     with pytest.raises(ConfigError):
         merge_flags(base, {"nope": 1})
+
+
+def test_unattached_timeout_from_the_file_and_the_flag(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("unattached_timeout = 5\n")
+    assert load_config(f).unattached_timeout == 5.0
+    assert ServeConfig().unattached_timeout == 30.0
+    args = build_parser().parse_args(["serve", "x.beton", "--unattached-timeout", "2.5"])
+    assert args.unattached_timeout == 2.5
 
 
 def test_deploy_toml_lists_every_key_with_its_default() -> None:

@@ -58,16 +58,25 @@ def test_sighup_applies_safe_keys_keeps_flags_and_refuses_the_rest(
     cfg_file.write_text('files = ["a.beton"]\nshare_max_lag = 8\nshare_retain = 4\n')
     start = merge_flags(load_config(cfg_file), {"share_retain": 1})  # a flag set share_retain
     daemon = SimpleNamespace(
-        bad_sample_budget=0, max_ring_bytes=1 << 30, sharing=SimpleNamespace(max_lag=8, retain=1)
+        bad_sample_budget=0,
+        max_ring_bytes=1 << 30,
+        sharing=SimpleNamespace(max_lag=8, retain=1),
+        streams=SimpleNamespace(unattached_timeout_s=30.0),
     )
     r = ConfigReloader(daemon, start, str(cfg_file))
     cfg_file.write_text(
         'files = ["b.beton"]\nshare_max_lag = 3\nshare_retain = 9\nbad_sample_budget = 5\n'
-        "workers = 7\nmax_ring_bytes = 123456\n"
+        "workers = 7\nmax_ring_bytes = 123456\nunattached_timeout = 4.5\n"
     )
     with caplog.at_level(logging.INFO, logger="beton_serve.serve"):
         applied = r()
-    assert applied == {"bad_sample_budget": 5, "share_max_lag": 3, "max_ring_bytes": 123456}
+    assert applied == {
+        "bad_sample_budget": 5,
+        "share_max_lag": 3,
+        "max_ring_bytes": 123456,
+        "unattached_timeout": 4.5,
+    }
+    assert daemon.streams.unattached_timeout_s == 4.5  # the liveness monitor's next tick
     assert daemon.bad_sample_budget == 5 and daemon.sharing.max_lag == 3
     assert daemon.max_ring_bytes == 123456  # new streams are held to it
     assert daemon.sharing.retain == 1  # the flag wins

@@ -1,7 +1,8 @@
 """SIGHUP: re-read the daemon's config file and apply the keys that are safe to change live.
 
 Reloadable (:data:`RELOADABLE`): ``log_level``, ``log_format``, ``bad_sample_budget`` and
-``max_ring_bytes`` (streams opened afterwards), ``share_max_lag`` and ``share_retain`` (sharing groups formed afterwards).
+``max_ring_bytes`` (streams opened afterwards), ``share_max_lag`` and ``share_retain`` (sharing
+groups formed afterwards), ``unattached_timeout`` (the liveness monitor's next tick).
 Every other key (datasets, files, sockets, addresses, workers, plugins, TLS, token, sharing on or
 off) needs a restart: a change to one of them is logged as refused, naming the keys, and the
 daemon keeps its running value.
@@ -35,6 +36,7 @@ RELOADABLE = (
     "max_ring_bytes",
     "share_max_lag",
     "share_retain",
+    "unattached_timeout",
 )
 
 
@@ -102,6 +104,8 @@ class ConfigReloader:
             from beton_serve.daemon import ring_budget
 
             d.max_ring_bytes = ring_budget(int(apply["max_ring_bytes"]))
+        if "unattached_timeout" in apply:
+            d.streams.unattached_timeout_s = float(apply["unattached_timeout"])
         sharing = d.sharing
         if sharing is not None:
             if "share_max_lag" in apply:

@@ -215,6 +215,14 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help="close a file opened on demand after S seconds without streams (default 300)",
     )
+    files.add_argument(
+        "--unattached-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="end a stream no client took up within S seconds, when no client holds its "
+        "notice channel (a client that died right after opening it; default 30)",
+    )
     add_logging_args(p)
     p.set_defaults(func=run)
 
@@ -355,6 +363,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "data_roots": tuple(args.data_root) if getattr(args, "data_root", None) else None,
             "open_on_demand": False if getattr(args, "no_open_on_demand", False) else None,
             "idle_close": getattr(args, "idle_close", None),
+            "unattached_timeout": getattr(args, "unattached_timeout", None),
             "allow_op_imports": getattr(args, "allow_op_imports", None),
             "tls_cert": getattr(args, "tls_cert", None),
             "tls_key": getattr(args, "tls_key", None),
@@ -419,6 +428,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "open_on_demand": cfg.open_on_demand,
             "data_roots": cfg.data_roots,
             "idle_close_s": cfg.idle_close,
+            "unattached_timeout_s": cfg.unattached_timeout,
             "allow_op_imports": cfg.allow_op_imports,
         }
         from beton_serve.transport.grpc_ring import GrpcFactory, parse_codecs

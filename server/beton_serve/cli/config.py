@@ -24,6 +24,7 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     open_on_demand = true                     # open a .beton a client names (see data_roots)
     data_roots = []                           # where clients other than the owner may open files
     idle_close = 300.0                        # seconds before an idle on-demand file is closed
+    unattached_timeout = 30.0                 # seconds a stream no client took up is kept
     allow_op_imports = false                  # any peer may make the daemon import op modules
     tls_cert = ""                             # TLS on the TCP addresses (with tls_key)
     tls_key = ""
@@ -95,6 +96,9 @@ class ServeConfig:
         data_roots: directories under which clients other than the daemon's own user on its
             Unix socket (TCP clients) may open files (realpath inside, no symlink escape).
         idle_close: seconds without streams after which a file opened on demand is closed.
+        unattached_timeout: seconds a stream is kept when no serving call took it up and no
+            client holds its notice channel (a client that died right after opening it); a
+            live client that holds the channel keeps its stream however long it waits.
         allow_op_imports: any client, not only the daemon's own user, may make the daemon import
             a custom op's module from the daemon's own disk (docs/custom-ops.md, route b).
         tls_cert: PEM certificate of the TCP listeners ("" = no TLS); needs ``tls_key``.
@@ -132,6 +136,7 @@ class ServeConfig:
     open_on_demand: bool = True
     data_roots: tuple[str, ...] = ()
     idle_close: float = 300.0
+    unattached_timeout: float = 30.0
     allow_op_imports: bool = False
     tls_cert: str = ""
     tls_key: str = ""
@@ -150,6 +155,10 @@ class ServeConfig:
             )
         if self.idle_close <= 0:
             raise ConfigError(f"idle_close must be > 0 seconds, got {self.idle_close}")
+        if not self.unattached_timeout > 0:  # NaN too
+            raise ConfigError(
+                f"unattached_timeout must be > 0 seconds, got {self.unattached_timeout}"
+            )
         if self.idle_timeout < 0:
             raise ConfigError(f"idle_timeout must be >= 0 seconds, got {self.idle_timeout}")
         for key in ("share_max_lag", "share_retain", "bad_sample_budget", "max_ring_bytes"):

@@ -61,7 +61,12 @@ from beton_serve.daemon._publish import BatchOut, EpochEnd
 from beton_serve.daemon._sources import ArenaBook, shared, sharing_registry, source_params
 from beton_serve.daemon._stats import StatsBook
 from beton_serve.daemon._stream import Stream
-from beton_serve.daemon._streams import ARENA_EXTRA, StreamTable, ring_size
+from beton_serve.daemon._streams import (
+    ARENA_EXTRA,
+    UNATTACHED_TIMEOUT_S,
+    StreamTable,
+    ring_size,
+)
 from beton_serve.daemon._transports import default_factories, with_cuda_facts
 from beton_serve.daemon._validate import batch_layout, validate_request
 from beton_serve.errors import ResourceExhausted, ShuttingDown, TransportError
@@ -187,6 +192,7 @@ class Daemon:
         data_roots: Sequence[str] = (),
         idle_close_s: float = 300.0,
         allow_op_imports: bool = False,
+        unattached_timeout_s: float = UNATTACHED_TIMEOUT_S,
     ) -> Daemon:
         """Sweep stale segments, open every dataset and start the engine.
 
@@ -198,6 +204,8 @@ class Daemon:
         op's module from its own disk (``_on_demand.OpImportPolicy``; docs/custom-ops.md).
         ``max_ring_bytes``: the bound on every open stream's ring together (:func:`ring_budget`:
         0 means half of ``/dev/shm``); a stream that would exceed it is refused.
+        ``unattached_timeout_s``: how long a stream no call took up is kept while no client
+        holds its notice channel (``StreamTable.sweep``).
 
         Raises:
             FormatError: a file is invalid (the reader's error), or ``verify_checksums`` and a
@@ -244,6 +252,7 @@ class Daemon:
             bad_sample_budget=max(0, int(bad_sample_budget)),
             max_ring_bytes=ring_budget(max_ring_bytes),
             cuda_pending=cuda_pending,
+            streams=StreamTable(unattached_timeout_s=unattached_timeout_s),
         )
 
     # -- lifecycle -------------------------------------------------------------------------

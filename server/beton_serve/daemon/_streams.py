@@ -5,7 +5,8 @@ A stream is added when OpenStream accepts it and leaves the table exactly once, 
 * its serving call ending (the ``Batches`` call or the grpc batch method): :meth:`remove`;
 * the liveness monitor (:meth:`watch`): the client's process is gone, the client closed its
   notice channel before its first ``Start``, or no call came within
-  :data:`UNATTACHED_TIMEOUT_S` while no client held the notice channel open (a client that
+  :attr:`StreamTable.unattached_timeout_s` (:data:`UNATTACHED_TIMEOUT_S` by default) while no
+  client held the notice channel open (a client that
   holds it is alive, and starts when it iterates, minutes later if it builds a model first:
   the timeout used to end such a stream, and the client then waited on its channel for
   ever): :meth:`end`, which also cancels a running serving task;
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -43,27 +43,10 @@ __all__ = [
 
 log = logging.getLogger("beton_serve.daemon")
 
-#: Overrides :data:`UNATTACHED_TIMEOUT_S` (seconds; tests use a short one).
-UNATTACHED_ENV = "BETON_SERVE_UNATTACHED_TIMEOUT_S"
-
-
-def _unattached_timeout(default: float = 30.0) -> float:
-    raw = os.environ.get(UNATTACHED_ENV, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value > 0 and value == value:  # not NaN
-        return value
-    log.warning("ignoring %s=%r: not a number of seconds above 0", UNATTACHED_ENV, raw)
-    return default
-
-
 #: Seconds a stream may stay open with no serving call and no client connected to its notice
-#: channel (a client that died or hung after OpenStream) before it is reclaimed.
-UNATTACHED_TIMEOUT_S = _unattached_timeout()
+#: channel (a client that died or hung after OpenStream) before it is reclaimed: the default of
+#: the daemon's ``unattached_timeout`` (TOML key, ``--unattached-timeout``).
+UNATTACHED_TIMEOUT_S = 30.0
 #: Rings of small slots may grow to this many bytes (deeper prefetch hides per-batch latency).
 SMALL_RING_BYTES = 32 << 20
 #: ... but to at most this many slots.
@@ -100,8 +83,10 @@ class StreamTable:
     Iterating yields the streams in opening order; ``len`` counts them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, unattached_timeout_s: float = UNATTACHED_TIMEOUT_S) -> None:
         self._streams: dict[str, Stream] = {}
+        #: Seconds a stream no call took up is kept while no client holds its notice channel.
+        self.unattached_timeout_s = unattached_timeout_s
         #: Streams accepted over the daemon's life (the Stats RPC's ``streams_opened``).
         self.opened = 0
 
@@ -184,7 +169,7 @@ class StreamTable:
             elif (
                 s.task is None
                 and not s.client_connected()
-                and now - s.created > UNATTACHED_TIMEOUT_S
+                and now - s.created > self.unattached_timeout_s
             ):
                 log.info("stream %s: never started; closing it", s.stream_id)
                 self.end(s)
