@@ -150,3 +150,19 @@ def test_a_stream_nobody_took_up_ends_after_the_configured_timeout(
         assert not [s for s in daemon.segments() if "-ring-" in s]
     finally:
         _within(15, ld.close)  # closing a Loader whose stream the daemon ended does not hang
+
+
+def test_the_old_environment_variable_is_named_in_a_warning(
+    short_tmp: Path, fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``BETON_SERVE_UNATTACHED_TIMEOUT_S`` set the timeout before the config key; a daemon
+    started with it says that it is ignored and which value holds."""
+    monkeypatch.setenv("BETON_SERVE_UNATTACHED_TIMEOUT_S", "5")
+    d = start_daemon(
+        [fixtures_dir / "images_jpg.beton"], short_tmp, args=["--unattached-timeout", "2"]
+    )
+    try:
+        assert "BETON_SERVE_UNATTACHED_TIMEOUT_S is no longer read" in d.log()
+        assert "--unattached-timeout (now 2 s)" in d.log()
+    finally:
+        d.stop()

@@ -379,6 +379,12 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         if "=" not in a:
             raise ConfigError(f"--dataset {a!r}: expected NAME=GLOB (e.g. imagenet=train-*.beton)")
     configure_logging(cfg.log_format, cfg.log_level)
+    if env.get("BETON_SERVE_UNATTACHED_TIMEOUT_S"):  # the variable this key replaced
+        log.warning(
+            "BETON_SERVE_UNATTACHED_TIMEOUT_S is no longer read: set unattached_timeout in the "
+            "config file or pass --unattached-timeout (now %g s)",
+            cfg.unattached_timeout,
+        )
     from beton_serve.cli._plugins import load_plugins
 
     specs = _plugin_specs(cfg.plugins, args.config if not args.plugin else None)
