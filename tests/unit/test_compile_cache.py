@@ -633,3 +633,71 @@ def test_a_kernel_is_keyed_on_globals_defined_below_it(tmp_path: Path) -> None:
     assert run(1) == {"out": 11, "hits": 0}
     assert run(1) == {"out": 11, "hits": 1}
     assert run(2) == {"out": 12, "hits": 0}, "the machine code of another K was loaded"
+
+
+_CLOSURES = """
+import json, sys
+import numpy as np
+from beton_serve.pipeline.compiler import Compiler
+
+def make_fill(dtype):
+    def fill(n):
+        out = np.empty(n, dtype)  # boxed on return: its dtype is a constant of the environment
+        for i in range(n):
+            out[i] = i * 1.5
+        return out
+    return fill
+
+kept, out = [], {}
+for name in sys.argv[1:]:
+    fn = Compiler.compile(make_fill(getattr(np, name)))
+    kept.append(fn)  # both alive, as two Loaders' plans are
+    try:
+        r = fn(4)
+        out[name] = [str(r.dtype), r.tolist(), len(fn.stats.cache_hits)]
+    except Exception as exc:
+        out[name] = repr(exc)
+print(json.dumps(out))
+"""
+
+
+def test_entries_compiled_in_different_processes_never_share_symbols(tmp_path: Path) -> None:
+    """Two closures of one function with different captured values, each compiled as the first
+    function of its own process, then both loaded from the cache into a third process: each must
+    run with its own constants. Numba names a function's symbols (its code and its environment of
+    constants) after a per-process counter; entries compiled at the same count in two processes
+    had the same names, and the second one loaded took the first one's environment: the float64
+    function returned its array labelled float32, with garbage values (or boxing failed with
+    ``'descr' is NULL``: a RandomHorizontalFlip after a flip of another probability, found by a
+    served-against-in-process fuzz). Function ids now start at a random point in every process."""
+    env = child_env(BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"))
+    want = [0.0, 1.5, 3.0, 4.5]
+    for name in ("float32", "float64"):  # each compiled (and saved) alone in a fresh process
+        assert run_json(_CLOSURES, name, env=env) == {name: [name, want, 0]}
+    for order in (("float32", "float64"), ("float64", "float32")):
+        got = run_json(_CLOSURES, *order, env=env)  # both loaded from the cache
+        assert got == {n: [n, want, 1] for n in order}
+
+
+def test_a_fork_child_numbers_its_functions_apart_from_its_parent() -> None:
+    """A fork child would count on from its parent's function ids (and save entries whose names
+    the parent's own functions carry): it draws a new start."""
+    from beton_serve.pipeline import compile_cache
+    from numba.core.bytecode import FunctionIdentity
+
+    compile_cache._spread_function_ids()
+    parent_next = next(FunctionIdentity._unique_ids)
+    assert parent_next >= compile_cache._ID_FLOOR
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.write(w, str(next(FunctionIdentity._unique_ids)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        child_next = int(f.read())
+    os.waitpid(pid, 0)
+    assert child_next >= compile_cache._ID_FLOOR
+    assert abs(child_next - parent_next) > 1_000_000  # not the parent's count carried on

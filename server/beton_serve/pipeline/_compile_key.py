@@ -37,8 +37,10 @@ __all__ = ["FORMAT_VERSION", "build_key", "extensions_key", "fingerprint"]
 
 _log = logging.getLogger("beton_serve.compile_cache")
 
-#: Bump when the entry format or the key derivation changes.
-FORMAT_VERSION = 1
+#: Bump when the entry format or the key derivation changes. 2: entries compiled with this
+#: process's function ids spread (``compile_cache._spread_function_ids``); version 1 entries
+#: could share symbol names with each other and are never loaded.
+FORMAT_VERSION = 2
 
 
 class _Unkeyable(Exception):

@@ -45,6 +45,7 @@ Numba is imported on first use, never at import time.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import stat
@@ -373,6 +374,40 @@ def _prepare(target_context: Any) -> None:
     rtsys.initialize(target_context)
 
 
+#: Lowest first value of this process's Numba function ids (see :func:`_spread_function_ids`):
+#: far above the ids a process numbers its functions with from 1.
+_ID_FLOOR = 1 << 40
+_ids_spread = False
+
+
+def _spread_function_ids() -> None:
+    """Number this process's Numba functions from a random start (and again in a fork child).
+
+    Numba names a compiled function's symbols, its code and its environment of Python constants
+    (``NumbaEnv...``), after its qualified name and a per-process counter (``v1``, ``v2``, ...).
+    Two entries of this cache compiled in two processes (two closures of one function with
+    different captured values: a ``RandomHorizontalFlip`` of another probability, a
+    ``NormalizeImage`` of another dtype) could therefore carry the same names, and loaded into one
+    process the second one ran against the first one's environment: an array of float64 came
+    back labelled float32 with garbage in it, or boxing failed with ``'descr' is NULL`` (found
+    by a served-against-in-process fuzz, session 25). Counting from a random 62-bit start in
+    every process makes two processes' names disjoint in practice (a collision needs two
+    processes whose random starts lie within the number of functions they compile); a fork
+    child, which would count on from its parent's counter, draws a new start.
+    """
+    global _ids_spread
+    from numba.core import bytecode
+
+    def spread() -> None:
+        start = _ID_FLOOR + int.from_bytes(os.urandom(8), "little") % (1 << 62)
+        bytecode.FunctionIdentity._unique_ids = itertools.count(start)
+
+    spread()
+    if not _ids_spread:
+        _ids_spread = True
+        os.register_at_fork(after_in_child=spread)
+
+
 def _cache_base() -> type:
     from numba.core.caching import _Cache
 
@@ -380,6 +415,7 @@ def _cache_base() -> type:
 
 
 def _make_cache_class() -> type:
+    _spread_function_ids()  # before this process compiles anything it may save
     base = _cache_base()
 
     class KeyedCache(base):  # type: ignore[misc, valid-type]
