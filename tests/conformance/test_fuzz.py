@@ -1,0 +1,224 @@
+"""Random Loaders, served against in-process, bit for bit: a seeded fuzz over the FFCV fixtures.
+
+Each trial draws a file, a pipeline per field (decoder, augmentations, normalisation, tensor
+ops, in random combinations and parameters), an order and seed, a batch size, ``drop_last``,
+``batches_ahead``, sometimes ``indices`` (with repeats), and a transport; then reads two epochs
+from the daemon and from the in-process Loader and compares every output's bits, or, when one
+side refuses, requires the same error type from the other. A third of the trials also stop
+part-way through the first epoch, checkpoint, and resume on a new Loader of a random
+transport.
+
+The first version of this fuzz found that two compile-cache entries compiled in different
+processes could share Numba symbol names (a flip of another probability failed with
+``'descr' is NULL``; ``tests/unit/test_compile_cache.py`` has the deterministic test). The seeds
+are fixed so that a failure reproduces: ``BETON_FUZZ_TRIALS`` sets the trials per seed (default
+25), ``BETON_FUZZ_SEEDS`` the seeds (default ``0,1,2,3``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from beton_serve.fields.decoders import (
+    CenterCropRGBImageDecoder,
+    FloatDecoder,
+    IntDecoder,
+    NDArrayDecoder,
+    RandomResizedCropRGBImageDecoder,
+    SimpleRGBImageDecoder,
+)
+from beton_serve.transforms import (
+    Convert,
+    Cutout,
+    ImageMixup,
+    LabelMixup,
+    NormalizeImage,
+    RandomBrightness,
+    RandomContrast,
+    RandomHorizontalFlip,
+    RandomSaturation,
+    RandomTranslate,
+    ToTensor,
+    ToTorchImage,
+)
+from helpers.daemon import DaemonProcess
+
+from conformance._backends import (
+    assert_same_batches,
+    epoch,
+    make_loader,
+    module_daemon,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+#: file -> (fields, samples); image_pairs' images all have one size per field.
+FILES = {
+    "images_raw": (("image", "label"), 64),
+    "images_jpg": (("image", "label", "weight"), 64),
+    "images_smart": (("image", "label"), 64),
+    "image_pairs": (("input", "target"), 16),
+    "mixed_fields": (("int", "float", "array"), 50),
+}
+TRIALS = int(os.environ.get("BETON_FUZZ_TRIALS", "25"))
+SEEDS = [int(s) for s in os.environ.get("BETON_FUZZ_SEEDS", "0,1,2,3").split(",") if s]
+
+
+@pytest.fixture(scope="module")
+def daemon(fixtures_dir: Path) -> Iterator[DaemonProcess]:
+    with module_daemon([fixtures_dir / f"{f}.beton" for f in FILES]) as d:
+        yield d
+
+
+def _image_ops(r: random.Random, fixed_size: bool, mixup: tuple[float, bool] | None) -> list:
+    h, w = r.randint(4, 40), r.randint(4, 40)
+    kind = r.choice(["cc", "rrc", "simple"] if fixed_size else ["cc", "rrc"])
+    if kind == "cc":
+        ops: list[Any] = [CenterCropRGBImageDecoder((h, w), r.uniform(0.3, 1.0))]
+    elif kind == "rrc":
+        scale = (r.uniform(0.05, 0.5), 1.0)
+        ratio = (r.uniform(0.5, 1.0), r.uniform(1.0, 2.0))
+        ops = [RandomResizedCropRGBImageDecoder((h, w), scale=scale, ratio=ratio)]
+    else:
+        ops = [SimpleRGBImageDecoder()]
+    fill = (r.randrange(256), r.randrange(256), r.randrange(256))
+    extras = [
+        lambda: RandomTranslate(r.randint(1, 6), fill),
+        lambda: Cutout(r.randint(1, 8), fill),
+        lambda: RandomBrightness(r.uniform(0.05, 0.6), r.choice([0.0, 0.5, 1.0])),
+        lambda: RandomContrast(r.uniform(0.05, 0.6), r.choice([0.0, 0.5, 1.0])),
+        lambda: RandomSaturation(r.uniform(0.05, 0.6), r.choice([0.0, 0.5, 1.0])),
+        lambda: RandomHorizontalFlip(r.choice([0.0, 0.5, 1.0, r.random()])),
+    ]
+    for make in r.sample(extras, r.randint(0, 3)):
+        ops.append(make())
+    if mixup is not None:
+        ops.append(ImageMixup(*mixup))
+    if r.random() < 0.3:
+        mean = np.array([r.uniform(0, 255) for _ in range(3)])
+        std = np.array([r.uniform(20, 80) for _ in range(3)])
+        ops.append(NormalizeImage(mean, std, r.choice([np.float32, np.float16])))
+    if r.random() < 0.7:
+        ops.append(ToTensor())
+        if r.random() < 0.5:
+            ops.append(ToTorchImage())
+            if r.random() < 0.5 and not isinstance(ops[-3], NormalizeImage):
+                ops.append(Convert(r.choice([torch.float16, torch.float32])))
+    return ops
+
+
+def _pipelines(file: str, seed: int) -> dict[str, list]:
+    """Fresh ops for ``file``, drawn from ``seed`` (called once per Loader: a Loader owns its
+    ops)."""
+    r = random.Random(seed)
+    fields, _ = FILES[file]
+    mixup = (r.uniform(0.1, 1.0), r.random() < 0.5) if r.random() < 0.2 else None
+    out: dict[str, list] = {}
+    for name in fields:
+        if name == "label":
+            ops: list[Any] = [IntDecoder()]
+            if mixup is not None and "image" in fields:
+                ops.append(LabelMixup(*mixup))
+            if r.random() < 0.5:
+                ops.append(ToTensor())
+            out[name] = ops
+        elif name in ("weight", "float"):
+            out[name] = [FloatDecoder()]
+        elif name == "int":
+            out[name] = [IntDecoder()] + ([ToTensor()] if r.random() < 0.5 else [])
+        elif name == "array":
+            out[name] = [NDArrayDecoder()] + ([ToTensor()] if r.random() < 0.5 else [])
+        else:
+            fixed = file == "image_pairs"
+            out[name] = _image_ops(r, fixed, mixup if name == "image" else None)
+    return out
+
+
+def _draw(r: random.Random) -> tuple[str, int, dict[str, Any], str]:
+    file = r.choice(sorted(FILES))
+    n = FILES[file][1]
+    kw: dict[str, Any] = {
+        "order": r.choice(["SEQUENTIAL", "RANDOM", "QUASI_RANDOM"]),
+        "seed": r.randrange(1000),
+        "batch_size": r.choice([1, 2, 3, 5, 7, 8, 16, 33, 64, 100]),
+        "drop_last": r.random() < 0.5,
+        "batches_ahead": r.randint(1, 5),
+    }
+    if r.random() < 0.4:
+        if r.random() < 0.5:
+            kw["indices"] = sorted(r.sample(range(n), r.randint(1, n)))
+        else:  # repeats, any order
+            kw["indices"] = [r.randrange(n) for _ in range(r.randint(1, 2 * n))]
+    return file, r.randrange(1 << 30), kw, r.choice(["shm", "grpc"])
+
+
+def _run(make: Any, n_epochs: int = 2) -> list[list] | BaseException:
+    try:
+        with make() as ld:
+            return [epoch(ld) for _ in range(n_epochs)]
+    except Exception as exc:
+        return exc
+
+
+def _resumed(make: Any, make_again: Any, at: int) -> tuple[list, int, int, list] | BaseException:
+    """Batches ``0..at-1`` of epoch 0, a checkpoint, then two epochs on a new Loader from it:
+    ``(first, epoch, batch, [resumed epoch, the epoch after])``. The checkpoint names the next
+    batch to yield; after an epoch's last batch, that is the next epoch's first."""
+    try:
+        with make() as ld:
+            first = epoch(iter(ld), at) if at else []
+            state = ld.state_dict()
+        with make_again() as ld:
+            ld.load_state_dict(state)
+            return first, int(state["epoch"]), int(state["batch"]), [epoch(ld), epoch(ld)]
+    except Exception as exc:
+        return exc
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_loaders_served_equal_in_process(
+    daemon: DaemonProcess, fixtures_dir: Path, seed: int
+) -> None:
+    r = random.Random(seed)
+    checked = 0
+    for trial in range(TRIALS):
+        file, pseed, kw, transport = _draw(r)
+        resume_at = r.randint(0, 3) if r.random() < 0.33 else None
+        again = r.choice(["shm", "grpc", "inproc"])
+        path = fixtures_dir / f"{file}.beton"
+        what = f"seed {seed} trial {trial}: {file} {transport} {kw} pipelines={pseed}"
+
+        def loader(backend: str, path: Path = path, pseed: int = pseed, kw: dict = kw) -> Any:
+            return lambda: make_loader(
+                backend, path, _pipelines(path.stem, pseed), address=daemon.address, **kw
+            )
+
+        want = _run(loader("inproc"), 2 if resume_at is None else 3)
+        got: Any
+        if resume_at is None:
+            got = _run(loader(transport))
+        else:
+            what += f", resumed at batch {resume_at} on {again}"
+            got = _resumed(loader(transport), loader(again), resume_at)
+        if isinstance(want, BaseException) or isinstance(got, BaseException):
+            assert type(got).__name__ == type(want).__name__, f"{what}: {got!r} != {want!r}"
+            continue
+        if resume_at is not None and not want[0]:
+            continue  # no batch to checkpoint between (an epoch of 0 batches counts as passed)
+        if resume_at is not None:
+            first, e, b, got = got
+            assert_same_batches(first, want[0][:resume_at], f"{what}, before the checkpoint")
+            assert (e, b) == ((0, resume_at) if resume_at < len(want[0]) else (1, 0)), what
+            want = [want[e][b:], want[e + 1]]
+        for e, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_batches(g, w, f"{what}, epoch {e}")
+        checked += 1
+    assert checked >= TRIALS // 2  # most trials compared batches, not only errors
+    assert daemon.proc.poll() is None
