@@ -2,7 +2,8 @@
 
 Each trial draws a file, a pipeline per field (decoder, augmentations, normalisation, tensor
 ops, in random combinations and parameters), an order and seed, a batch size, ``drop_last``,
-``batches_ahead``, sometimes ``indices`` (with repeats), and a transport; then reads two epochs
+``batches_ahead``, sometimes ``indices`` (with repeats) or ``distributed`` (``RANK`` and
+``WORLD_SIZE`` set for both Loaders), and a transport (sometimes with ``copy=True``); then reads two epochs
 from the daemon and from the in-process Loader and compares every output's bits, or, when one
 side refuses, requires the same error type from the other. A third of the trials also stop
 part-way through the first epoch, checkpoint, and resume on a new Loader of a random
@@ -141,7 +142,7 @@ def _pipelines(file: str, seed: int) -> dict[str, list]:
     return out
 
 
-def _draw(r: random.Random) -> tuple[str, int, dict[str, Any], str]:
+def _draw(r: random.Random) -> tuple[str, int, dict[str, Any], str, dict[str, Any], dict]:
     file = r.choice(sorted(FILES))
     n = FILES[file][1]
     kw: dict[str, Any] = {
@@ -156,7 +157,16 @@ def _draw(r: random.Random) -> tuple[str, int, dict[str, Any], str]:
             kw["indices"] = sorted(r.sample(range(n), r.randint(1, n)))
         else:  # repeats, any order
             kw["indices"] = [r.randrange(n) for _ in range(r.randint(1, 2 * n))]
-    return file, r.randrange(1 << 30), kw, r.choice(["shm", "grpc"])
+    env: dict[str, str] = {}
+    if r.random() < 0.25:
+        world = r.randint(1, 5)
+        kw["distributed"] = True
+        env = {"RANK": str(r.randrange(world)), "WORLD_SIZE": str(world)}
+    transport = r.choice(["shm", "grpc"])
+    served: dict[str, Any] = {}
+    if r.random() < 0.2:
+        served["copy"] = True
+    return file, r.randrange(1 << 30), kw, transport, served, env
 
 
 def _run(make: Any, n_epochs: int = 2) -> list[list] | BaseException:
@@ -184,20 +194,27 @@ def _resumed(make: Any, make_again: Any, at: int) -> tuple[list, int, int, list]
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_loaders_served_equal_in_process(
-    daemon: DaemonProcess, fixtures_dir: Path, seed: int
+    daemon: DaemonProcess, fixtures_dir: Path, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     r = random.Random(seed)
     checked = 0
     for trial in range(TRIALS):
-        file, pseed, kw, transport = _draw(r)
+        file, pseed, kw, transport, served, env = _draw(r)
+        for name in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         resume_at = r.randint(0, 3) if r.random() < 0.33 else None
         again = r.choice(["shm", "grpc", "inproc"])
         path = fixtures_dir / f"{file}.beton"
-        what = f"seed {seed} trial {trial}: {file} {transport} {kw} pipelines={pseed}"
+        what = f"seed {seed} trial {trial}: {file} {transport} {kw} {served} {env} p={pseed}"
 
-        def loader(backend: str, path: Path = path, pseed: int = pseed, kw: dict = kw) -> Any:
+        def loader(
+            backend: str, path: Path = path, pseed: int = pseed, kw: dict = kw, sv: dict = served
+        ) -> Any:
+            extra = {} if backend == "inproc" else sv
             return lambda: make_loader(
-                backend, path, _pipelines(path.stem, pseed), address=daemon.address, **kw
+                backend, path, _pipelines(path.stem, pseed), address=daemon.address, **kw, **extra
             )
 
         want = _run(loader("inproc"), 2 if resume_at is None else 3)
