@@ -7,7 +7,8 @@ ops, in random combinations and parameters), an order and seed, a batch size, ``
 from the daemon and from the in-process Loader and compares every output's bits, or, when one
 side refuses, requires the same error type from the other. A third of the trials also stop
 part-way through the first epoch, checkpoint, and resume on a new Loader of a random
-transport.
+transport; some of the others read two identical served Loaders in lock step (the daemon's
+sharing groups).
 
 The first version of this fuzz found that two compile-cache entries compiled in different
 processes could share Numba symbol names (a flip of another probability failed with
@@ -56,6 +57,7 @@ from conformance._backends import (
     epoch,
     make_loader,
     module_daemon,
+    snap,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -177,6 +179,26 @@ def _run(make: Any, n_epochs: int = 2) -> list[list] | BaseException:
         return exc
 
 
+def _pair(make: Any, n_epochs: int = 2) -> list[list] | BaseException:
+    """Two identical Loaders opened together and read in lock step (a sharing group on the
+    daemon: each batch decoded once, read by both); both must see the same batches, which are
+    returned once."""
+    try:
+        with make() as a, make() as b:
+            out = []
+            for _ in range(n_epochs):
+                ia, ib = iter(a), iter(b)
+                xs, ys = [], []
+                for x, y in zip(ia, ib, strict=True):
+                    xs.append(snap(x))
+                    ys.append(snap(y))
+                assert_same_batches(ys, xs, "the second member of the pair")
+                out.append(xs)
+            return out
+    except Exception as exc:
+        return exc
+
+
 def _resumed(make: Any, make_again: Any, at: int) -> tuple[list, int, int, list] | BaseException:
     """Batches ``0..at-1`` of epoch 0, a checkpoint, then two epochs on a new Loader from it:
     ``(first, epoch, batch, [resumed epoch, the epoch after])``. The checkpoint names the next
@@ -205,6 +227,7 @@ def test_random_loaders_served_equal_in_process(
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         resume_at = r.randint(0, 3) if r.random() < 0.33 else None
+        pair = resume_at is None and r.random() < 0.3
         again = r.choice(["shm", "grpc", "inproc"])
         path = fixtures_dir / f"{file}.beton"
         what = f"seed {seed} trial {trial}: {file} {transport} {kw} {served} {env} p={pseed}"
@@ -219,7 +242,10 @@ def test_random_loaders_served_equal_in_process(
 
         want = _run(loader("inproc"), 2 if resume_at is None else 3)
         got: Any
-        if resume_at is None:
+        if pair:
+            what += ", two identical Loaders in lock step"
+            got = _pair(loader(transport))
+        elif resume_at is None:
             got = _run(loader(transport))
         else:
             what += f", resumed at batch {resume_at} on {again}"
