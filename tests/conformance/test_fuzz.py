@@ -8,7 +8,7 @@ from the daemon and from the in-process Loader and compares every output's bits,
 side refuses, requires the same error type from the other. A third of the trials also stop
 part-way through the first epoch, checkpoint, and resume on a new Loader of a random
 transport; some of the others read two identical served Loaders in lock step (the daemon's
-sharing groups).
+sharing groups), and some resize their crops before the second epoch (progressive resizing).
 
 The first version of this fuzz found that two compile-cache entries compiled in different
 processes could share Numba symbol names (a flip of another probability failed with
@@ -171,22 +171,63 @@ def _draw(r: random.Random) -> tuple[str, int, dict[str, Any], str, dict[str, An
     return file, r.randrange(1 << 30), kw, transport, served, env
 
 
-def _run(make: Any, n_epochs: int = 2) -> list[list] | BaseException:
+class _Factory:
+    """Makes one trial's Loader of one backend; keeps the pipelines of the last one made (a
+    Loader owns its ops: progressive resizing sets its decoders' ``output_size``)."""
+
+    def __init__(self, backend: str, path: Path, pseed: int, kw: dict, address: str) -> None:
+        self.backend = backend
+        self.path = path
+        self.pseed = pseed
+        self.kw = kw
+        self.address = address
+        self.pipes: dict[str, list] = {}
+
+    def __call__(self) -> Any:
+        self.pipes = _pipelines(self.path.stem, self.pseed)
+        return make_loader(self.backend, self.path, self.pipes, address=self.address, **self.kw)
+
+
+def _resize(pipes: dict[str, list], size: tuple[int, int] | None) -> None:
+    """Progressive resizing (ffcv-imagenet): set every crop decoder's ``output_size``."""
+    for ops in pipes.values():
+        if size is not None and isinstance(
+            ops[0], RandomResizedCropRGBImageDecoder | CenterCropRGBImageDecoder
+        ):
+            ops[0].output_size = size
+
+
+def _run(
+    make: _Factory, n_epochs: int = 2, size: tuple[int, int] | None = None
+) -> list[list] | BaseException:
     try:
         with make() as ld:
-            return [epoch(ld) for _ in range(n_epochs)]
+            out = []
+            for e in range(n_epochs):
+                if e == 1:
+                    _resize(make.pipes, size)
+                out.append(epoch(ld))
+            return out
     except Exception as exc:
         return exc
 
 
-def _pair(make: Any, n_epochs: int = 2) -> list[list] | BaseException:
+def _pair(
+    make: _Factory, n_epochs: int = 2, size: tuple[int, int] | None = None
+) -> list[list] | BaseException:
     """Two identical Loaders opened together and read in lock step (a sharing group on the
     daemon: each batch decoded once, read by both); both must see the same batches, which are
     returned once."""
     try:
-        with make() as a, make() as b:
+        a = make()
+        pa = make.pipes
+        with a, make() as b:
+            pb = make.pipes
             out = []
-            for _ in range(n_epochs):
+            for e in range(n_epochs):
+                if e == 1:
+                    _resize(pa, size)
+                    _resize(pb, size)
                 ia, ib = iter(a), iter(b)
                 xs, ys = [], []
                 for x, y in zip(ia, ib, strict=True):
@@ -228,25 +269,26 @@ def test_random_loaders_served_equal_in_process(
             monkeypatch.setenv(name, value)
         resume_at = r.randint(0, 3) if r.random() < 0.33 else None
         pair = resume_at is None and r.random() < 0.3
+        size = (
+            (r.randint(4, 40), r.randint(4, 40)) if resume_at is None and r.random() < 0.3 else None
+        )
         again = r.choice(["shm", "grpc", "inproc"])
         path = fixtures_dir / f"{file}.beton"
         what = f"seed {seed} trial {trial}: {file} {transport} {kw} {served} {env} p={pseed}"
 
-        def loader(
-            backend: str, path: Path = path, pseed: int = pseed, kw: dict = kw, sv: dict = served
-        ) -> Any:
-            extra = {} if backend == "inproc" else sv
-            return lambda: make_loader(
-                backend, path, _pipelines(path.stem, pseed), address=daemon.address, **kw, **extra
-            )
+        def loader(backend: str, path: Path = path, pseed: int = pseed, kw: dict = kw) -> Any:
+            extra = {} if backend == "inproc" else served  # noqa: B023 (called in this trial)
+            return _Factory(backend, path, pseed, {**kw, **extra}, daemon.address)
 
-        want = _run(loader("inproc"), 2 if resume_at is None else 3)
+        if size is not None:
+            what += f", epoch 1 resized to {size}"
+        want = _run(loader("inproc"), 2 if resume_at is None else 3, size)
         got: Any
         if pair:
             what += ", two identical Loaders in lock step"
-            got = _pair(loader(transport))
+            got = _pair(loader(transport), 2, size)
         elif resume_at is None:
-            got = _run(loader(transport))
+            got = _run(loader(transport), 2, size)
         else:
             what += f", resumed at batch {resume_at} on {again}"
             got = _resumed(loader(transport), loader(again), resume_at)
