@@ -9,6 +9,9 @@ side refuses, requires the same error type from the other. A third of the trials
 part-way through the first epoch, checkpoint, and resume on a new Loader of a random
 transport; some of the others read two identical served Loaders in lock step (the daemon's
 sharing groups), and some resize their crops before the second epoch (progressive resizing).
+A third of the trials go to a second daemon with a tight stream memory budget and sharing
+groups that detach a member one batch behind (:data:`TIGHT`); a stream it refuses with
+``ResourceExhausted`` is skipped.
 
 The first version of this fuzz found that two compile-cache entries compiled in different
 processes could share Numba symbol names (a flip of another probability failed with
@@ -77,6 +80,17 @@ SEEDS = [int(s) for s in os.environ.get("BETON_FUZZ_SEEDS", "0,1,2,3").split(","
 @pytest.fixture(scope="module")
 def daemon(fixtures_dir: Path) -> Iterator[DaemonProcess]:
     with module_daemon([fixtures_dir / f"{f}.beton" for f in FILES]) as d:
+        yield d
+
+
+#: A second daemon on a tight stream memory budget (shallow rings, arenas refused: groups share
+#: by copying) whose sharing groups detach a member one batch behind.
+TIGHT = ["--max-ring-bytes", "1500000", "--share-retain", "1", "--share-max-lag", "1"]
+
+
+@pytest.fixture(scope="module")
+def tight(fixtures_dir: Path) -> Iterator[DaemonProcess]:
+    with module_daemon([fixtures_dir / f"{f}.beton" for f in FILES], args=TIGHT) as d:
         yield d
 
 
@@ -257,7 +271,11 @@ def _resumed(make: Any, make_again: Any, at: int) -> tuple[list, int, int, list]
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_loaders_served_equal_in_process(
-    daemon: DaemonProcess, fixtures_dir: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+    daemon: DaemonProcess,
+    tight: DaemonProcess,
+    fixtures_dir: Path,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     r = random.Random(seed)
     checked = 0
@@ -275,10 +293,13 @@ def test_random_loaders_served_equal_in_process(
         again = r.choice(["shm", "grpc", "inproc"])
         path = fixtures_dir / f"{file}.beton"
         what = f"seed {seed} trial {trial}: {file} {transport} {kw} {served} {env} p={pseed}"
+        d = tight if r.random() < 0.3 else daemon
+        if d is tight:
+            what += ", on the tight daemon"
 
         def loader(backend: str, path: Path = path, pseed: int = pseed, kw: dict = kw) -> Any:
             extra = {} if backend == "inproc" else served  # noqa: B023 (called in this trial)
-            return _Factory(backend, path, pseed, {**kw, **extra}, daemon.address)
+            return _Factory(backend, path, pseed, {**kw, **extra}, d.address)  # noqa: B023
 
         if size is not None:
             what += f", epoch 1 resized to {size}"
@@ -292,6 +313,8 @@ def test_random_loaders_served_equal_in_process(
         else:
             what += f", resumed at batch {resume_at} on {again}"
             got = _resumed(loader(transport), loader(again), resume_at)
+        if d is tight and type(got).__name__ == "ResourceExhausted":
+            continue  # a ring the tight budget cannot hold: refused, as it should be
         if isinstance(want, BaseException) or isinstance(got, BaseException):
             assert type(got).__name__ == type(want).__name__, f"{what}: {got!r} != {want!r}"
             continue
@@ -306,4 +329,4 @@ def test_random_loaders_served_equal_in_process(
             assert_same_batches(g, w, f"{what}, epoch {e}")
         checked += 1
     assert checked >= TRIALS // 2  # most trials compared batches, not only errors
-    assert daemon.proc.poll() is None
+    assert daemon.proc.poll() is None and tight.proc.poll() is None
