@@ -648,6 +648,16 @@ def make_fill(dtype):
         return out
     return fill
 
+if sys.argv[1] == "--same-ids":  # number functions as every process did before session 25
+    import itertools
+
+    import numba
+    from beton_serve.pipeline import compile_cache
+    from numba.core import bytecode
+
+    compile_cache.attach(numba.njit(lambda: 0))  # the first attach spreads the ids ...
+    bytecode.FunctionIdentity._unique_ids = itertools.count(7)  # ... undone here
+    del sys.argv[1]
 kept, out = [], {}
 for name in sys.argv[1:]:
     fn = Compiler.compile(make_fill(getattr(np, name)))
@@ -677,6 +687,18 @@ def test_entries_compiled_in_different_processes_never_share_symbols(tmp_path: P
     for order in (("float32", "float64"), ("float64", "float32")):
         got = run_json(_CLOSURES, *order, env=env)  # both loaded from the cache
         assert got == {n: [n, want, 1] for n in order}
+
+
+def test_an_entry_whose_names_another_entry_took_is_compiled_not_loaded(tmp_path: Path) -> None:
+    """Should two entries still carry the same names (here forced: both compiled with the ids
+    every process used before), the process that loads the first compiles the second instead of
+    loading it, and both run with their own constants."""
+    env = child_env(BETON_SERVE_CACHE_DIR=str(tmp_path / "cc"))
+    want = [0.0, 1.5, 3.0, 4.5]
+    for name in ("float32", "float64"):
+        assert run_json(_CLOSURES, "--same-ids", name, env=env) == {name: [name, want, 0]}
+    got = run_json(_CLOSURES, "float32", "float64", env=env)
+    assert got == {"float32": ["float32", want, 1], "float64": ["float64", want, 0]}
 
 
 def test_a_fork_child_numbers_its_functions_apart_from_its_parent() -> None:

@@ -378,6 +378,19 @@ def _prepare(target_context: Any) -> None:
 #: far above the ids a process numbers its functions with from 1.
 _ID_FLOOR = 1 << 40
 _ids_spread = False
+#: The entry behind each function environment name this process compiled or loaded (Numba's
+#: ``fndesc.env_name`` -> cache key): a second entry under a name already taken is not loaded.
+_names: dict[str, bytes] = {}
+_names_lock = threading.Lock()
+
+
+def _claim(env_name: str, key: bytes) -> bool:
+    """Take ``env_name`` for the entry ``key`` in this process; ``False`` when another entry
+    has it (then that entry must be compiled here instead of loaded: see
+    :func:`_spread_function_ids`)."""
+    with _names_lock:
+        held = _names.setdefault(env_name, key)
+    return held == key
 
 
 def _spread_function_ids() -> None:
@@ -393,7 +406,8 @@ def _spread_function_ids() -> None:
     by a served-against-in-process fuzz, session 25). Counting from a random 62-bit start in
     every process makes two processes' names disjoint in practice (a collision needs two
     processes whose random starts lie within the number of functions they compile); a fork
-    child, which would count on from its parent's counter, draws a new start.
+    child, which would count on from its parent's counter, draws a new start. And should two
+    entries still carry one name, the second is compiled instead of loaded (:func:`_claim`).
     """
     global _ids_spread
     from numba.core import bytecode
@@ -482,8 +496,17 @@ def _make_cache_class() -> type:
 
                 from numba.core.compiler import CompileResult
 
+                parts = pickle.loads(payload)
+                if not _claim(parts[1].env_name, key):  # parts[1]: the function descriptor
+                    _log.info(
+                        "compile cache: entry for %s shares its symbol names with another "
+                        "entry loaded here; compiling",
+                        sig,
+                    )
+                    store.rejected += 1
+                    return None
                 _prepare(target_context)
-                return CompileResult._rebuild(target_context, *pickle.loads(payload))
+                return CompileResult._rebuild(target_context, *parts)
             except Exception as exc:
                 _log.info("compile cache: entry for %s unusable (%r); recompiling", sig, exc)
                 store.rejected += 1
@@ -501,6 +524,7 @@ def _make_cache_class() -> type:
                     return
                 from numba.core.serialize import dumps
 
+                _claim(cres.fndesc.env_name, key)
                 store.put(key, dumps(cres._reduce()))
             except Exception as exc:
                 _log.warning("compile cache: could not save %s (%r)", self._py_func, exc)
