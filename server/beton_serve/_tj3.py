@@ -252,26 +252,45 @@ class Decompressor:
     """
 
     def __init__(self, lib: ctypes.CDLL, *, fast_upsample: bool = False) -> None:
+        self._lib = lib
+        self._fast_upsample = fast_upsample
+        self._open()
+        # tj3SetScalingFactor accepts only the reduced fractions of its table (1/1, 3/4, ...)
+        self._sf = {m: _ScalingFactor(m // gcd(m, 8), 8 // gcd(m, 8)) for m in range(1, 9)}
+        self._uncropped = _Region(0, 0, 0, 0)
+
+    def _open(self) -> None:
+        lib = self._lib
         handle = lib.tj3Init(_TJINIT_DECOMPRESS)
         if not handle:
             raise MemoryError("tj3Init failed")
         _live[0] += 1
-        self._lib = lib
         self._h = handle
         self._finalizer = weakref.finalize(self, _destroy, lib, handle)
         # FFCV decodes with TJFLAG_FASTDCT (the fast integer IDCT); warnings are reported
         # (-1) and treated as errors, but do not stop the decode early.
         for param, value in (
             (_TJPARAM_FASTDCT, 1),
-            (_TJPARAM_FASTUPSAMPLE, int(fast_upsample)),
+            (_TJPARAM_FASTUPSAMPLE, int(self._fast_upsample)),
             (_TJPARAM_STOPONWARNING, 0),
         ):
             if lib.tj3Set(handle, param, value) != 0:
                 self.close()
                 raise RuntimeError(f"tj3Set({param}, {value}) failed")
-        # tj3SetScalingFactor accepts only the reduced fractions of its table (1/1, 3/4, ...)
-        self._sf = {m: _ScalingFactor(m // gcd(m, 8), 8 // gcd(m, 8)) for m in range(1, 9)}
-        self._uncropped = _Region(0, 0, 0, 0)
+
+    def reset(self) -> None:
+        """Replace the handle with a fresh one (same parameters).
+
+        Why: after ``tj3DecompressHeader`` fails on a corrupt JPEG (a bogus Huffman table, for
+        one), libjpeg-turbo leaves the handle mid-header, and every later header on it fails
+        with the same message, good JPEGs included. A worker's handle then failed every sample
+        after one bad one: errors named the wrong samples, a bad-sample budget skipped good ones,
+        and in the daemon, whose plans outlive streams, later clients' good batches failed
+        (found by a corrupt-JPEG fuzz, session 25). :meth:`header` and :meth:`decode` reset on
+        every failure; the batch kernel's caller resets before redoing a sample it handed back.
+        """
+        self._finalizer()
+        self._open()
 
     @property
     def handle(self) -> int:
@@ -300,7 +319,9 @@ class Decompressor:
         lib, h = self._lib, self._h
         n = data.shape[0]
         if n == 0 or lib.tj3DecompressHeader(h, data.ctypes.data, n) != 0:
-            raise ValueError(self._error("cannot read JPEG header"))
+            why = self._error("cannot read JPEG header")
+            self.reset()  # the handle is left mid-header: see reset()
+            raise ValueError(why)
         if lib.tj3Get(h, _TJPARAM_PRECISION) != 8 or lib.tj3Get(h, _TJPARAM_LOSSLESS):
             raise ValueError("only 8-bit lossy JPEGs are supported")
         return Header(
@@ -340,7 +361,9 @@ class Decompressor:
             h, data.ctypes.data, data.shape[0], out.ctypes.data, out.shape[1] * 3, _TJPF_RGB
         )
         if rc != 0:
-            raise ValueError(self._error("cannot decode JPEG"))
+            why = self._error("cannot decode JPEG")
+            self.reset()
+            raise ValueError(why)
 
 
 # -- crop geometry -----------------------------------------------------------------------------

@@ -299,6 +299,67 @@ def test_bad_jpegs_are_typed_errors_naming_the_sample(lib: Any, case: str) -> No
         assert info.value.op == type(op).__name__
 
 
+def _bogus_huffman(good: np.ndarray) -> np.ndarray:
+    """``good`` with its first Huffman table's code counts all 255 (more than 256 codes):
+    libjpeg-turbo's "Bogus Huffman table definition", raised while it reads the header."""
+    bad = good.copy()
+    at = int(np.flatnonzero((bad[:-1] == 0xFF) & (bad[1:] == 0xC4))[0])  # the DHT marker
+    bad[at + 5 : at + 21] = 0xFF  # marker (2), length (2), class and id (1), then 16 counts
+    return bad
+
+
+def test_a_corrupt_header_does_not_spoil_the_handle_for_the_next_jpegs(lib: Any) -> None:
+    """libjpeg-turbo leaves a handle mid-header when a header fails; every later header on it
+    failed with the same message, good JPEGs included (found by a corrupt-JPEG fuzz)."""
+    good = _jpeg(64, 80, 1)
+    tj = _tj3.Decompressor(lib)
+    want = _whole(_tj3.Decompressor(lib), good, 8)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="Bogus Huffman table"):
+            tj.header(_bogus_huffman(good))
+        np.testing.assert_array_equal(_whole(tj, good, 8), want)  # the same handle, exact
+        with pytest.raises(ValueError):
+            _whole(tj, good[:300], 8)  # a decode that fails ...
+        np.testing.assert_array_equal(_whole(tj, good, 8), want)  # ... leaves it usable too
+    tj.close()
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_after_a_bad_sample_the_same_decoder_decodes_the_next_batches(
+    lib: Any, use_kernel: bool
+) -> None:
+    """One decoder (one handle per worker thread) over batches: the batch with the bad JPEG
+    fails naming it, and the next batches, good samples only, decode exactly as a fresh
+    decoder's. Before, the worker's handle failed every later sample: the next batch's error
+    named its first, good, sample, and a bad-sample budget skipped good samples."""
+    jpegs = [_jpeg(64, 80, k) for k in range(4)]
+    jpegs[2] = _bogus_huffman(jpegs[2])
+    md, state = _blob_file(jpegs, [(64, 80)] * 4)
+    resize = "area" if use_kernel else "cv2"
+    for make in (
+        lambda: RandomResizedCropRGBImageDecoder((40, 36), jpeg_backend="tj3", resize=resize),
+        lambda: CenterCropRGBImageDecoder((48, 48), 224 / 256, jpeg_backend="tj3", resize=resize),
+    ):
+        op = make()
+        op.accept_globals(md, memory_read)
+        st, _ = op.declare_state_and_memory(INITIAL)
+        fn = op.generate_code()
+
+        def batch(ids: list[int], fn: Any = fn, st: Any = st) -> np.ndarray:
+            dst = np.zeros((len(ids), *st.shape), np.uint8)
+            args = [np.array(ids, np.uint64), dst, md, state]
+            fn(*args, 5) if getattr(fn, "with_seed", False) else fn(*args)
+            return dst
+
+        if use_kernel:
+            _tj3.batch_kernel(lib, wait=True, start=True)  # compiled: the batch kernel runs
+        with pytest.raises(CorruptJPEGError) as info:
+            batch([0, 1, 2, 3])
+        assert info.value.sample_index == 2
+        want = _run(make(), md, state, [3, 0, 1], 5)  # a fresh decoder
+        np.testing.assert_array_equal(batch([3, 0, 1]), want)
+
+
 def test_fallback_when_the_library_is_hidden(
     lib: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -683,6 +683,8 @@ class _CropDecoder(SimpleRGBImageDecoder):
                 if need_h:
                     jbuf = region_grid(need_h, need_w)
                     continue
+                if lens[b]:  # a JPEG the kernel gave up on may have left the handle unusable
+                    tj.reset()
                 one(tj, rbuf, dst, b, ids[b], boxes[b], datas[b])
                 b += 1
             resize_upscales(atab, arena, dst, rbuf, n)
