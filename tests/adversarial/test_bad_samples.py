@@ -42,7 +42,13 @@ class _Images:
         return rng.integers(0, 255, (24, 32, 3), dtype=np.uint8), i
 
 
-def _corrupt_dataset(path: Path) -> Path:
+#: How sample ``BAD`` is spoiled: its first 64 bytes zeroed (not a JPEG at all), or its first
+#: Huffman table's code counts all 255 (libjpeg-turbo fails inside the header and, before
+#: session 25, left the worker's TurboJPEG handle failing every later JPEG).
+CORRUPTIONS = ["zeroed", "bogus_huffman"]
+
+
+def _corrupt_dataset(path: Path, kind: str = "zeroed") -> Path:
     DatasetWriter(
         str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
     ).from_indexed_dataset(_Images())
@@ -51,9 +57,16 @@ def _corrupt_dataset(path: Path) -> Path:
         ptr = int(r.metadata["f0"]["data_ptr"][BAD])  # fields are f0, f1, ... in file order
     finally:
         r.close()
-    with open(path, "r+b") as f:  # zero the JPEG's header: the file stays valid, the sample fails
-        f.seek(ptr)
-        f.write(b"\0" * 64)
+    with open(path, "r+b") as f:  # the file stays valid, the sample fails
+        if kind == "zeroed":
+            f.seek(ptr)
+            f.write(b"\0" * 64)
+        else:
+            f.seek(ptr)
+            head = f.read(4096)
+            at = head.index(b"\xff\xc4")  # the first DHT marker
+            f.seek(ptr + at + 5)  # marker (2), length (2), class and id (1), then 16 counts
+            f.write(b"\xff" * 16)
     return path
 
 
@@ -65,8 +78,11 @@ def _pipelines(tensor: bool) -> dict[str, list[object]]:
     }
 
 
-def test_in_process_budget_is_per_epoch_and_replaces_within_the_batch(tmp_path: Path) -> None:
-    path = _corrupt_dataset(tmp_path / "bad.beton")
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_in_process_budget_is_per_epoch_and_replaces_within_the_batch(
+    tmp_path: Path, kind: str
+) -> None:
+    path = _corrupt_dataset(tmp_path / "bad.beton", kind)
     loader = InProcessLoader(str(path), BATCH, pipelines=_pipelines(False), bad_sample_budget=1)
     for _epoch in range(3):  # a budget over the stream's life would fail the second epoch
         labels = np.concatenate([np.asarray(y).reshape(-1) for _, y in loader])
@@ -77,10 +93,11 @@ def test_in_process_budget_is_per_epoch_and_replaces_within_the_batch(tmp_path: 
 
 
 @pytest.mark.parametrize("transport", ["shm", "grpc"])
+@pytest.mark.parametrize("kind", CORRUPTIONS)
 def test_served_ids_name_the_samples_the_batch_holds(
-    daemon_factory, tmp_path: Path, transport: str
+    daemon_factory, tmp_path: Path, transport: str, kind: str
 ) -> None:
-    path = _corrupt_dataset(tmp_path / "bad.beton")
+    path = _corrupt_dataset(tmp_path / "bad.beton", kind)
     d = daemon_factory([path], args=["--bad-sample-budget", "1"])
     loaders = [
         ServedLoader(
