@@ -315,6 +315,57 @@ def test_bad_sample_budget_skips_by_replacing_with_next_good_sample():
         assert [(b.epoch, b.sample_id) for b in src.bad_samples] == [(0, 6), (1, 6)]
 
 
+class _SlowFirstFailing(AddOne):
+    """Python-mode ``AddOne`` that fails on samples 1 and 6, and holds a part that contains
+    sample 0 back until the part with sample 6 has failed."""
+
+    def __init__(self, later_failed: threading.Event) -> None:
+        super().__init__()
+        self.later_failed = later_failed
+
+    def generate_code(self):
+        later_failed = self.later_failed
+
+        def add(inp, dst, batch_indices):
+            ids = [int(x) for x in batch_indices]
+            if 0 in ids and len(ids) > 1:  # the first part of the split batch
+                later_failed.wait(10)
+            if 6 in ids:
+                try:
+                    raise ValueError("corrupt sample 6")
+                finally:
+                    later_failed.set()
+            if 1 in ids:
+                raise ValueError("corrupt sample 1")
+            dst[:] = inp + 1
+            return dst
+
+        add.with_indices = True  # type: ignore[attr-defined]
+        add.python = True  # type: ignore[attr-defined]
+        return add
+
+
+def test_a_split_batch_names_its_first_bad_sample_whichever_part_fails_first():
+    """Bad samples in both parts of a split batch: the error names the first in batch order
+    (as the whole batch run on one worker does), although the second part failed first. It
+    named the first part to finish, so served batches (split over the daemon's workers) could
+    name another sample than the in-process Loader (found by the corrupt-JPEG fuzz)."""
+    r = FakeReader(n=16)
+    later_failed = threading.Event()
+    plan = compile_pipelines(
+        r,
+        {"image": [FakeImageDecoder(), _SlowFirstFailing(later_failed)], "label": [AddIndex()]},
+        batch_size=8,
+        cache=PlanCache(),
+    )
+    with Engine(2) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=8, slices=2)
+        with pytest.raises(PipelineError) as info:
+            src.submit(0, 0).result(60)  # ids 0..7: parts 0..3 and 4..7
+    assert later_failed.is_set()
+    assert info.value.sample_index == 1
+
+
 def test_a_zero_budget_fails_the_batch_naming_the_setting():
     r = FakeReader(n=16)
     plan = _plan(r, 4, decoder=FakeImageDecoder(fail_on=6))

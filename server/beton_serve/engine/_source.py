@@ -27,6 +27,7 @@ counts once.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -296,19 +297,22 @@ class BatchSource:
         result.sample_ids = held
         bounds = np.linspace(0, n, parts + 1).astype(int)
         pending = [parts]
-        errors: list[BaseException] = []
+        errors: list[tuple[int, BaseException]] = []
         tasks = []
 
-        def done(f: Future[Any]) -> None:
+        def done(f: Future[Any], part: int) -> None:
             exc = f.exception() if not f.cancelled() else PipelineError("batch cancelled")
             with self._lock:
                 if exc is not None:
-                    errors.append(exc)
+                    errors.append((part, exc))
                 pending[0] -= 1
                 last = pending[0] == 0
             if last:
                 if errors:
-                    result.set_exception(errors[0])
+                    # The first part's error, not the first to finish: a batch with bad samples
+                    # in two parts names the first of them, as the same batch run whole does,
+                    # whichever worker got there first (found by the corrupt-JPEG fuzz).
+                    result.set_exception(min(errors, key=lambda e: e[0])[1])
                 else:
                     result.set_result([o[:n] for o in out])
 
@@ -326,7 +330,7 @@ class BatchSource:
                 priority=priority,
             )
             tasks.append(task)
-            task.future.add_done_callback(done)
+            task.future.add_done_callback(functools.partial(done, part=s))
         result.tasks = tasks
         result.add_done_callback(_forget_tasks)
         return result
