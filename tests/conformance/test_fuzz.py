@@ -1,7 +1,7 @@
 """Random Loaders, served against in-process, bit for bit: a seeded fuzz over the FFCV fixtures.
 
-Each trial draws a file, a pipeline per field (decoder, augmentations, normalisation, tensor
-ops, in random combinations and parameters), an order and seed, a batch size, ``drop_last``,
+Each trial draws a file, a pipeline per field (decoder, with its JPEG backend and resize,
+augmentations, normalisation, tensor ops, in random combinations and parameters), an order and seed, a batch size, ``drop_last``,
 ``batches_ahead``, sometimes ``indices`` (with repeats) or ``distributed`` (``RANK`` and
 ``WORLD_SIZE`` set for both Loaders), and a transport (sometimes with ``copy=True``); then reads two epochs
 from the daemon and from the in-process Loader and compares every output's bits, or, when one
@@ -97,12 +97,22 @@ def tight(fixtures_dir: Path) -> Iterator[DaemonProcess]:
 def _image_ops(r: random.Random, fixed_size: bool, mixup: tuple[float, bool] | None) -> list:
     h, w = r.randint(4, 40), r.randint(4, 40)
     kind = r.choice(["cc", "rrc", "simple"] if fixed_size else ["cc", "rrc"])
+    # the JPEG decoder and resize: tj3 crop- and scale-aware (auto), the simplejpeg whole-image
+    # path, FFCV's exact mode (cv2 resize, no DCT scaling)
+    dec = r.choice(
+        [
+            {},
+            {"jpeg_backend": "simplejpeg"},
+            {"resize": "cv2", "dct_scale": False},
+            {"jpeg_backend": "simplejpeg", "resize": "cv2"},
+        ]
+    )
     if kind == "cc":
-        ops: list[Any] = [CenterCropRGBImageDecoder((h, w), r.uniform(0.3, 1.0))]
+        ops: list[Any] = [CenterCropRGBImageDecoder((h, w), r.uniform(0.3, 1.0), **dec)]
     elif kind == "rrc":
         scale = (r.uniform(0.05, 0.5), 1.0)
         ratio = (r.uniform(0.5, 1.0), r.uniform(1.0, 2.0))
-        ops = [RandomResizedCropRGBImageDecoder((h, w), scale=scale, ratio=ratio)]
+        ops = [RandomResizedCropRGBImageDecoder((h, w), scale=scale, ratio=ratio, **dec)]
     else:
         ops = [SimpleRGBImageDecoder()]
     fill = (r.randrange(256), r.randrange(256), r.randrange(256))
