@@ -22,6 +22,7 @@ are fixed so that a failure reproduces: ``BETON_FUZZ_TRIALS`` sets the trials pe
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 from collections.abc import Iterator
@@ -199,11 +200,13 @@ class _Factory:
     """Makes one trial's Loader of one backend; keeps the pipelines of the last one made (a
     Loader owns its ops: progressive resizing sets its decoders' ``output_size``)."""
 
-    def __init__(self, backend: str, path: Path, pseed: int, kw: dict, address: str) -> None:
+    def __init__(
+        self, backend: str, *, path: Path, pseed: int, kw: dict, served: dict, address: str
+    ) -> None:
         self.backend = backend
         self.path = path
         self.pseed = pseed
-        self.kw = kw
+        self.kw = kw if backend == "inproc" else {**kw, **served}  # served: served-only options
         self.address = address
         self.pipes: dict[str, list] = {}
 
@@ -307,9 +310,9 @@ def test_random_loaders_served_equal_in_process(
         if d is tight:
             what += ", on the tight daemon"
 
-        def loader(backend: str, path: Path = path, pseed: int = pseed, kw: dict = kw) -> Any:
-            extra = {} if backend == "inproc" else served  # noqa: B023 (called in this trial)
-            return _Factory(backend, path, pseed, {**kw, **extra}, d.address)  # noqa: B023
+        loader = functools.partial(
+            _Factory, path=path, pseed=pseed, kw=kw, served=served, address=d.address
+        )
 
         if size is not None:
             what += f", epoch 1 resized to {size}"

@@ -415,12 +415,12 @@ class Daemon:
             ResourceExhausted: the required slots do not fit.
         """
         base = req.batches_ahead + 1
-        self._check_ring_budget(req, base, slot_bytes)
+        held = self._check_ring_budget(req, base, slot_bytes)
         budget = self.max_ring_bytes
-        room = None if budget <= 0 else budget // 2 - self.ring_bytes() - base * slot_bytes
+        room = None if budget <= 0 else budget // 2 - held - base * slot_bytes
         return ring_size(req.batches_ahead, slot_bytes, room)
 
-    def _check_ring_budget(self, req: StreamRequest, slots: int, slot_bytes: int) -> None:
+    def _check_ring_budget(self, req: StreamRequest, slots: int, slot_bytes: int) -> int:
         """Refuse a stream whose ring would take the open streams' rings past
         :attr:`max_ring_bytes` (checked and added on the event loop, with no await between).
         A ring counts as its batch slots (``slots * slot_bytes``): a transport's bookkeeping
@@ -429,16 +429,19 @@ class Daemon:
         when it first decodes, after its streams were admitted: :meth:`_admit_arena` refuses
         one that does not fit, and the group then shares by copying).
 
+        Returns:
+            What the open rings and arenas hold (:meth:`ring_bytes`; 0 without a budget).
+
         Raises:
             ResourceExhausted: it does not fit (the message says what it needs and what is held).
         """
         budget = self.max_ring_bytes
         need = slots * slot_bytes
         if budget <= 0:
-            return
+            return 0
         held = self.ring_bytes()
         if held + need <= budget:
-            return
+            return held
         what = (
             f"this stream needs {human_bytes(need)} ({slots} slots of {human_bytes(slot_bytes)}: "
             f"batch_size {req.batch_size}, batches_ahead {req.batches_ahead})"

@@ -6,10 +6,10 @@ A stream is added when OpenStream accepts it and leaves the table exactly once, 
 * the liveness monitor (:meth:`watch`): the client's process is gone, the client closed its
   notice channel before its first ``Start``, or no call came within
   :attr:`StreamTable.unattached_timeout_s` (:data:`UNATTACHED_TIMEOUT_S` by default) while no
-  client held the notice channel open (a client that
-  holds it is alive, and starts when it iterates, minutes later if it builds a model first:
-  the timeout used to end such a stream, and the client then waited on its channel for
-  ever): :meth:`end`, which also cancels a running serving task;
+  client held the notice channel open (a client that holds it is alive, and starts when it
+  iterates, minutes later if it builds a model first: the timeout used to end such a stream,
+  and the client then waited on its channel for ever): :meth:`end`, which also cancels a
+  running serving task;
 * the daemon draining or closing: :meth:`drain`, :meth:`close`.
 
 Either way :meth:`Stream.close <beton_serve.daemon._stream.Stream.close>` runs, which reclaims
