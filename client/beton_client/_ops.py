@@ -8,7 +8,9 @@ The split (DESIGN.md §7, docs/custom-ops.md). Walking one pipeline from its dec
   recorded constructor arguments if it has them (``Operation.import_spec()``), and why not
   otherwise. The daemon runs it as a plugin, or imports its module from its own disk when it
   trusts the peer, or hands it back: then the client runs that op and the rest of the pipeline
-  itself (``_tail``, compiled locally by ``_local_jit``);
+  itself (``_tail``, compiled locally by ``_local_jit``). A built-in op whose parameters are
+  too large to send (:data:`MAX_IMPORT_BYTES`) travels as an ``@import`` marked ``local``, which
+  the daemon hands back at once;
 * the **tail** starts at the first op that works on torch tensors (``ToTensor``, ``ToDevice``,
   ``ToTorchImage``, ``Convert``, ``Squeeze``, ``View``, ``ModuleWrapper``) or that is no
   ``Operation`` (a ``torch.nn.Module``, a lambda); it runs here, on the received batch, in order,
@@ -47,8 +49,8 @@ __all__ = [
 IMPORT_OP = "@import"
 CLIENT_OP = "@client"
 LOCAL_MARKER = "@local"
-#: Constructor arguments larger than this (as JSON) are not sent: the op runs here instead
-#: (well under ``beton_wire.limits.MAX_PARAMS_BYTES``).
+#: Constructor arguments of a user's op, or parameters of a built-in op, larger than this (as
+#: JSON) are not sent: the op runs here instead (well under ``beton_wire.limits.MAX_PARAMS_BYTES``).
 MAX_IMPORT_BYTES = 256 << 10
 
 #: Ops that run on torch tensors, hence in the client (by spec name / class name).
@@ -184,6 +186,27 @@ def _user_op_params(op: Any, first: bool) -> str:
     )
 
 
+def _prefix_wire(op: Any, pipeline: str, first: bool) -> tuple[str, str]:
+    """How one prefix op travels: ``(spec_name, params)``, or ``@import``.
+
+    A built-in op whose parameters take more than :data:`MAX_IMPORT_BYTES` as JSON (a
+    ``Poison`` mask of a 224x224 image is ~4 MB) is not sent: it travels as an ``@import`` with
+    ``local`` set, which the daemon hands back, so this process runs it and the rest of the
+    pipeline (route c), as it would a user's op with arguments that large.
+    """
+    if not (is_builtin(op) or isinstance(op, SpecOp) or not _is_operation(op)):
+        return IMPORT_OP, _user_op_params(op, first)
+    params = _wire_params(op, pipeline)
+    if len(params) <= MAX_IMPORT_BYTES or not is_builtin(op) or (first and is_decoder(op)):
+        return _op_name(op), params  # (a decoder must run in the daemon: the limit refuses it)
+    why = (
+        f"{_op_name(op)}'s parameters take {len(params)} bytes as JSON; ops whose parameters "
+        f"take more than {MAX_IMPORT_BYTES} are not sent to the daemon"
+    )
+    body = {"spec": None, "import": None, "local": True, "why": [why], "decoder": False}
+    return IMPORT_OP, json.dumps(body, sort_keys=True)
+
+
 def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
     """Split every pipeline into its daemon prefix and client tail (see the module docstring).
 
@@ -228,12 +251,7 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
                 and _op_name(op) not in CLIENT_IMPLEMENTED
             ):
                 raise SpecError(f"pipeline {name!r}: {op!r} is neither an op nor callable")
-        wire = tuple(
-            (_op_name(op), _wire_params(op, name))
-            if is_builtin(op) or isinstance(op, SpecOp) or not _is_operation(op)
-            else (IMPORT_OP, _user_op_params(op, i == 0))
-            for i, op in enumerate(prefix)
-        )
+        wire = tuple(_prefix_wire(op, name, i == 0) for i, op in enumerate(prefix))
         wire += tuple((CLIENT_OP, "{}") for _ in tail)
         out.append(
             PipelinePlan(

@@ -364,3 +364,66 @@ def test_random_op_after_another_pipelines_tail_draws_in_process_numbers(
         }
 
     _compare(labels_first, d.address, transport, pipelines)
+
+
+BIG = 160  # px: a Poison mask of 160x160x3 random floats is ~1.5 MB of JSON, over the 1 MiB limit
+
+
+@pytest.fixture(scope="module")
+def big_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``N`` raw ``BIG x BIG`` images, labels ``3i + 1``."""
+
+    class Rows:
+        def __init__(self) -> None:
+            self.images = np.random.default_rng(5).integers(0, 256, (N, BIG, BIG, 3), np.uint8)
+
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, i: int):
+            return self.images[i], int(i * 3 + 1)
+
+    path = tmp_path_factory.mktemp("custom-ops") / "big.beton"
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="raw"), "label": IntField()}
+    ).from_indexed_dataset(Rows())
+    return path
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_builtin_op_with_parameters_too_large_to_send_runs_in_the_client(
+    big_dataset, daemon_factory, transport, caplog, monkeypatch
+):
+    """FFCV's Poison with an image-sized mask (4 MB of JSON at 224 px) and a ReplaceLabel over
+    many indices exceed what the client sends per op: they run here (route c), with a random op
+    after them, and every batch equals the in-process Loader's (was: SpecError, 'parameters of
+    ... bytes exceed the 1048576-byte limit')."""
+    from beton_client._ops import MAX_IMPORT_BYTES
+    from beton_serve.transforms import Poison, ReplaceLabel
+
+    monkeypatch.setattr("beton_client._tail._LOGGED", set())  # the warning is once per process
+    d = daemon_factory([big_dataset])
+    rng = np.random.default_rng(11)
+    mask = rng.uniform(0, 255, (BIG, BIG, 3))
+    alpha = rng.uniform(0, 1, (BIG, BIG))
+    many = list(range(1, 120_000, 2))  # odd ids, most of them past the file's end
+
+    def pipelines():
+        return {
+            "image": [
+                SimpleRGBImageDecoder(),
+                Poison(mask, alpha, [0, 3, 5, 8, 13, 21], clamp=(10, 240)),
+                RandomHorizontalFlip(0.5),
+                ToTensor(),
+            ],
+            "label": [IntDecoder(), ReplaceLabel(many, 7), ToTensor(), Squeeze()],
+        }
+
+    with caplog.at_level(logging.WARNING, logger="beton_client"):
+        served = _compare(big_dataset, d.address, transport, pipelines)
+    text = caplog.text
+    for op in ("Poison", "ReplaceLabel"):
+        assert f"{op}'s parameters take" in text and f"more than {MAX_IMPORT_BYTES}" in text
+    assert "ops from #1 run in the client" in d.log()
+    labels = torch.cat([b[1] for b in served])
+    assert set(labels.tolist()) == {7} | {3 * i + 1 for i in range(0, N, 2)}  # odd ids replaced

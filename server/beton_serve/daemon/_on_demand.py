@@ -136,7 +136,8 @@ def resolve_ops(
 
     A user's op (:data:`IMPORT_OP`) runs here when the daemon has it registered (a plugin: its
     ``spec``), else when ``import_refusal`` is ``None`` and its module imports and builds here.
-    Otherwise it and every later op of the pipeline become :data:`CLIENT_OP` placeholders.
+    Otherwise (or when the client marked it ``local``: a built-in op whose parameters it would
+    not send) it and every later op of the pipeline become :data:`CLIENT_OP` placeholders.
 
     Args:
         ops: the pipeline as sent.
@@ -160,7 +161,9 @@ def resolve_ops(
             built.append(build(op.name, op.params))
             continue
         why = [str(w) for w in op.params.get("why", ()) if isinstance(w, str)][:4]
-        got = _build_user_op(op.params, build, import_refusal, why)
+        # "local": the client keeps the op (a built-in whose parameters it would not send)
+        local = op.params.get("local") is True and op.params.get("decoder") is not True
+        got = None if local else _build_user_op(op.params, build, import_refusal, why)
         if got is not None:
             built.append(got)
             continue
