@@ -88,6 +88,51 @@ def test_a_branch_reading_the_decoders_buffer_keeps_the_flip_out_of_place() -> N
     np.testing.assert_array_equal(plain, np.stack([fake_image(i) for i in ids]) + 1)
 
 
+@pytest.mark.parametrize("with_outs", [True, False])
+def test_a_branch_with_no_numba_op_reads_the_decoded_pixels_not_the_flipped_ones(
+    with_outs: bool,
+) -> None:
+    """``PipelineSpec(dec, transforms=[])`` (or only torch ops) ends at the decoder: the flip
+    must not work in place on the buffer that output is. Before the planner checked for it, the
+    flip flipped it (without destinations) or the branch got a destination nothing wrote
+    (uninitialised memory, with them)."""
+    from beton_serve.transforms import ToTensor
+
+    reader = FakeReader()
+    dec, flip = FakeImageDecoder(), RandomHorizontalFlip(1.0)
+    pipes = {
+        "image": [dec, flip],
+        "label": None,
+        "plain": PipelineSpec(dec, transforms=[]),
+        "tensor": PipelineSpec(dec, transforms=[ToTensor()]),
+    }
+    plan = compile_pipelines(reader, pipes, batch_size=6)
+    ids = [7, 8, 9, 10, 11, 12]
+    outs = [np.zeros((6, *o.shape), o.dtype) for o in plan.outputs] if with_outs else None
+    _, _, (img, plain, tensor) = _run(plan, ids, outs)
+    decoded = np.stack([fake_image(i) for i in ids])
+    np.testing.assert_array_equal(img, decoded[:, :, ::-1])
+    np.testing.assert_array_equal(plain, decoded)
+    np.testing.assert_array_equal(np.asarray(tensor), decoded)
+    if outs is not None:  # each output in its own destination
+        for res, dst in zip((img, plain, tensor), outs, strict=True):
+            assert np.shares_memory(res, dst)
+
+
+def test_two_outputs_ending_at_one_op_get_a_destination_each() -> None:
+    reader = FakeReader()
+    dec = FakeImageDecoder()
+    pipes = {"image": [dec], "label": None, "again": PipelineSpec(dec, transforms=[])}
+    plan = compile_pipelines(reader, pipes, batch_size=4)
+    ids = [3, 1, 4, 1]
+    outs = [np.zeros((4, *o.shape), o.dtype) for o in plan.outputs]
+    _, _, (a, b) = _run(plan, ids, outs)
+    decoded = np.stack([fake_image(i) for i in ids])
+    for res, dst in zip((a, b), outs, strict=True):
+        np.testing.assert_array_equal(res, decoded)
+        np.testing.assert_array_equal(dst, decoded)  # was: the second stayed zero
+
+
 class ViewDecoder(FakeImageDecoder):
     """Returns views of the file's images (not the buffer it was given): a flip after it must
     not write them."""

@@ -530,7 +530,8 @@ class Plan:
             if outs is None:
                 out_arrays.append(res)
                 continue
-            if head in direct and res is passed[leaf_pos] is passed[head]:
+            mine = direct.get(head)
+            if mine is outs[i] and res is passed[leaf_pos] is passed[head]:
                 out_arrays.append(res)  # written into the destination (in place from the head)
                 continue
             dst = outs[i][:n]
@@ -596,12 +597,16 @@ class Plan:
 
     def _inplace_parent(self, node: Node) -> Node | None:
         """The jit op whose buffer ``node`` may work on in place: ``node``'s parent, when
-        ``node``'s op is ``inplace``, the parent is a jit op, ``node`` is its only jit child, and
-        both allocate one buffer of the same shape and dtype."""
+        ``node``'s op is ``inplace``, the parent is a jit op, nothing else reads the parent's
+        buffer (``node`` is its only child, and no output ends at it: a branch,
+        ``PipelineSpec(source=parent)``, reads it too), and both allocate one buffer of the same
+        shape and dtype."""
         parent = node.parent
         if parent is None or not node.op.inplace or not self._jit[parent.position]:
             return None
-        if [c for c in parent.children if self._jit[c]] != [node.position]:
+        if parent.children != [node.position]:
+            return None
+        if any(self._jit_leaf(path) is parent for path in self.paths):
             return None
         q, pq = self._alloc[node.position], self._alloc[parent.position]
         if not isinstance(q, AllocationQuery) or not isinstance(pq, AllocationQuery):
@@ -618,8 +623,11 @@ class Plan:
         direct: dict[int, np.ndarray] = {}
         for i, (_, ok, shape, dtype, head) in enumerate(self._outputs_static):
             o = outs[i]
-            if ok and o.dtype == dtype and o.shape[1:] == shape and o.flags.c_contiguous:
-                direct[head] = o
+            # one destination per head: two outputs that end at one op (branches from it) are
+            # both its result, and the second is copied into its own destination
+            if ok and head not in direct and o.dtype == dtype and o.shape[1:] == shape:
+                if o.flags.c_contiguous:
+                    direct[head] = o
         return direct
 
 
