@@ -50,7 +50,7 @@ from beton_wire.limits import (
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-from beton_client._ops import PipelinePlan, device_of
+from beton_client._ops import BRANCH_FIELD, PipelinePlan, branch_refusal, device_of
 from beton_client._options import ServeOptions, merge_serve_keywords
 from beton_client._resume import RetryPolicy, retriable, retry
 from beton_client._stream import _Stream
@@ -375,14 +375,9 @@ class DaemonBackend:
     def _request(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> pb.OpenStreamRequest:
         from beton_client._transport.identity import gather_facts
 
-        if any(p.branch for p in plans):
-            name = next(p.name for p in plans if p.branch)
-            raise SpecError(
-                f"pipeline {name!r}: PipelineSpec(source=<op of another pipeline>) branches from "
-                "that op's output; the served Loader does not carry branches yet "
-                "(docs/migrating-from-ffcv.md). Decode the field again with "
-                "PipelineSpec(source='<field>', ...), or use the in-process Loader"
-            )
+        refusal = branch_refusal(plans)
+        if refusal is not None:
+            raise SpecError(refusal)
         if args.indices is not None and args.indices.size > MAX_INDICES:
             raise SpecError(
                 f"{args.indices.size} indices are too many: a daemon accepts at most {MAX_INDICES}"
@@ -395,9 +390,11 @@ class DaemonBackend:
             pipelines=[
                 pb.PipelineSpec(
                     name=p.name,
-                    field=p.field,
+                    field=BRANCH_FIELD if p.branch_of else p.field,
                     skip=p.skip,
                     ops=[pb.OpSpec(name=n, params_json=j) for n, j in p.ops],
+                    branch_of=p.branch_of,
+                    branch_op=p.branch_op,
                 )
                 for p in plans
             ],

@@ -16,7 +16,10 @@ The split (DESIGN.md §7, docs/custom-ops.md). Walking one pipeline from its dec
   ``Operation`` (a ``torch.nn.Module``, a lambda); it runs here, on the received batch, in order,
   with FFCV's semantics (``_tail``). Each tail op travels as an ``@client`` placeholder, so the
   daemon's graph has the in-process graph's nodes and positions (random ops' seeds derive from
-  them: ``beton_serve.pipeline.rng``).
+  them: ``beton_serve.pipeline.rng``);
+* a **branch** (FFCV's ``PipelineSpec(source=<op>)``) travels as its own ops plus the name of the
+  pipeline whose op it continues from and that op's index there (``branch_of``, ``branch_op``),
+  when that op is in the pipeline's prefix; its ``field`` on the wire is :data:`BRANCH_FIELD`.
 
 Ops are recognised by duck typing (``spec_name``, else the class name), so this module never
 imports ``beton_serve``; torch is imported only when a tail is built.
@@ -24,6 +27,7 @@ imports ``beton_serve``; torch is imported only when a tail is built.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,12 +38,14 @@ import numpy as np
 from beton_client.errors import SpecError
 
 __all__ = [
+    "BRANCH_FIELD",
     "CLIENT_OP",
     "IMPORT_OP",
     "LOCAL_MARKER",
     "PipelinePlan",
     "SpecOp",
     "TailOp",
+    "branch_refusal",
     "build_tail",
     "device_of",
     "split_pipelines",
@@ -49,6 +55,10 @@ __all__ = [
 IMPORT_OP = "@import"
 CLIENT_OP = "@client"
 LOCAL_MARKER = "@local"
+#: The ``field`` a branch's ``PipelineSpec`` carries on the wire: no file has a field of that
+#: name, so a daemon that predates branches (and ignores ``branch_of``) refuses the pipeline
+#: instead of decoding a field with the branch's ops.
+BRANCH_FIELD = "@branch"
 #: Constructor arguments of a user's op, or parameters of a built-in op, larger than this (as
 #: JSON) are not sent: the op runs here instead (well under ``beton_wire.limits.MAX_PARAMS_BYTES``).
 MAX_IMPORT_BYTES = 256 << 10
@@ -110,8 +120,10 @@ class PipelinePlan:
         decoder_given: whether ``user_ops[0]`` is the decoder (else the daemon prepends the
             field's default decoder, as ``build_graph`` does in process): positions depend on it.
         branch: FFCV's ``PipelineSpec(source=<op>)``, branching from another pipeline's op
-            (``None`` otherwise): the in-process backend runs it; a daemon cannot yet.
+            (``None`` otherwise).
         spec: the ``PipelineSpec``-like object given, if any (the in-process backend uses it).
+        branch_of: for a branch, the output whose pipeline holds the ``branch`` op (else ``""``).
+        branch_op: for a branch, that op's index in the other pipeline's ``user_ops``.
     """
 
     name: str
@@ -124,6 +136,8 @@ class PipelinePlan:
     decoder_given: bool = False
     branch: Any = None
     spec: Any = None
+    branch_of: str = ""
+    branch_op: int = 0
 
 
 def _is_operation(op: Any) -> bool:
@@ -266,7 +280,52 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
                 spec=spec,
             )
         )
+    return _place_branches(out)
+
+
+def _place_branches(plans: list[PipelinePlan]) -> list[PipelinePlan]:
+    """Name, for each branch, the pipeline and the index of the op it continues from, when that
+    op runs in the daemon (before its pipeline's boundary); see :func:`branch_refusal`."""
+    out = list(plans)
+    for k, p in enumerate(plans):
+        if p.branch is None:
+            continue
+        for q in plans:
+            at = next((i for i, op in enumerate(q.user_ops) if op is p.branch), None)
+            if at is not None and q is not p and at < q.boundary:
+                out[k] = dataclasses.replace(p, branch_of=q.name, branch_op=at)
+                break
+    by_name = {p.name: p for p in out}
+    for k, p in enumerate(out):  # a branch reads the field its chain of sources starts from
+        root, seen = p, {p.name}
+        while root.branch_of and root.branch_of not in seen:
+            seen.add(root.branch_of)
+            root = by_name[root.branch_of]
+        if p.branch_of:
+            out[k] = dataclasses.replace(p, field=root.field)
     return out
+
+
+def branch_refusal(plans: Sequence[PipelinePlan]) -> str | None:
+    """Why a daemon cannot run these pipelines' branches (``None`` when it can): it branches
+    only from an op that runs in it, i.e. before its pipeline's boundary. (The in-process
+    backend checks branches itself, in ``beton_serve.pipeline._graph``.)"""
+    for p in plans:
+        if p.branch is None or p.branch_of:
+            continue
+        where = next((q.name for q in plans if any(op is p.branch for op in q.user_ops)), None)
+        if where is None:
+            return (
+                f"pipeline {p.name!r}: PipelineSpec(source=<op>) branches from "
+                f"{_op_name(p.branch)}, which no other pipeline lists"
+            )
+        return (
+            f"pipeline {p.name!r}: PipelineSpec(source=<op>) branches from {_op_name(p.branch)}, "
+            f"which runs in this process in pipeline {where!r} (at or after its ToTensor); the "
+            "served Loader branches from an op that runs in the daemon (before the ToTensor), "
+            "or use the in-process Loader"
+        )
+    return None
 
 
 def device_of(plans: Sequence[PipelinePlan]) -> str:

@@ -392,20 +392,37 @@ def output_positions(
     The graph is the in-process one (``beton_serve.pipeline._graph``): outputs in order, each
     its root decoder then its ops, depth-first; a pipeline not sent, or sent empty, is
     ``[decoder, ToTensor]``; one whose first op is no decoder gets the default one prepended.
-    The tail travels as placeholders, so the daemon's positions are these.
+    A branch (``PipelineSpec(source=<op>)``) has no root of its own: its ops are numbered in the
+    first pass over the outputs after the one that numbered the pipeline holding its source op
+    (as ``build_graph`` defers it), and its root is the source op. The tail travels as
+    placeholders, so the daemon's positions are these.
     """
     by_name = {p.name: p for p in plans if not p.skip}
     out: dict[str, tuple[int, int]] = {}
     base = 0
-    for name in outputs:
-        p = by_name.get(name)
-        if p is None or not p.user_ops:
-            out[name] = (base, base + 1)
-            base += 2
-            continue
-        first = base if p.decoder_given else base + 1
-        out[name] = (base, first)
-        base = first + len(p.user_ops)
+    pending = list(outputs)
+    while pending:
+        rest = []
+        for name in pending:
+            p = by_name.get(name)
+            if p is not None and p.branch_of:
+                src = out.get(p.branch_of)
+                if src is None:
+                    rest.append(name)
+                    continue
+                out[name] = (src[1] + p.branch_op, base)
+                base += len(p.user_ops)
+                continue
+            if p is None or not p.user_ops:
+                out[name] = (base, base + 1)
+                base += 2
+                continue
+            first = base if p.decoder_given else base + 1
+            out[name] = (base, first)
+            base = first + len(p.user_ops)
+        if len(rest) == len(pending):
+            raise SpecError(f"pipelines {rest} branch from ops no other pipeline holds")
+        pending = rest
     return out
 
 

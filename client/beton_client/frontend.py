@@ -382,7 +382,7 @@ def pipelines_key(plans: Sequence[PipelinePlan]) -> bytes:
     daemon-side spec and the device (cheap: computed at each ``iter``)."""
     from beton_client._ops import device_of
 
-    spec = [(p.name, p.field, p.skip, p.ops) for p in plans]
+    spec = [(p.name, p.field, p.skip, p.ops, p.branch_of, p.branch_op) for p in plans]
     return repr((spec, device_of(plans))).encode()
 
 

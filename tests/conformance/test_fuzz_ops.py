@@ -11,6 +11,8 @@ that crop decoders pick every DCT scale, 1/8 to 8/8, and output sizes up to 200 
 * user ops: a Numba op from a module the daemon imports (route b), the same op from a module
   it cannot import (route c, with every op after it), and torch ops after the boundary with
   and without ``with_indices``;
+* branches (``PipelineSpec(source=<op>)``: a second view from any op of the image pipeline
+  that runs in the daemon, with ops of its own);
 * ``os_cache=False`` as well as ``True``.
 
 Each trial reads two epochs from the daemon and from the in-process Loader and compares every
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import random
 import shutil
@@ -44,6 +47,7 @@ from beton_serve.fields.decoders import (
     RandomResizedCropRGBImageDecoder,
     SimpleRGBImageDecoder,
 )
+from beton_serve.pipeline import PipelineSpec
 from beton_serve.transforms import (
     Convert,
     ImageMixup,
@@ -313,8 +317,23 @@ def _pipelines(file: str, seed: int, mods: tuple[Any, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {image: _image_ops(r, file, mods, mixup)}
     if file == "image_pairs":
         out["target"] = [SimpleRGBImageDecoder(), ToTensor()] if r.random() < 0.5 else None
-    if label is None:
-        return out
+    if label is not None:
+        out[label] = _label_ops(r, n, mods, mixup, onehot)
+    if r.random() < 0.3 and not any(_in_client(op, mods) for op in out[image]):
+        out["view"] = _branch(r, out[image], mods)
+    return out
+
+
+def _in_client(op: Any, mods: tuple[Any, Any]) -> bool:
+    """A Numba-stage op the training process runs when served (route c): the daemon refuses
+    branches in a pipeline family with one (``_plans._check_branch_families``)."""
+    big = isinstance(op, Poison | ReplaceLabel) and len(json.dumps(op.spec_params())) > 262144
+    return big or isinstance(op, mods[1].Posterize)
+
+
+def _label_ops(
+    r: random.Random, n: int, mods: tuple[Any, Any], mixup: Any, onehot: bool
+) -> list[Any]:
     ops: list[Any] = [IntDecoder()]
     if r.random() < 0.4:
         many = r.random() < 0.3  # tens of thousands of ids: over the per-op limit, route c
@@ -330,8 +349,26 @@ def _pipelines(file: str, seed: int, mods: tuple[Any, Any]) -> dict[str, Any]:
             if r.random() < 0.5:
                 ops.append(mods[0].AddSampleId())
             ops.append(Squeeze())
-    out[label] = ops
-    return out
+    return ops
+
+
+def _branch(r: random.Random, image_ops: list[Any], mods: tuple[Any, Any]) -> PipelineSpec:
+    """A branch from a random Numba-stage op of the image pipeline (before its ToTensor):
+    FFCV's second view."""
+    daemon_side = []
+    for op in image_ops:
+        if isinstance(op, ToTensor | ImageMixup):
+            break
+        daemon_side.append(op)
+    source = r.choice(daemon_side)
+    ops: list[Any] = []
+    if r.random() < 0.5:
+        ops.append(RandomHorizontalFlip(r.choice([0.5, 1.0])))
+    if r.random() < 0.3:
+        ops.append(mods[0].Posterize(r.randint(1, 7)))
+    if r.random() < 0.7:
+        ops.append(ToTensor())
+    return PipelineSpec(source, transforms=ops)
 
 
 def _run(make: Any, n_epochs: int) -> list[list] | BaseException:

@@ -291,23 +291,13 @@ FORMS = {
 }
 
 
-#: Forms the served backends refuse today (the observed error).
-FORMS_SERVED_XFAIL = {
-    "branch_from_an_op": "served: SpecError('PipelineSpec(source=<op of another pipeline>) ... "
-    "the served Loader does not carry branches yet'); listed in docs/migrating-from-ffcv.md",
-}
-
-
 def _form_params() -> list[Any]:
     out = []
     for b in BACKENDS:
         name = b if isinstance(b, str) else b.values[0]
         marks = [] if isinstance(b, str) else list(b.marks)
         for form in sorted(FORMS):
-            m = list(marks)
-            if name != "inproc" and form in FORMS_SERVED_XFAIL:
-                m.append(pytest.mark.xfail(strict=True, reason=FORMS_SERVED_XFAIL[form]))
-            out.append(pytest.param(name, form, marks=m, id=f"{name}-{form}"))
+            out.append(pytest.param(name, form, marks=marks, id=f"{name}-{form}"))
     return out
 
 

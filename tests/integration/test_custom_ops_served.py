@@ -427,3 +427,27 @@ def test_a_builtin_op_with_parameters_too_large_to_send_runs_in_the_client(
     assert "ops from #1 run in the client" in d.log()
     labels = torch.cat([b[1] for b in served])
     assert set(labels.tolist()) == {7} | {3 * i + 1 for i in range(0, N, 2)}  # odd ids replaced
+
+
+def test_a_branch_from_a_user_op_served(dataset, mods, daemon_factory):
+    """A branch from a user's op that the daemon imports (route b) is served, equal to the
+    in-process Loader; from one it hands back (route c) it is refused, naming where it runs."""
+    from beton_serve.pipeline import PipelineSpec
+
+    ops, private = mods
+    d = daemon_factory([dataset])
+
+    def pipelines(mod):
+        def make():
+            post = mod.Posterize(3)
+            return {
+                "image": [SimpleRGBImageDecoder(), post, RandomHorizontalFlip(0.5), ToTensor()],
+                "label": [IntDecoder(), ToTensor()],
+                "view": PipelineSpec(post, transforms=[RandomHorizontalFlip(0.5), ToTensor()]),
+            }
+
+        return make
+
+    _compare(dataset, d.address, "shm", pipelines(ops))
+    with pytest.raises(SpecError, match=r"which runs in the client"):
+        _compare(dataset, d.address, "shm", pipelines(private))

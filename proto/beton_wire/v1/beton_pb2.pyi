@@ -108,21 +108,27 @@ class OpSpec(_message.Message):
     def __init__(self, name: str | None = ..., params_json: str | None = ...) -> None: ...
 
 class PipelineSpec(_message.Message):
-    __slots__ = ("field", "name", "ops", "skip")
+    __slots__ = ("branch_of", "branch_op", "field", "name", "ops", "skip")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FIELD_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_OF_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_OP_FIELD_NUMBER: _ClassVar[int]
     name: str
     field: str
     ops: _containers.RepeatedCompositeFieldContainer[OpSpec]
     skip: bool
+    branch_of: str
+    branch_op: int
     def __init__(
         self,
         name: str | None = ...,
         field: str | None = ...,
         ops: _Iterable[OpSpec | _Mapping] | None = ...,
         skip: bool | None = ...,
+        branch_of: str | None = ...,
+        branch_op: int | None = ...,
     ) -> None: ...
 
 class HostIdentity(_message.Message):

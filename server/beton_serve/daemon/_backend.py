@@ -177,6 +177,10 @@ class Backend(Protocol):
         """An output named other than its field: ``PipelineSpec(field, transforms=ops)``."""
         ...
 
+    def branch_output(self, source: Any, ops: list[Any]) -> Any:
+        """A branch from op ``source`` of another pipeline: ``PipelineSpec(source, ops)``."""
+        ...
+
     def fields(self, reader: Any) -> list[tuple[str, str]]:
         """``(field name, field class name)`` in file order."""
         ...
@@ -247,6 +251,11 @@ class EngineBackend:
         # decoder=None: the planner takes ops[0] as the decoder when it fits the field, exactly
         # as for PipelineSpec(field, decoder=ops[0], transforms=ops[1:]) in process.
         return PipelineSpec(field, transforms=list(ops))
+
+    def branch_output(self, source: Any, ops: list[Any]) -> Any:
+        from beton_serve.pipeline import PipelineSpec
+
+        return PipelineSpec(source, transforms=list(ops))
 
     def fields(self, reader: Any) -> list[tuple[str, str]]:
         return [(n, type(reader.handlers[n]).__name__) for n in reader.field_names]

@@ -36,12 +36,19 @@ class OpRequest:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineRequest:
-    """One output pipeline: its name, the field it reads, its daemon-side ops, or skipped."""
+    """One output pipeline: its name, the field it reads, its daemon-side ops, or skipped.
+
+    A branch (FFCV's ``PipelineSpec(source=<op>)``) names the pipeline ``branch_of`` and the
+    index ``branch_op`` of the op in its ``ops`` whose output it continues from; its ``ops``
+    are its own (no decoder).
+    """
 
     name: str
     field: str = ""
     ops: tuple[OpRequest, ...] = ()
     skip: bool = False
+    branch_of: str = ""
+    branch_op: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

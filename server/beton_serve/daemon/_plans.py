@@ -31,7 +31,7 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,8 +40,9 @@ from beton_wire.limits import short_repr
 
 from beton_serve.daemon._backend import Backend, OutputInfo, PlanLike
 from beton_serve.daemon._datasets import Dataset
-from beton_serve.daemon._messages import StreamRequest
+from beton_serve.daemon._messages import PipelineRequest, StreamRequest
 from beton_serve.daemon._on_demand import CLIENT_OP, IMPORT_OP, OpImportPolicy, resolve_ops
+from beton_serve.errors import SpecError
 
 __all__ = ["MAX_CACHED_PLANS", "PlanEntry", "PlanRegistry"]
 
@@ -59,6 +60,71 @@ class PlanEntry:
 
     plan: PlanLike
     outputs: tuple[OutputInfo, ...]
+
+
+def _branch_source(
+    p: PipelineRequest,
+    built: Mapping[str, list[Any]],
+    local: Mapping[str, tuple[str, dict[str, Any]] | None],
+) -> Any:
+    """The op a branch continues from: op ``p.branch_op`` of pipeline ``p.branch_of`` as built
+    here, which must run here (not a placeholder of an op the client runs).
+
+    Raises:
+        SpecError: no such pipeline or op, or that op runs in the client.
+    """
+    where = f"pipeline {short_repr(p.name)}: a branch from op #{p.branch_op} of"
+    ops = built.get(p.branch_of)
+    if p.branch_of == p.name or ops is None or p.branch_op >= len(ops):
+        raise SpecError(f"{where} {short_repr(p.branch_of)}, which this request does not have")
+    handed = local.get(p.branch_of)
+    if getattr(ops[p.branch_op], "spec_name", None) == CLIENT_OP or (
+        handed is not None and p.branch_op >= int(handed[1]["from"])
+    ):
+        raise SpecError(
+            f"{where} {short_repr(p.branch_of)}, which runs in the client: the daemon branches "
+            "only from an op that runs here"
+        )
+    return ops[p.branch_op]
+
+
+def _check_branch_families(
+    pipelines: Sequence[PipelineRequest], local: Mapping[str, tuple[str, dict[str, Any]] | None]
+) -> None:
+    """Refuse branches in a family (pipelines joined by branches) where the client runs ops.
+
+    In process, an op that works on its input's buffer (``Poison``: no allocation of its own)
+    changes what a branch from the op before it reads; run by the client, after the batch left
+    the daemon, it cannot. Rather than serve other pixels than the in-process Loader, the daemon
+    refuses such a family.
+
+    Raises:
+        SpecError: a family with a branch has a pipeline whose ops run in the client (route c).
+    """
+    family = {p.name: p.name for p in pipelines}
+
+    def root(name: str) -> str:
+        while family[name] != name:
+            name = family[name]
+        return name
+
+    for p in pipelines:
+        if p.branch_of in family:
+            family[root(p.name)] = root(p.branch_of)
+    for p in pipelines:
+        if not p.branch_of:
+            continue
+        for q in pipelines:
+            handed = local.get(q.name)
+            if handed is not None and root(q.name) == root(p.name):
+                raise SpecError(
+                    f"pipeline {short_repr(p.name)} branches from pipeline "
+                    f"{short_repr(p.branch_of)}, and ops of pipeline {short_repr(q.name)} run in "
+                    f"the client (from #{handed[1]['from']}: {'; '.join(handed[1]['why'])}); "
+                    "the daemon serves a branch only when its pipelines run every Numba-stage op "
+                    "here. Make those ops importable by the daemon (docs/custom-ops.md), or use "
+                    "the in-process Loader"
+                )
 
 
 class PlanRegistry:
@@ -109,7 +175,13 @@ class PlanRegistry:
     def spec_key(self, req: StreamRequest, ds: Dataset) -> str:
         """The key of ``req``'s plan over ``ds`` (also its sharing groups' pipeline key)."""
         spec = [
-            [p.name, p.field or p.name, p.skip, [[o.name, dict(o.params)] for o in p.ops]]
+            [
+                p.name,
+                p.field or p.name,
+                p.skip,
+                [[o.name, dict(o.params)] for o in p.ops],
+                [p.branch_of, p.branch_op] if p.branch_of else None,
+            ]
             for p in req.pipelines
         ]
         # Whether the peer may make the daemon import op modules decides which ops the plan holds.
@@ -171,6 +243,7 @@ class PlanRegistry:
         pipelines: dict[str, Any] = {}  # ops, a PipelineSpec (another output), or None
         local: dict[str, tuple[str, dict[str, Any]] | None] = {}
         refusal = self.import_refusal(req)
+        built: dict[str, list[Any]] = {}
         for p in req.pipelines:
             if p.skip:
                 pipelines[p.name] = None
@@ -179,8 +252,10 @@ class PlanRegistry:
             ops, local[p.name] = resolve_ops(
                 p.ops, build=self.backend.build_op, import_refusal=refusal
             )
-            # Another output of a field (FFCV's PipelineSpec(source=field)) keeps its name.
-            renamed = bool(p.field) and p.field != p.name
+            built[p.name] = ops
+            # Another output of a field (FFCV's PipelineSpec(source=field)) keeps its name. (A
+            # branch's field is a placeholder, beton_client._ops.BRANCH_FIELD: built below.)
+            renamed = bool(p.field) and p.field != p.name and not p.branch_of
             pipelines[p.name] = self.backend.field_output(p.field, ops) if renamed else ops
             handed = local[p.name]
             if handed is not None:
@@ -191,6 +266,11 @@ class PlanRegistry:
                     handed[1]["from"],
                     "; ".join(handed[1]["why"]),
                 )
+        for p in req.pipelines:  # branches, once every op they may branch from is built
+            if p.branch_of and not p.skip:
+                source = _branch_source(p, built, local)
+                pipelines[p.name] = self.backend.branch_output(source, built[p.name])
+        _check_branch_families(req.pipelines, local)
         check = {} if ds.checksums is None else {"sample_check": ds.checksums.check}
         plan = self.backend.compile(ds.reader, pipelines, req.batch_size, **check)
         tail = self.backend.client_tail(plan)

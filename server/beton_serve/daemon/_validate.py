@@ -111,9 +111,16 @@ def _check_device(req: StreamRequest) -> None:
 def _check_pipelines(req: StreamRequest, ds: Dataset) -> None:
     names = {n for n, _ in ds.fields}
     seen_names = set()
+    sources = {p.name for p in req.pipelines if not p.skip}
     for p in req.pipelines:
         fld = p.field or p.name
-        if fld not in names:
+        if p.branch_of:  # a branch reads the field of the pipeline it branches from
+            if p.branch_of == p.name or p.branch_of not in sources:
+                raise SpecError(
+                    f"pipeline {short_repr(p.name)} branches from pipeline "
+                    f"{short_repr(p.branch_of)}, which this request does not have"
+                )
+        elif fld not in names:
             raise SpecError(
                 f"dataset {ds.name!r} has no field {short_repr(fld)}; its fields are "
                 f"{sorted(names)}"

@@ -119,7 +119,17 @@ def _pipelines(msg: pb.OpenStreamRequest) -> tuple[PipelineRequest, ...]:
                     f"the pipelines' names and parameters exceed {MAX_SPEC_BYTES} bytes in all"
                 )
             ops.append(OpRequest(name=o.name, params=_params(o, name)))
-        out.append(PipelineRequest(name=name, field=p.field, skip=p.skip, ops=tuple(ops)))
+        branch_of = _text(p.branch_of, f"pipeline {short_repr(name)}: branch_of")
+        out.append(
+            PipelineRequest(
+                name=name,
+                field=p.field,
+                skip=p.skip,
+                ops=tuple(ops),
+                branch_of=branch_of,
+                branch_op=int(p.branch_op),
+            )
+        )
     return tuple(out)
 
 
