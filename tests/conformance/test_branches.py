@@ -107,7 +107,43 @@ def _tensor_tail() -> dict[str, Any]:
     }
 
 
+def _no_decoder_given() -> dict[str, Any]:
+    """The source pipeline lists no decoder (the field's default one is prepended)."""
+    flip = RandomHorizontalFlip(0.5)
+    return {
+        "input": [flip, ToTensor()],
+        "target": None,
+        "view": PipelineSpec(flip, transforms=[Cutout(4, (0, 0, 0)), ToTensor()]),
+    }
+
+
+def _from_a_second_output() -> dict[str, Any]:
+    """A branch from an op of ``PipelineSpec('input', ...)`` under another name, the field
+    itself skipped."""
+    flip = RandomHorizontalFlip(0.5)
+    return {
+        "input": None,
+        "target": [SimpleRGBImageDecoder(), ToTensor()],
+        "second": PipelineSpec("input", decoder=SimpleRGBImageDecoder(), transforms=[flip]),
+        "view": PipelineSpec(flip, transforms=[RandomBrightness(0.5), ToTensor()]),
+    }
+
+
+def _numpy_views() -> dict[str, Any]:
+    """Two branches from the second field's decoder, one with no ops: numpy outputs only."""
+    dec = SimpleRGBImageDecoder()
+    return {
+        "input": [SimpleRGBImageDecoder(), RandomHorizontalFlip(0.5)],
+        "target": [dec, RandomHorizontalFlip(0.5)],
+        "v1": PipelineSpec(dec, transforms=[RandomHorizontalFlip(0.5)]),
+        "v2": PipelineSpec(dec, transforms=[]),
+    }
+
+
 FORMS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
+    "no_decoder_given": (PAIRS, _no_decoder_given),
+    "from_a_second_output": (PAIRS, _from_a_second_output),
+    "numpy_views": (PAIRS, _numpy_views),
     "two_views": (JPG, _two_views),
     "view_of_decoder": (PAIRS, _views_of(0)),
     "view_of_translate": (PAIRS, _views_of(1)),
