@@ -301,3 +301,25 @@ def test_a_branch_whose_family_runs_ops_in_the_client_is_refused_served(
     assert type(err.value).__name__ == "SpecError"
     want = _read("inproc", path, unrelated, daemon.address)
     assert_same_epochs(_read("grpc", path, unrelated, daemon.address), want, "unrelated route c")
+
+
+def test_branches_in_a_cycle_and_a_decoder_in_a_branch_are_refused(daemon: DaemonProcess) -> None:
+    import grpc
+    from beton_wire.v1 import beton_pb2 as pb
+    from beton_wire.v1 import beton_pb2_grpc as pb_grpc
+
+    flip = pb.OpSpec(name="RandomHorizontalFlip", params_json='{"flip_prob": 0.5}')
+    decoder = pb.OpSpec(name="SimpleRGBImageDecoder", params_json="{}")
+    cycle = [
+        pb.PipelineSpec(name="a", field="@branch", ops=[flip], branch_of="b"),
+        pb.PipelineSpec(name="b", field="@branch", ops=[flip], branch_of="a"),
+    ]
+    with_decoder = [pb.PipelineSpec(name="d", field="@branch", ops=[decoder], branch_of="input")]
+    for extra in (cycle, with_decoder):
+        req = _raw_branch(field="@branch", branch_of="input")
+        req.pipelines.extend(extra)
+        with grpc.insecure_channel(daemon.address) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.BetonServeStub(ch).OpenStream(req, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert daemon.proc.poll() is None
