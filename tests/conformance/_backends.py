@@ -180,6 +180,24 @@ def epochs(loader: Any, n: int) -> list[list[tuple[Out, ...]]]:
     return [epoch(loader) for _ in range(n)]
 
 
+def resumed(
+    make: Callable[[], Any], make_again: Callable[[], Any], at: int
+) -> tuple[list, int, int, list] | BaseException:
+    """Batches ``0..at-1`` of epoch 0 of ``make()``, a checkpoint, then two epochs on
+    ``make_again()`` from it (or the exception either raised):
+    ``(first, epoch, batch, [resumed epoch, the epoch after])``. The checkpoint names the next
+    batch to yield; after an epoch's last batch, that is the next epoch's first."""
+    try:
+        with make() as ld:
+            first = epoch(iter(ld), at) if at else []
+            state = ld.state_dict()
+        with make_again() as ld:
+            ld.load_state_dict(state)
+            return first, int(state["epoch"]), int(state["batch"]), [epoch(ld), epoch(ld)]
+    except Exception as exc:
+        return exc
+
+
 def _first_difference(a: Out, b: Out) -> str:
     for attr in ("kind", "dtype", "shape"):
         if getattr(a, attr) != getattr(b, attr):

@@ -61,6 +61,7 @@ from conformance._backends import (
     epoch,
     make_loader,
     module_daemon,
+    resumed,
     snap,
 )
 
@@ -267,21 +268,6 @@ def _pair(
         return exc
 
 
-def _resumed(make: Any, make_again: Any, at: int) -> tuple[list, int, int, list] | BaseException:
-    """Batches ``0..at-1`` of epoch 0, a checkpoint, then two epochs on a new Loader from it:
-    ``(first, epoch, batch, [resumed epoch, the epoch after])``. The checkpoint names the next
-    batch to yield; after an epoch's last batch, that is the next epoch's first."""
-    try:
-        with make() as ld:
-            first = epoch(iter(ld), at) if at else []
-            state = ld.state_dict()
-        with make_again() as ld:
-            ld.load_state_dict(state)
-            return first, int(state["epoch"]), int(state["batch"]), [epoch(ld), epoch(ld)]
-    except Exception as exc:
-        return exc
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_loaders_served_equal_in_process(
     daemon: DaemonProcess,
@@ -325,7 +311,7 @@ def test_random_loaders_served_equal_in_process(
             got = _run(loader(transport), 2, size)
         else:
             what += f", resumed at batch {resume_at} on {again}"
-            got = _resumed(loader(transport), loader(again), resume_at)
+            got = resumed(loader(transport), loader(again), resume_at)
         if d is tight and type(got).__name__ == "ResourceExhausted":
             continue  # a ring the tight budget cannot hold: refused, as it should be
         if isinstance(want, BaseException) or isinstance(got, BaseException):

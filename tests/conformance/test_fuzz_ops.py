@@ -25,14 +25,12 @@ seeds (default ``0,1,2``).
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import os
 import random
 import shutil
 import sys
 import tempfile
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,8 +63,9 @@ from beton_serve.transforms import (
 )
 from beton_serve.writer import DatasetWriter
 from helpers.daemon import DaemonProcess, start_daemon
+from helpers.user_ops import write_ops_module
 
-from conformance._backends import assert_same_batches, epoch, make_loader
+from conformance._backends import assert_same_batches, epoch, make_loader, resumed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -81,87 +80,6 @@ FILES = {
     "photos": ("image", "label", 24, False),
 }
 CLASSES = 10  # the photos' labels are 0..9
-
-#: The user's ops, as a training script's own module holds them (written twice: once where the
-#: daemon can import it, once where it cannot).
-OPS_SOURCE = textwrap.dedent(
-    '''
-    from dataclasses import replace
-
-    import numpy as np
-    import torch
-
-    from beton_serve.pipeline.allocation_query import AllocationQuery
-    from beton_serve.pipeline.compiler import Compiler
-    from beton_serve.pipeline.operation import Operation
-
-
-    class Posterize(Operation):
-        """Numba, before ToTensor: the top ``bits`` bits of each pixel, the sample id's parity in
-        the lowest bit."""
-
-        def __init__(self, bits, *, invert=False):
-            super().__init__()
-            self.bits, self.invert = bits, invert
-
-        def generate_code(self):
-            my_range = Compiler.get_iterator()
-            mask = np.uint8((0xFF << (8 - self.bits)) & 0xFF)
-            invert = self.invert
-
-            def posterize(images, dst, indices):
-                for i in my_range(images.shape[0]):
-                    odd = np.uint8(indices[i] % 2)
-                    for y in range(images.shape[1]):
-                        for x in range(images.shape[2]):
-                            for c in range(images.shape[3]):
-                                v = images[i, y, x, c]
-                                if invert:
-                                    v = np.uint8(255) - v
-                                dst[i, y, x, c] = (v & mask) | odd
-                return dst
-
-            posterize.with_indices = True
-            return posterize
-
-        def declare_state_and_memory(self, previous_state):
-            return replace(previous_state), AllocationQuery(
-                previous_state.shape, previous_state.dtype
-            )
-
-
-    class AddSampleId(Operation):
-        """torch, after ToTensor: labels + sample id, into its own buffer (with_indices)."""
-
-        def generate_code(self):
-            def add(labels, dst, indices):
-                ids = torch.from_numpy(indices.astype(np.int64)).view(-1, 1)
-                dst.copy_(labels + ids)
-                return dst
-
-            add.with_indices = True
-            return add
-
-        def declare_state_and_memory(self, previous_state):
-            return previous_state, AllocationQuery(
-                previous_state.shape, previous_state.dtype, previous_state.device
-            )
-
-
-    class HalveChannel0(Operation):
-        """torch, after Convert to float: channel 0 of (B, C, H, W) halved in place."""
-
-        def generate_code(self):
-            def halve(images, dst):
-                images[:, 0] *= 0.5
-                return images
-
-            return halve
-
-        def declare_state_and_memory(self, previous_state):
-            return previous_state, None
-    '''
-)
 
 
 class Scale(torch.nn.Module):
@@ -197,16 +115,6 @@ class _Photos:
         return self.rows[i]
 
 
-def _write_module(where: Path, name: str) -> Any:
-    where.mkdir(parents=True, exist_ok=True)
-    (where / f"{name}.py").write_text(OPS_SOURCE)
-    sys.path.insert(0, str(where))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(where))
-
-
 @pytest.fixture(scope="module")
 def world(fixtures_dir: Path) -> Iterator[tuple[DaemonProcess, dict[str, Path], Any, Any]]:
     """``(daemon, paths, importable ops, private ops)``: a daemon over the fixtures and the
@@ -214,8 +122,8 @@ def world(fixtures_dir: Path) -> Iterator[tuple[DaemonProcess, dict[str, Path], 
     root = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))
     os.chmod(root, 0o700)
     tag = f"{os.getpid()}_{random.randrange(1 << 30)}"
-    shared = _write_module(root / "shared", f"fuzz_ops_shared_{tag}")
-    private = _write_module(root / "private", f"fuzz_ops_private_{tag}")
+    shared = write_ops_module(root / "shared", f"fuzz_ops_shared_{tag}")
+    private = write_ops_module(root / "private", f"fuzz_ops_private_{tag}")
     paths = {f: fixtures_dir / f"{f}.beton" for f in FILES if f != "photos"}
     paths["photos"] = root / "photos.beton"
     DatasetWriter(
@@ -292,7 +200,11 @@ def _image_ops(
             if r.random() < 0.6:
                 ops.append(Convert(torch.float32))
                 if r.random() < 0.5:
-                    ops.append(shared.HalveChannel0() if r.random() < 0.5 else Scale(0.25))
+                    ops.append(
+                        shared.NormalizeFirstChannel(100.0, 50.0)
+                        if r.random() < 0.5
+                        else Scale(0.25)
+                    )
         else:
             ops.append(Scale(r.choice([0.5, 2.0])))
     return ops
@@ -379,18 +291,6 @@ def _run(make: Any, n_epochs: int) -> list[list] | BaseException:
         return exc
 
 
-def _resumed(make: Any, make_again: Any, at: int) -> tuple[list, int, int, list] | BaseException:
-    try:
-        with make() as ld:
-            first = epoch(iter(ld), at) if at else []
-            state = ld.state_dict()
-        with make_again() as ld:
-            ld.load_state_dict(state)
-            return first, int(state["epoch"]), int(state["batch"]), [epoch(ld), epoch(ld)]
-    except Exception as exc:
-        return exc
-
-
 def _loader(
     backend: str, *, path: Path, pseed: int, kw: dict, mods: tuple[Any, Any], address: str
 ) -> Any:
@@ -430,7 +330,7 @@ def test_random_loaders_with_rare_ops_served_equal_in_process(world, seed: int) 
             got = _run(functools.partial(loader, transport), 2)
         else:
             what += f", resumed at batch {resume_at} on {again}"
-            got = _resumed(
+            got = resumed(
                 functools.partial(loader, transport), functools.partial(loader, again), resume_at
             )
         if isinstance(want, BaseException) or isinstance(got, BaseException):

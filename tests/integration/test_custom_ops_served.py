@@ -15,10 +15,8 @@ in-process Loader, bit for bit (pixels and labels):
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -39,98 +37,13 @@ from beton_serve.transforms import (
 )
 from beton_serve.writer import DatasetWriter
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.user_ops import write_ops_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 N, H, W = 24, 12, 10
 BATCH = 8
 SEED = 7
-
-#: The user's ops, as a training script's own module would hold them.
-OPS_SOURCE = textwrap.dedent(
-    '''
-    from dataclasses import replace
-
-    import numpy as np
-    import torch
-
-    from beton_serve.pipeline.allocation_query import AllocationQuery
-    from beton_serve.pipeline.compiler import Compiler
-    from beton_serve.pipeline.operation import Operation
-
-
-    class NormalizeFirstChannel(Operation):
-        """The seed document's op: channel 0 of a (B, C, H, W) float batch, in place."""
-
-        def __init__(self, mean, std):
-            super().__init__()
-            self.mean, self.std = mean, std
-
-        def generate_code(self):
-            mean, std = self.mean, self.std
-
-            def normalize(images, dst):
-                images[:, 0] = (images[:, 0] - mean) / std
-                return images
-
-            return normalize
-
-        def declare_state_and_memory(self, previous_state):
-            return previous_state, None
-
-
-    class AddSampleId(Operation):
-        """labels + sample id, into its own buffer (with_indices)."""
-
-        def generate_code(self):
-            def add(labels, dst, indices):
-                ids = torch.from_numpy(indices.astype(np.int64)).view(-1, 1)
-                dst.copy_(labels + ids)
-                return dst
-
-            add.with_indices = True
-            return add
-
-        def declare_state_and_memory(self, previous_state):
-            return previous_state, AllocationQuery(
-                previous_state.shape, previous_state.dtype, previous_state.device
-            )
-
-
-    class Posterize(Operation):
-        """A Numba op before ToTensor: keep the top `bits` bits of each pixel, plus the sample
-        id's parity in the last bit (uses with_indices)."""
-
-        def __init__(self, bits, *, invert=False):
-            super().__init__()
-            self.bits, self.invert = bits, invert
-
-        def generate_code(self):
-            my_range = Compiler.get_iterator()
-            mask = np.uint8((0xFF << (8 - self.bits)) & 0xFF)
-            invert = self.invert
-
-            def posterize(images, dst, indices):
-                for i in my_range(images.shape[0]):
-                    odd = np.uint8(indices[i] % 2)
-                    for y in range(images.shape[1]):
-                        for x in range(images.shape[2]):
-                            for c in range(images.shape[3]):
-                                v = images[i, y, x, c]
-                                if invert:
-                                    v = np.uint8(255) - v
-                                dst[i, y, x, c] = (v & mask) | odd
-                return dst
-
-            posterize.with_indices = True
-            return posterize
-
-        def declare_state_and_memory(self, previous_state):
-            return replace(previous_state), AllocationQuery(
-                previous_state.shape, previous_state.dtype
-            )
-    '''
-)
 
 
 class _Images:
@@ -175,25 +88,14 @@ def labels_first(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _module(where: Path, name: str) -> object:
-    """Write the ops module as ``name`` under ``where`` and import it in this process."""
-    where.mkdir(parents=True, exist_ok=True)
-    (where / f"{name}.py").write_text(OPS_SOURCE)
-    sys.path.insert(0, str(where))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(where))
-
-
 @pytest.fixture
 def mods(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short_tmp: Path):
     """``(importable, private)``: the daemon's PYTHONPATH has the first module, not the second."""
     shared = tmp_path / "shared"
     private = tmp_path / "private"
     tag = tmp_path.name.replace("-", "_")[-20:]
-    a = _module(shared, f"user_ops_shared_{tag}")
-    b = _module(private, f"user_ops_private_{tag}")
+    a = write_ops_module(shared, f"user_ops_shared_{tag}")
+    b = write_ops_module(private, f"user_ops_private_{tag}")
     monkeypatch.setenv("PYTHONPATH", str(shared))
     yield a, b
     sys.modules.pop(a.__name__, None)
