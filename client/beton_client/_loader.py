@@ -50,7 +50,7 @@ from beton_wire.limits import (
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-from beton_client._ops import BRANCH_FIELD, PipelinePlan, branch_refusal, device_of
+from beton_client._ops import BRANCH_FIELD, PipelinePlan, device_of
 from beton_client._options import ServeOptions, merge_serve_keywords
 from beton_client._resume import RetryPolicy, retriable, retry
 from beton_client._stream import _Stream
@@ -375,9 +375,6 @@ class DaemonBackend:
     def _request(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> pb.OpenStreamRequest:
         from beton_client._transport.identity import gather_facts
 
-        refusal = branch_refusal(plans)
-        if refusal is not None:
-            raise SpecError(refusal)
         if args.indices is not None and args.indices.size > MAX_INDICES:
             raise SpecError(
                 f"{args.indices.size} indices are too many: a daemon accepts at most {MAX_INDICES}"

@@ -45,7 +45,6 @@ __all__ = [
     "PipelinePlan",
     "SpecOp",
     "TailOp",
-    "branch_refusal",
     "build_tail",
     "device_of",
     "split_pipelines",
@@ -228,8 +227,8 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
     (``source``, ``decoder``, ``transforms``).
 
     Raises:
-        SpecError: an op is neither an ``Operation`` nor callable, or a built-in op's parameters
-            are not JSON-safe.
+        SpecError: an op is neither an ``Operation`` nor callable, a built-in op's parameters
+            are not JSON-safe, or a branch cannot start where it does (:func:`_place_branches`).
     """
     out: list[PipelinePlan] = []
     for name, value in (pipelines or {}).items():
@@ -285,7 +284,12 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
 
 def _place_branches(plans: list[PipelinePlan]) -> list[PipelinePlan]:
     """Name, for each branch, the pipeline and the index of the op it continues from, when that
-    op runs in the daemon (before its pipeline's boundary); see :func:`branch_refusal`."""
+    op runs in the daemon (before its pipeline's boundary).
+
+    Raises:
+        SpecError: a branch from an op no other pipeline lists, or from one after its
+            pipeline's Numba stage (:func:`_branch_refusal`).
+    """
     out = list(plans)
     for k, p in enumerate(plans):
         if p.branch is None:
@@ -303,13 +307,16 @@ def _place_branches(plans: list[PipelinePlan]) -> list[PipelinePlan]:
             root = by_name[root.branch_of]
         if p.branch_of:
             out[k] = dataclasses.replace(p, field=root.field)
+    refusal = _branch_refusal(out)
+    if refusal is not None:
+        raise SpecError(refusal)
     return out
 
 
-def branch_refusal(plans: Sequence[PipelinePlan]) -> str | None:
-    """Why a daemon cannot run these pipelines' branches (``None`` when it can): it branches
-    only from an op that runs in it, i.e. before its pipeline's boundary. (The in-process
-    backend checks branches itself, in ``beton_serve.pipeline._graph``.)"""
+def _branch_refusal(plans: Sequence[PipelinePlan]) -> str | None:
+    """Why these pipelines' branches cannot run (``None`` when they can): a branch starts from
+    an op of another pipeline's Numba stage, before its boundary (both backends: the daemon and
+    the in-process engine build only that stage as a graph)."""
     for p in plans:
         if p.branch is None or p.branch_of:
             continue
@@ -321,9 +328,9 @@ def branch_refusal(plans: Sequence[PipelinePlan]) -> str | None:
             )
         return (
             f"pipeline {p.name!r}: PipelineSpec(source=<op>) branches from {_op_name(p.branch)}, "
-            f"which runs in this process in pipeline {where!r} (at or after its ToTensor); the "
-            "served Loader branches from an op that runs in the daemon (before the ToTensor), "
-            "or use the in-process Loader"
+            f"which pipeline {where!r} runs after its Numba stage (at or after its ToTensor, "
+            "torch module or other callable); a branch starts from an op before that (the "
+            "decoder or a Numba op)"
         )
     return None
 
