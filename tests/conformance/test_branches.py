@@ -322,4 +322,23 @@ def test_branches_in_a_cycle_and_a_decoder_in_a_branch_are_refused(daemon: Daemo
             with pytest.raises(grpc.RpcError) as info:
                 pb_grpc.BetonServeStub(ch).OpenStream(req, timeout=60)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        if extra is with_decoder:
+            assert "takes no decoder" in (info.value.details() or "")
     assert daemon.proc.poll() is None
+
+
+def test_a_branch_with_a_decoder_is_refused(fixtures_dir: Path, daemon: DaemonProcess) -> None:
+    path = fixtures_dir / f"{PAIRS}.beton"
+
+    def make() -> dict[str, Any]:
+        dec = SimpleRGBImageDecoder()
+        return {
+            "input": [dec],
+            "target": None,
+            "view": PipelineSpec(dec, transforms=[SimpleRGBImageDecoder(), ToTensor()]),
+        }
+
+    for backend in ("inproc", "shm"):
+        with pytest.raises(Exception, match=r"takes no decoder") as err:
+            _read(backend, path, make, daemon.address)
+        assert type(err.value).__name__ == "SpecError", backend

@@ -162,6 +162,12 @@ def build_graph(
             where = f"pipelines[{out!r}]"
             ops = [_wrap(op, where) for op in spec.transforms]
             if isinstance(spec.source, Operation):
+                decoders = [type(op).__name__ for op in ops if _is_decoder_class(op)]
+                if spec.decoder is not None or decoders:
+                    raise SpecError(
+                        f"{where}: PipelineSpec(source=<op>) continues from that op's output, so "
+                        f"it takes no decoder ({decoders or [type(spec.decoder).__name__]})"
+                    )
                 parent = node_of.get(id(spec.source))
                 if parent is None:
                     rest.append((out, spec, default))
