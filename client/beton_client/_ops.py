@@ -109,7 +109,7 @@ class PipelinePlan:
 
     Attributes:
         name: the output name.
-        field: the field it reads.
+        field: the field it reads (a branch: its own name; it reads its source op's output).
         ops: what is sent: ``(spec name, JSON params)`` per op of ``user_ops`` (the tail's as
             ``@client`` placeholders).
         tail: the client-side ops, in order (the user's objects): ``user_ops[boundary:]``.
@@ -283,56 +283,41 @@ def split_pipelines(pipelines: Mapping[str, Any] | None) -> list[PipelinePlan]:
 
 
 def _place_branches(plans: list[PipelinePlan]) -> list[PipelinePlan]:
-    """Name, for each branch, the pipeline and the index of the op it continues from, when that
-    op runs in the daemon (before its pipeline's boundary).
+    """Name, for each branch, the pipeline and the index of the op it continues from.
+
+    A branch starts from an op of another pipeline's Numba stage, before its boundary: both
+    backends (the daemon and the in-process engine) build only that stage as a graph.
 
     Raises:
         SpecError: a branch from an op no other pipeline lists, or from one after its
-            pipeline's Numba stage (:func:`_branch_refusal`).
+            pipeline's Numba stage.
     """
     out = list(plans)
     for k, p in enumerate(plans):
         if p.branch is None:
             continue
-        for q in plans:
-            at = next((i for i, op in enumerate(q.user_ops) if op is p.branch), None)
-            if at is not None and q is not p and at < q.boundary:
-                out[k] = dataclasses.replace(p, branch_of=q.name, branch_op=at)
-                break
-    by_name = {p.name: p for p in out}
-    for k, p in enumerate(out):  # a branch reads the field its chain of sources starts from
-        root, seen = p, {p.name}
-        while root.branch_of and root.branch_of not in seen:
-            seen.add(root.branch_of)
-            root = by_name[root.branch_of]
-        if p.branch_of:
-            out[k] = dataclasses.replace(p, field=root.field)
-    refusal = _branch_refusal(out)
-    if refusal is not None:
-        raise SpecError(refusal)
-    return out
-
-
-def _branch_refusal(plans: Sequence[PipelinePlan]) -> str | None:
-    """Why these pipelines' branches cannot run (``None`` when they can): a branch starts from
-    an op of another pipeline's Numba stage, before its boundary (both backends: the daemon and
-    the in-process engine build only that stage as a graph)."""
-    for p in plans:
-        if p.branch is None or p.branch_of:
-            continue
-        where = next((q.name for q in plans if any(op is p.branch for op in q.user_ops)), None)
-        if where is None:
-            return (
-                f"pipeline {p.name!r}: PipelineSpec(source=<op>) branches from "
-                f"{_op_name(p.branch)}, which no other pipeline lists"
-            )
-        return (
-            f"pipeline {p.name!r}: PipelineSpec(source=<op>) branches from {_op_name(p.branch)}, "
-            f"which pipeline {where!r} runs after its Numba stage (at or after its ToTensor, "
-            "torch module or other callable); a branch starts from an op before that (the "
-            "decoder or a Numba op)"
+        found = next(
+            (
+                (q, i)
+                for q in plans
+                if q is not p
+                for i, op in enumerate(q.user_ops)
+                if op is p.branch
+            ),
+            None,
         )
-    return None
+        what = f"pipeline {p.name!r}: PipelineSpec(source=<op>) branches from {_op_name(p.branch)}"
+        if found is None:
+            raise SpecError(f"{what}, which no other pipeline lists")
+        q, at = found
+        if at >= q.boundary:
+            raise SpecError(
+                f"{what}, which pipeline {q.name!r} runs after its Numba stage (at or after its "
+                "ToTensor, torch module or other callable); a branch starts from an op before "
+                "that (the decoder or a Numba op)"
+            )
+        out[k] = dataclasses.replace(p, branch_of=q.name, branch_op=at)
+    return out
 
 
 def device_of(plans: Sequence[PipelinePlan]) -> str:
