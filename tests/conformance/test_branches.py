@@ -342,3 +342,38 @@ def test_a_branch_with_a_decoder_is_refused(fixtures_dir: Path, daemon: DaemonPr
         with pytest.raises(Exception, match=r"takes no decoder") as err:
             _read(backend, path, make, daemon.address)
         assert type(err.value).__name__ == "SpecError", backend
+
+
+class _AddOneInPlace(torch.nn.Module):
+    """A torch op that changes its input tensor in place (``x.add_(1)``), as user modules may."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1)
+
+
+@pytest.mark.parametrize("backend", ["inproc", "shm", "grpc"])
+def test_an_inplace_torch_op_on_one_output_leaves_a_branch_of_it_alone(
+    fixtures_dir: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """``ToTensor`` hands out a view of the Numba stage's buffer; an in-place torch op on that
+    view must not reach a branch of the same op (nor the other way round)."""
+    path = fixtures_dir / f"{PAIRS}.beton"
+    dec = SimpleRGBImageDecoder()
+    pipes = {
+        "input": [dec, ToTensor(), _AddOneInPlace()],
+        "target": None,
+        "plain": PipelineSpec(dec, transforms=[ToTensor()]),
+        "plain_np": PipelineSpec(dec, transforms=[]),
+        "plus": PipelineSpec(dec, transforms=[ToTensor(), _AddOneInPlace()]),
+    }
+    with make_loader(backend, path, pipes, address=daemon.address, batch_size=4) as ld:
+        batches = [tuple(np.asarray(x).copy() for x in b) for b in ld]
+    with make_loader(
+        "inproc", path, {"input": [SimpleRGBImageDecoder()], "target": None}, batch_size=4
+    ) as ld:
+        plain = [np.array(b[0]) for b in ld]
+    assert len(batches) == len(plain) > 0
+    for (plus1, view, view_np, plus2), want in zip(batches, plain, strict=True):
+        assert np.array_equal(view, want) and np.array_equal(view_np, want)
+        assert np.array_equal(plus1, want + np.uint8(1))
+        assert np.array_equal(plus2, want + np.uint8(1))
