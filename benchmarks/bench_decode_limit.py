@@ -2,7 +2,8 @@
 fallback), FFCV 1.0.2 and a whole-image decode of the same files, side by side in one run (issue 15).
 
     python benchmarks/bench_decode_limit.py [--imagenet-n 2000] [--cifar-n 50000] [--subset N]
-        [--epochs 2] [--rounds 2] [--workers 1,2] [--only rrc,center,cifar] [--smoke] [--json]
+        [--epochs 2] [--cifar-epochs 20] [--rounds 2] [--workers 1,2] [--only rrc,center,cifar]
+        [--smoke] [--json]
         [--ffcv-python ../peers/ffcv-venv/bin/python] [--skip-ffcv]
     python benchmarks/bench_decode_limit.py --scale-table     # the cost table of beton_serve._tj3
 
@@ -103,7 +104,9 @@ os._exit(0)  # the figures are taken; do not time (or hang in) worker shutdown
 """
 
 
-def _child(python: str, mode: str, case: str, path: Path, batch: int, workers: int, args) -> list:
+def _child(
+    python: str, mode: str, case: str, path: Path, batch: int, workers: int, epochs: int, args
+) -> list:
     env = {**os.environ, "PYTHONPATH": ""}
     proc = subprocess.run(
         [
@@ -115,7 +118,7 @@ def _child(python: str, mode: str, case: str, path: Path, batch: int, workers: i
             str(path),
             str(batch),
             str(workers),
-            str(args.epochs),
+            str(epochs),
             str(args.subset or 0),
         ],
         capture_output=True,
@@ -188,6 +191,13 @@ def main() -> int:
     ap.add_argument("--cifar-n", type=int, default=50000)
     ap.add_argument("--subset", type=int, default=0, help="epochs over the first N samples")
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument(
+        "--cifar-epochs",
+        type=int,
+        default=20,
+        help="timed epochs per child for cifar (default 20: an epoch is ~40 ms, 2 were too few "
+        "to take a median from on a noisy machine)",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--only", default="rrc,center,cifar")
@@ -206,6 +216,7 @@ def main() -> int:
 
     if args.smoke:
         args.imagenet_n, args.cifar_n, args.epochs, args.rounds = 64, 2048, 1, 1
+        args.cifar_epochs = 1
         args.subset = 0
     workers = [int(w) for w in args.workers.split(",")]
     cases = [c for c in args.only.split(",") if c]
@@ -230,7 +241,8 @@ def main() -> int:
             batch = 512 if case == "cifar" else 256
             if args.smoke:
                 batch = 16 if case != "cifar" else 256
-            got = _child(python, system, case, path, batch, w, args)
+            epochs = args.cifar_epochs if case == "cifar" else args.epochs
+            got = _child(python, system, case, path, batch, w, epochs, args)
             rates.setdefault((case, w, system), []).extend(got)
     out: dict = {
         "machine_cpus": os.cpu_count(),
