@@ -12,7 +12,10 @@ every distinct spec (an RRC scale, an output size) is a new plan: before the bou
 sweeping parameters grew a long-lived daemon by that much per spec, for good (+100 MB of RSS
 over 300 specs; with the bound, 400 and 800 specs both end at the same ~+125 MB). A dropped plan
 stays alive for the streams that use it; the next stream with its spec compiles it again (from
-the compile cache: milliseconds).
+the compile cache: milliseconds). The bound holds only because no built-in op compiles per
+parameter value (their kernels take parameters as arguments, ``transforms._util.bind``): Numba
+never frees machine code, so an op that captured ``RandomBrightness``'s magnitude grew the daemon
+by ~1.7 MB per distinct value whatever this registry dropped (docs/custom-ops.md).
 
 Compiling (seconds: Numba) runs on one helper thread, ``beton-compile``, which also opens files
 on demand (``daemon._opener``) and runs the ``[[precompile]]`` entries at start

@@ -20,7 +20,7 @@ import numpy as np
 
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import mark, require_image
+from beton_serve.transforms._util import bind, require_image
 
 __all__ = ["RandomBrightness", "RandomContrast", "RandomSaturation"]
 
@@ -42,12 +42,9 @@ class _ColorJitter(Operation):
     def generate_code(self) -> Callable[..., Any]:
         from beton_serve.pipeline.rng import uniform, uniform_range
 
-        p = self.p
-        lo = max(0.0, 1.0 - self.magnitude)
-        hi = 1.0 + self.magnitude
-        kind = self._kind
+        kind = self._kind  # captured: three kernels, each with the other two kinds' code folded
 
-        def jitter(images, dst, batch_indices, seed_key):  # pragma: no cover - compiled
+        def jitter(images, dst, batch_indices, seed_key, p, lo, hi):  # pragma: no cover
             h, w = images.shape[1], images.shape[2]
             for i in range(images.shape[0]):
                 sid = np.uint64(batch_indices[i])
@@ -68,6 +65,17 @@ class _ColorJitter(Operation):
                                 )
                             )
                     mean = total / (h * w)
+                if kind == 0:
+                    # brightness: other is 0 and (1 - f) * 0 is +-0.0, which leaves f * v (>= +0)
+                    # unchanged: the same bits as the blend below, without it (it measured 20 %
+                    # slower with the factor's bounds as arguments instead of constants)
+                    for y in range(h):
+                        for x in range(w):
+                            for c in range(3):
+                                v = f * img[y, x, c]
+                                v = min(max(v, 0.0), 255.0)
+                                img[y, x, c] = np.uint8(v)
+                    continue
                 for y in range(h):
                     for x in range(w):
                         other = mean
@@ -85,7 +93,8 @@ class _ColorJitter(Operation):
                             img[y, x, c] = np.uint8(v)
             return images
 
-        return mark(jitter, indices=True, seed=True)
+        lo = max(0.0, 1.0 - self.magnitude)
+        return bind(jitter, self.p, lo, 1.0 + self.magnitude, indices=True, seed=True)
 
     def spec_params(self) -> dict[str, Any]:
         return {"magnitude": self.magnitude, "p": self.p}

@@ -11,7 +11,7 @@ import numpy as np
 from beton_serve.errors import SpecError
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import mark, require_image, to_list
+from beton_serve.transforms._util import bind, require_image, to_list
 
 __all__ = ["Cutout"]
 
@@ -42,10 +42,7 @@ class Cutout(Operation):
     def generate_code(self) -> Callable[..., Any]:
         from beton_serve.pipeline.rng import randint
 
-        s = self.crop_size
-        fill = self.fill.astype(np.float64)
-
-        def cutout(images, dst, batch_indices, seed_key):  # pragma: no cover - compiled
+        def cutout(images, dst, batch_indices, seed_key, s, fill):  # pragma: no cover - compiled
             h, w = images.shape[1], images.shape[2]
             for i in range(images.shape[0]):
                 sid = np.uint64(batch_indices[i])
@@ -55,7 +52,8 @@ class Cutout(Operation):
                     images[i, y : y + s, x : x + s, c] = fill[c]
             return images
 
-        return mark(cutout, indices=True, seed=True)
+        fill = np.ascontiguousarray(self.fill, dtype=np.float64)
+        return bind(cutout, self.crop_size, fill, indices=True, seed=True)
 
     def spec_params(self) -> dict[str, Any]:
         return {"crop_size": self.crop_size, "fill": to_list(self.fill)}

@@ -61,7 +61,7 @@ class RandomHorizontalFlip(Operation):
 
         p = self.flip_prob
 
-        def mask_of(batch_indices, seed_key):  # pragma: no cover - compiled
+        def mask_of(batch_indices, seed_key, p):  # pragma: no cover - compiled
             n = batch_indices.shape[0]
             out = np.empty(n, np.bool_)
             for i in range(n):
@@ -154,7 +154,7 @@ class RandomHorizontalFlip(Operation):
         rows_inplace_fn = Compiler.compile(flip_rows_inplace)
 
         def flip(images, dst, batch_indices, seed_key):
-            mask = mask_fn(np.asarray(batch_indices), np.uint64(seed_key))
+            mask = mask_fn(np.asarray(batch_indices), np.uint64(seed_key), p)
             n = images.shape[0]
             same = same_array(images, dst)
             contiguous = images.ndim == 4 and images.flags.c_contiguous

@@ -25,7 +25,7 @@ from beton_serve.errors import SpecError
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import mark
+from beton_serve.transforms._util import bind
 
 __all__ = ["ImageMixup", "LabelMixup", "MixupToOneHot", "MIXUP_STREAM", "mixup_key"]
 
@@ -82,12 +82,9 @@ class ImageMixup(Operation):
         from beton_serve.pipeline.compiler import Compiler
 
         lambdas = Compiler.compile(_lambdas_fn())
-        alpha = self.alpha
-        same = self.same_lambda
-
         seed_key = mixup_key()
 
-        def mixup(images, dst, batch_indices):  # pragma: no cover - compiled
+        def mixup(images, dst, batch_indices, alpha, same):  # pragma: no cover - compiled
             n = images.shape[0]
             lam = lambdas(batch_indices, seed_key, alpha, same)
             for i in range(n):
@@ -100,7 +97,7 @@ class ImageMixup(Operation):
                     o[idx] = a[idx] * li + b[idx] * (1.0 - li)
             return dst
 
-        return mark(mixup, indices=True)
+        return bind(mixup, self.alpha, bool(self.same_lambda), indices=True)
 
     def spec_params(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "same_lambda": self.same_lambda}
@@ -132,12 +129,9 @@ class LabelMixup(Operation):
         from beton_serve.pipeline.compiler import Compiler
 
         lambdas = Compiler.compile(_lambdas_fn())
-        alpha = self.alpha
-        same = self.same_lambda
-
         seed_key = mixup_key()
 
-        def mixup(labels, dst, batch_indices):  # pragma: no cover - compiled
+        def mixup(labels, dst, batch_indices, alpha, same):  # pragma: no cover - compiled
             n = labels.shape[0]
             lam = lambdas(batch_indices, seed_key, alpha, same)
             flat = labels.reshape(n, -1)
@@ -148,7 +142,7 @@ class LabelMixup(Operation):
                 dst[i, 2] = lam[i]
             return dst
 
-        return mark(mixup, indices=True)
+        return bind(mixup, self.alpha, bool(self.same_lambda), indices=True)
 
     def spec_params(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "same_lambda": self.same_lambda}

@@ -23,7 +23,7 @@ from beton_serve.errors import SpecError
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import dtype_name, to_list
+from beton_serve.transforms._util import bind, dtype_name, to_list
 
 __all__ = ["NormalizeImage"]
 
@@ -71,7 +71,7 @@ class NormalizeImage(Operation):
         table = self.lookup_table()
         ttype = self.type
 
-        def normalize(images, dst):  # pragma: no cover - compiled
+        def normalize(images, dst, table):  # pragma: no cover - compiled
             n, h, w = images.shape[0], images.shape[1], images.shape[2]
             for i in range(n):
                 for y in range(h):
@@ -94,7 +94,7 @@ class NormalizeImage(Operation):
                 nhwc[..., k] = tab[:, k][idx[..., k]]
             return nhwc.permute(0, 3, 1, 2)
 
-        return normalize if self._jit_input else normalize_torch
+        return bind(normalize, table) if self._jit_input else normalize_torch
 
     def spec_params(self) -> dict[str, Any]:
         return {"mean": to_list(self.mean), "std": to_list(self.std), "type": dtype_name(self.type)}

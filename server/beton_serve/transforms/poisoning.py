@@ -11,7 +11,7 @@ import numpy as np
 from beton_serve.errors import SpecError
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import mark, require_image, to_list
+from beton_serve.transforms._util import bind, require_image, to_list
 
 __all__ = ["Poison"]
 
@@ -53,31 +53,32 @@ class Poison(Operation):
         return replace(previous_state), None
 
     def generate_code(self) -> Callable[..., Any]:
-        mask = self.mask.astype(np.float32)
-        alpha = self.alpha.astype(np.float32)
-        keep = (np.float32(1) - alpha).astype(np.float32)
-        chosen = self.indices
-        lo, hi = np.float32(self.clamp[0]), np.float32(self.clamp[1])
-
-        def poison(images, dst, batch_indices):  # pragma: no cover - compiled
+        def poison(
+            images, dst, batch_indices, chosen, keep, mask, alpha, lo, hi
+        ):  # pragma: no cover
             h, w = images.shape[1], images.shape[2]
             for i in range(images.shape[0]):
                 sid = np.uint64(batch_indices[i])
                 k = np.searchsorted(chosen, sid)
                 if k >= chosen.shape[0] or chosen[k] != sid:
                     continue
+                img = images[i]
                 for y in range(h):
                     for x in range(w):
-                        for c in range(images.shape[3]):
-                            v = (
-                                np.float32(images[i, y, x, c]) * keep[y, x]
-                                + mask[y, x, c] * alpha[y, x]
-                            )
+                        # read once per pixel: stores into the batch may alias runtime arrays
+                        kx = keep[y, x]
+                        ax = alpha[y, x]
+                        for c in range(img.shape[2]):
+                            v = np.float32(img[y, x, c]) * kx + mask[y, x, c] * ax
                             v = min(max(v, lo), hi)
-                            images[i, y, x, c] = v
+                            img[y, x, c] = v
             return images
 
-        return mark(poison, indices=True)
+        mask = np.ascontiguousarray(self.mask, dtype=np.float32)
+        alpha = np.ascontiguousarray(self.alpha, dtype=np.float32)
+        keep = (np.float32(1) - alpha).astype(np.float32)
+        lo, hi = np.float32(self.clamp[0]), np.float32(self.clamp[1])
+        return bind(poison, self.indices, keep, mask, alpha, lo, hi, indices=True)
 
     def spec_params(self) -> dict[str, Any]:
         return {

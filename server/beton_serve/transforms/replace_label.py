@@ -11,7 +11,7 @@ import numpy as np
 from beton_serve.errors import SpecError
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import mark, to_list
+from beton_serve.transforms._util import bind, to_list
 
 __all__ = ["ReplaceLabel"]
 
@@ -32,10 +32,7 @@ class ReplaceLabel(Operation):
         return replace(previous_state), None
 
     def generate_code(self) -> Callable[..., Any]:
-        chosen = self.indices
-        new = self.new_label
-
-        def replace_label(labels, dst, batch_indices):  # pragma: no cover - compiled
+        def replace_label(labels, dst, batch_indices, chosen, new):  # pragma: no cover - compiled
             for i in range(labels.shape[0]):
                 sid = np.uint64(batch_indices[i])
                 k = np.searchsorted(chosen, sid)
@@ -43,7 +40,7 @@ class ReplaceLabel(Operation):
                     labels[i] = new
             return labels
 
-        return mark(replace_label, indices=True)
+        return bind(replace_label, self.indices, self.new_label, indices=True)
 
     def spec_params(self) -> dict[str, Any]:
         return {"indices": to_list(self.indices), "new_label": self.new_label}

@@ -12,7 +12,7 @@ from beton_serve.errors import SpecError
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import mark, require_image, to_list
+from beton_serve.transforms._util import bind, require_image, to_list
 
 __all__ = ["RandomTranslate"]
 
@@ -46,10 +46,7 @@ class RandomTranslate(Operation):
     def generate_code(self) -> Callable[..., Any]:
         from beton_serve.pipeline.rng import randint
 
-        pad = self.padding
-        fill = self.fill.astype(np.float64)
-
-        def translate(images, dst, batch_indices, seed_key):  # pragma: no cover - compiled
+        def translate(images, dst, batch_indices, seed_key, pad, fill):  # pragma: no cover
             n, h, w = images.shape[0], images.shape[1], images.shape[2]
             for i in range(n):
                 canvas = dst[i]
@@ -62,7 +59,8 @@ class RandomTranslate(Operation):
                 images[i] = canvas[y : y + h, x : x + w]
             return images
 
-        return mark(translate, indices=True, seed=True)
+        fill = np.ascontiguousarray(self.fill, dtype=np.float64)
+        return bind(translate, self.padding, fill, indices=True, seed=True)
 
     def spec_params(self) -> dict[str, Any]:
         return {"padding": self.padding, "fill": to_list(self.fill)}
