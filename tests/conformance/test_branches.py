@@ -179,18 +179,27 @@ def test_branches_served_equal_in_process(
     assert_same_epochs(got, want, f"{transport} vs in-process, {form}")
 
 
-@pytest.mark.parametrize("backend", ["inproc", "shm"])
-def test_a_branch_beside_an_inplace_op_sees_the_decoded_pixels(
-    fixtures_dir: Path, daemon: DaemonProcess, backend: str
-) -> None:
+def _with_plain_decode(
+    fixtures_dir: Path, backend: str, pipes: dict[str, Any], address: str
+) -> tuple[list[tuple[np.ndarray, ...]], list[np.ndarray]]:
+    """Every batch of ``pipes`` over the pairs file on ``backend`` (copied), and the same
+    batches of a plain decode in process, to compare pixels with."""
     path = fixtures_dir / f"{PAIRS}.beton"
-    with make_loader(backend, path, _beside_inplace(), address=daemon.address, batch_size=4) as ld:
+    with make_loader(backend, path, pipes, address=address, batch_size=4) as ld:
         batches = [tuple(np.asarray(x).copy() for x in b) for b in ld]
     with make_loader(
         "inproc", path, {"input": [SimpleRGBImageDecoder()], "target": None}, batch_size=4
     ) as ld:
         plain = [np.array(b[0]) for b in ld]
     assert len(batches) == len(plain) > 0
+    return batches, plain
+
+
+@pytest.mark.parametrize("backend", ["inproc", "shm"])
+def test_a_branch_beside_an_inplace_op_sees_the_decoded_pixels(
+    fixtures_dir: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    batches, plain = _with_plain_decode(fixtures_dir, backend, _beside_inplace(), daemon.address)
     for (flipped, view, view_t), want in zip(batches, plain, strict=True):
         assert np.array_equal(view, want) and np.array_equal(view_t, want)
         assert np.array_equal(flipped, want[:, :, ::-1])
@@ -357,7 +366,6 @@ def test_an_inplace_torch_op_on_one_output_leaves_a_branch_of_it_alone(
 ) -> None:
     """``ToTensor`` hands out a view of the Numba stage's buffer; an in-place torch op on that
     view must not reach a branch of the same op (nor the other way round)."""
-    path = fixtures_dir / f"{PAIRS}.beton"
     dec = SimpleRGBImageDecoder()
     pipes = {
         "input": [dec, ToTensor(), _AddOneInPlace()],
@@ -366,13 +374,7 @@ def test_an_inplace_torch_op_on_one_output_leaves_a_branch_of_it_alone(
         "plain_np": PipelineSpec(dec, transforms=[]),
         "plus": PipelineSpec(dec, transforms=[ToTensor(), _AddOneInPlace()]),
     }
-    with make_loader(backend, path, pipes, address=daemon.address, batch_size=4) as ld:
-        batches = [tuple(np.asarray(x).copy() for x in b) for b in ld]
-    with make_loader(
-        "inproc", path, {"input": [SimpleRGBImageDecoder()], "target": None}, batch_size=4
-    ) as ld:
-        plain = [np.array(b[0]) for b in ld]
-    assert len(batches) == len(plain) > 0
+    batches, plain = _with_plain_decode(fixtures_dir, backend, pipes, daemon.address)
     for (plus1, view, view_np, plus2), want in zip(batches, plain, strict=True):
         assert np.array_equal(view, want) and np.array_equal(view_np, want)
         assert np.array_equal(plus1, want + np.uint8(1))
