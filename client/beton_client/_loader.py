@@ -50,7 +50,7 @@ from beton_wire.limits import (
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-from beton_client._ops import BRANCH_FIELD, PipelinePlan, device_of
+from beton_client._ops import BRANCH_FIELD, PipelinePlan, device_of, explain_refusal
 from beton_client._options import ServeOptions, merge_serve_keywords
 from beton_client._resume import RetryPolicy, retriable, retry
 from beton_client._stream import _Stream
@@ -345,7 +345,7 @@ class DaemonBackend:
         try:
             reply = self._stub.OpenStream(req, timeout=300.0)
         except grpc.RpcError as err:
-            raise from_rpc_error(err, target=self.server) from None
+            raise explain_refusal(from_rpc_error(err, target=self.server), self.server) from None
         self.transport_rejections = [(r.transport, r.code, r.reason) for r in reply.rejected]
         self.chosen_transport = reply.transport.kind
         key = pipelines_key(plans)

@@ -45,7 +45,7 @@ from beton_wire.framing import ALIGN, Compression, DecodedBatch, OpenRequest
 from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-from beton_client._ops import PipelinePlan
+from beton_client._ops import PipelinePlan, explain_refusal
 from beton_client._tail import OutputInfo
 from beton_client._transport.grpc_codec import BatchStream, BufferPool
 from beton_client._transport.grpc_receiver import SAMPLE_IDS, GrpcSetupInfo
@@ -306,7 +306,7 @@ def open_remote(
                 reply = pb_grpc.BetonServeStub(ch).OpenStream(request, timeout=300.0)
             except grpc.RpcError as err:
                 ch.close()
-                raise from_rpc_error(err, target=t) from None
+                raise explain_refusal(from_rpc_error(err, target=t), t) from None
             except BaseException:
                 ch.close()
                 raise

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from beton_client.errors import SpecError
+from beton_client.errors import BetonClientError, SpecError
 
 __all__ = [
     "BRANCH_FIELD",
@@ -318,6 +318,21 @@ def _place_branches(plans: list[PipelinePlan]) -> list[PipelinePlan]:
             )
         out[k] = dataclasses.replace(p, branch_of=q.name, branch_op=at)
     return out
+
+
+def explain_refusal(exc: BetonClientError, target: str) -> BetonClientError:
+    """``exc`` (a daemon's refusal of ``OpenStream``), reworded when the daemon predates served
+    branches: such a daemon ignores ``branch_of`` and looks the placeholder field
+    :data:`BRANCH_FIELD` up in its file, so it answers "has no field '@branch'"."""
+    if exc.code != "INVALID_ARGUMENT" or f"has no field {BRANCH_FIELD!r}" not in str(exc):
+        return exc
+    where = f" at {target}" if target else ""
+    return type(exc)(
+        f"the daemon{where} predates served branches (PipelineSpec(source=<op>)): upgrade "
+        f"beton-serve where it runs, or read these pipelines in process ({exc})",
+        code=exc.code,
+        server_error=exc.server_error,
+    )
 
 
 def device_of(plans: Sequence[PipelinePlan]) -> str:

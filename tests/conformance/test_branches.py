@@ -379,3 +379,30 @@ def test_an_inplace_torch_op_on_one_output_leaves_a_branch_of_it_alone(
         assert np.array_equal(view, want) and np.array_equal(view_np, want)
         assert np.array_equal(plus1, want + np.uint8(1))
         assert np.array_equal(plus2, want + np.uint8(1))
+
+
+def test_a_daemon_that_predates_branches_is_named_as_such(daemon: DaemonProcess) -> None:
+    """A daemon older than served branches ignores ``branch_of`` and sees a pipeline of the
+    placeholder field ``@branch``, which no file has: the client's error says to upgrade it
+    (the request below is exactly what such a daemon reads)."""
+    import grpc
+    from beton_client._ops import explain_refusal
+    from beton_client.errors import SpecError, from_rpc_error
+    from beton_wire.v1 import beton_pb2_grpc as pb_grpc
+
+    def refusal(err: Any) -> Exception:  # as the Loader raises it (``_loader.DaemonBackend.open``)
+        return explain_refusal(from_rpc_error(err, target=daemon.address), daemon.address)
+
+    with grpc.insecure_channel(daemon.address) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.BetonServeStub(ch).OpenStream(_raw_branch(field="@branch"), timeout=60)
+    err = refusal(info.value)
+    assert isinstance(err, SpecError)
+    assert f"the daemon at {daemon.address} predates served branches" in str(err), str(err)
+    assert "has no field '@branch'" in str(err)  # the daemon's own words, kept
+    # any other unknown field keeps the daemon's message as it is
+    with grpc.insecure_channel(daemon.address) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.BetonServeStub(ch).OpenStream(_raw_branch(field="nope"), timeout=60)
+    other = refusal(info.value)
+    assert "predates" not in str(other) and "has no field 'nope'" in str(other), str(other)
