@@ -72,3 +72,27 @@ def test_unkeyable_function_is_compiled_anew(store: DiskStore) -> None:
     a, b = Compiler.compile(make()), Compiler.compile(make())
     assert a is not b  # no fingerprint, no reuse (as before)
     assert a(0.0) == b(0.0) == 1.0
+
+
+def test_a_function_compiled_for_many_captured_values_is_reported(
+    store: DiskStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each value's machine code stays for good: the 16th distinct value of one generated
+    function logs a warning naming it (then the 32nd, 64th...), and a repeat value does not
+    count."""
+    caplog.set_level("WARNING", logger="beton_serve.compile")
+    n = compiler.VARIANTS_WARN
+    for k in range(n - 1):
+        Compiler.compile(_make_scale(1.0 + k))
+        Compiler.compile(_make_scale(1.0))  # the same value again: reused, not counted
+    assert not caplog.records
+    Compiler.compile(_make_scale(100.0))
+    (rec,) = caplog.records
+    msg = rec.getMessage()
+    assert "_make_scale.<locals>.scale" in msg and f"for {n} distinct captured values" in msg
+    assert "docs/custom-ops.md" in msg
+    for k in range(n - 1):
+        Compiler.compile(_make_scale(200.0 + k))
+    assert len(caplog.records) == 1
+    Compiler.compile(_make_scale(999.0))
+    assert len(caplog.records) == 2 and f"for {2 * n} distinct" in caplog.records[1].getMessage()

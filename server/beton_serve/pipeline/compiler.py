@@ -21,9 +21,12 @@ Numba is imported on first use, never at import time.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
+
+_log = logging.getLogger("beton_serve.compile")
 
 __all__ = ["Compiler", "JIT_OPTIONS"]
 
@@ -93,6 +96,8 @@ def _compile(fn: Callable[..., Any], signature: Any, cache: Any, *, reuse: bool)
             attach(disp, None if cache is True else cache)
         if key is not None:
             with _memo_lock:
+                if key not in _memo:
+                    _count_variant(fn)
                 disp = _memo.setdefault(key, disp)
     if signature is not None:
         disp.compile(signature)
@@ -103,6 +108,38 @@ def _compile(fn: Callable[..., Any], signature: Any, cache: Any, *, reuse: bool)
 #: Grows with the distinct functions compiled, as Numba's own code does.
 _memo: dict[tuple[Any, ...], Any] = {}
 _memo_lock = threading.Lock()
+
+
+#: (module, qualified name) of a generated function -> how many distinct fingerprints of it
+#: this process compiled: the same code with other captured values.
+_variants: dict[tuple[str, str], int] = {}
+#: A function compiled for this many distinct captured values is reported (then at each
+#: doubling): see :func:`_count_variant`.
+VARIANTS_WARN = 16
+
+
+def _count_variant(fn: Callable[..., Any]) -> None:
+    """Count a new fingerprint of ``fn``'s code; log a warning when one function has been
+    compiled for :data:`VARIANTS_WARN`, then 2x, 4x... distinct captured values.
+
+    Each variant's machine code stays for the life of the process (Numba never frees it,
+    1-2 MB for an op): an op that captures its parameters, served to a sweep over them, grows a
+    long-lived daemon by that much per value. The built-in ops pass their parameters as
+    arguments (``transforms._util.bind``); this names a custom op that does not. Called under
+    ``_memo_lock``."""
+    name = (str(getattr(fn, "__module__", "?")), str(getattr(fn, "__qualname__", repr(fn))))
+    n = _variants.get(name, 0) + 1
+    _variants[name] = n
+    if n >= VARIANTS_WARN and n & (n - 1) == 0:
+        _log.warning(
+            "%s.%s has been compiled for %d distinct captured values in this process, and "
+            "each one's machine code stays in memory (Numba never frees it; 1-2 MB for an "
+            "op). If it is your op, pass the values that change between jobs as arguments "
+            "(docs/custom-ops.md, 'Parameters: arguments, not captured constants')",
+            name[0],
+            name[1],
+            n,
+        )
 
 
 def _memo_key(fn: Callable[..., Any], cache: Any) -> tuple[Any, ...] | None:
@@ -125,3 +162,4 @@ def _forget_compiled() -> None:
     """Forget the in-process reuse table (tests that emulate a new process)."""
     with _memo_lock:
         _memo.clear()
+        _variants.clear()
