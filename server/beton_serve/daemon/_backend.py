@@ -159,6 +159,23 @@ class SourceParams:
     pre_run: Callable[[], None] | None = None
 
 
+#: A plan whose buffers for one batch (:attr:`beton_serve.pipeline.Plan.workspace_bytes`) take
+#: more than this share of the host's memory is refused when a stream opens: a client cannot
+#: make the daemon allocate absurd scratch memory (a ``RandomTranslate(padding=10**7)`` asked
+#: for 4.8 PB and failed inside a worker; one of 3,000 px took 433 MB per worker).
+WORKSPACE_SHARE_OF_MEMORY = 8
+
+
+def max_workspace_bytes() -> int:
+    """The largest :attr:`Plan.workspace_bytes` the daemon accepts (see
+    :data:`WORKSPACE_SHARE_OF_MEMORY`)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return int(total) // WORKSPACE_SHARE_OF_MEMORY
+
+
 class Backend(Protocol):
     """What the daemon needs from the decoding layers."""
 
@@ -288,11 +305,21 @@ class EngineBackend:
         *,
         sample_check: Any = None,
     ) -> PlanLike:
+        from beton_serve.errors import SpecError
         from beton_serve.pipeline import compile_pipelines  # type: ignore[attr-defined]
 
-        return compile_pipelines(  # type: ignore[no-any-return]
+        plan = compile_pipelines(
             reader, dict(pipelines), batch_size=batch_size, sample_check=sample_check
         )
+        need, limit = plan.workspace_bytes, max_workspace_bytes()
+        if need > limit:
+            raise SpecError(
+                f"the ops' buffers for one batch of {batch_size} would take {need:,} bytes of "
+                f"the daemon's memory (each of its workers holds one set), over its limit of "
+                f"{limit:,} (an eighth of this host's memory): use a smaller batch_size or "
+                "smaller sizes (a RandomTranslate padding, an output size)"
+            )
+        return plan  # type: ignore[no-any-return]
 
     def open_checksums(self, readers: Sequence[Any]) -> Any:
         from beton_serve.format import ChecksumVerifier

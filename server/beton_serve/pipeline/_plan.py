@@ -148,6 +148,18 @@ class PlanCache:
             return len(self._fns)
 
 
+def _query_bytes(q: AllocationQuery, batch: int | None) -> int:
+    """Bytes of the buffer :func:`_empty` makes for ``q`` (torch dtypes by their element size)."""
+    if is_torch_dtype(q.dtype):
+        item = int(getattr(q.dtype, "itemsize", 0) or 8)
+    else:
+        item = np.dtype(q.dtype).itemsize
+    n = 1 if batch is None else batch
+    for d in q.shape:
+        n *= int(d)
+    return n * item
+
+
 class Workspace:
     """The buffers one running batch needs (see the module docstring). Owned by one worker at a time."""
 
@@ -157,13 +169,20 @@ class Workspace:
         self.shared: dict[int, Any] = {}
         for node in plan.jit_nodes:
             q = plan._alloc[node.position]
-            if isinstance(q, list):
-                self.buffers[node.position] = [_empty(x, plan.batch_size) for x in q]
-            elif q is not None:
-                self.buffers[node.position] = _empty(q, plan.batch_size)
-            sq = plan._shared_alloc.get(node.position)
-            if sq is not None:
-                self.shared[node.position] = _empty(sq, None)
+            try:
+                if isinstance(q, list):
+                    self.buffers[node.position] = [_empty(x, plan.batch_size) for x in q]
+                elif q is not None:
+                    self.buffers[node.position] = _empty(q, plan.batch_size)
+                sq = plan._shared_alloc.get(node.position)
+                if sq is not None:
+                    self.shared[node.position] = _empty(sq, None)
+            except MemoryError as exc:
+                raise SpecError(
+                    f"{node.name}: its buffers for a batch of {plan.batch_size} cannot be "
+                    f"allocated ({exc}); the buffers of one batch of this plan take "
+                    f"{plan.workspace_bytes:,} bytes: use smaller sizes or a smaller batch_size"
+                ) from None
 
 
 class Plan:
@@ -336,7 +355,14 @@ class Plan:
             if cached is not None and pos in cached:
                 fns[pos] = cached[pos]
                 continue
-            fn = node.op.generate_code()
+            try:
+                fn = node.op.generate_code()
+            except SpecError:
+                raise
+            except Exception as exc:  # the op's own code, given its parameters: a bad request
+                raise SpecError(
+                    f"{node.name}: generate_code() raised {type(exc).__name__}: {exc}"
+                ) from exc
             if not callable(fn):
                 raise SpecError(f"{node.name}: generate_code() must return a function, got {fn!r}")
             if self._jit[pos] and not getattr(fn, "python", False):
@@ -427,6 +453,21 @@ class Plan:
         )
 
     # -- running -------------------------------------------------------------------------
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the buffers one running batch needs (:class:`Workspace`): the ops' output and
+        scratch memory at ``batch_size``, and their shared memory."""
+        total = 0
+        for node in self.jit_nodes:
+            q = self._alloc[node.position]
+            for x in q if isinstance(q, list) else [q]:
+                if x is not None:
+                    total += _query_bytes(x, self.batch_size)
+            sq = self._shared_alloc.get(node.position)
+            if sq is not None:
+                total += _query_bytes(sq, None)
+        return total
+
     def acquire_workspace(self) -> Workspace:
         """A workspace for one batch; give it back with :meth:`release_workspace`."""
         with self._lock:

@@ -240,7 +240,7 @@ class OpRegistry:
             return cls(**params)
         except SpecError:
             raise
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
             try:
                 sig = (
                     str(inspect.signature(cls.__init__))

@@ -8,7 +8,7 @@ import numpy as np
 
 from beton_serve.errors import SpecError
 
-__all__ = ["bind", "dtype_name", "mark", "require_image", "to_list"]
+__all__ = ["bind", "check_fill", "dtype_name", "mark", "require_image", "to_list"]
 
 
 def mark(fn: Any, *, indices: bool = False, seed: bool = False, python: bool = False) -> Any:
@@ -49,6 +49,19 @@ def bind(kernel: Any, *params: Any, indices: bool = False, seed: bool = False) -
     op.kernel = compiled  # type: ignore[attr-defined]
     op.__name__ = op.__qualname__ = getattr(kernel, "__name__", "op")
     return mark(op, indices=indices, seed=seed, python=True)
+
+
+def check_fill(op: str, fill: Any) -> np.ndarray:
+    """``fill`` as an array of 3 numbers (one per channel); :class:`SpecError` otherwise (the
+    kernels read ``fill[0..2]`` without bounds checks)."""
+    try:
+        arr = np.array(fill)
+        ok = arr.shape == (3,) and np.issubdtype(arr.dtype, np.number)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise SpecError(f"{op}: fill must be 3 numbers (one per channel), got {fill!r}")
+    return arr
 
 
 def dtype_name(dtype: Any) -> str:

@@ -37,6 +37,9 @@ class Poison(Operation):
         self.alpha = np.asarray(alpha)
         self.indices = np.sort(np.asarray(indices, dtype=np.uint64))
         self.clamp = (float(clamp[0]), float(clamp[1]))
+        for what, arr in (("mask", self.mask), ("alpha", self.alpha)):
+            if not np.issubdtype(arr.dtype, np.number):
+                raise SpecError(f"Poison: {what} must hold numbers, got dtype {arr.dtype}")
         if self.mask.ndim != 3 or self.alpha.shape != self.mask.shape[:2]:
             raise SpecError(
                 f"Poison: mask must be (H, W, 3) and alpha (H, W); got {self.mask.shape} "

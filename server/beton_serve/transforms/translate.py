@@ -12,7 +12,7 @@ from beton_serve.errors import SpecError
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import bind, require_image, to_list
+from beton_serve.transforms._util import bind, check_fill, require_image, to_list
 
 __all__ = ["RandomTranslate"]
 
@@ -33,7 +33,7 @@ class RandomTranslate(Operation):
         self.padding = int(padding)
         if self.padding < 0:
             raise SpecError(f"RandomTranslate: padding must be >= 0, got {padding}")
-        self.fill = np.array(fill)
+        self.fill = check_fill("RandomTranslate", fill)
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         require_image(self, previous_state)
