@@ -7,7 +7,9 @@ Seen on an earlier main (session 27): a ``Poison`` mask of strings, negative ``P
 daemon's log (a ValueError or OverflowError outside the constructor's checks); a ``Cutout`` fill
 of 2 values opened a stream whose kernel then read ``fill[2]`` past the array; a
 ``RandomTranslate(padding=10**7)`` opened a stream whose first batch failed inside a worker
-with MemoryError (4.8 PB of scratch), reported as an internal error.
+with MemoryError (4.8 PB of scratch), reported as an internal error; a ``RandomResizedCrop``
+transform with a negative scale or a size of 0 opened a stream; ``NormalizeImage`` to ``object``
+came back INTERNAL (a ValueError of the slot layout).
 """
 
 from __future__ import annotations
@@ -71,6 +73,21 @@ CASES: dict[str, tuple[Any, str, str]] = {
         _op("RandomTranslate", {"padding": 10**7}),
         "image",
         "would take 4,800,003,840,001,600 bytes",
+    ),
+    "crop_transform_negative_scale": (
+        _op("RandomResizedCrop", {"scale": [-1, 1], "ratio": [0.5, 2], "size": 4}),
+        "image",
+        "RandomResizedCrop: need 0 < scale[0] <= scale[1]",
+    ),
+    "crop_transform_size_0": (
+        _op("RandomResizedCrop", {"scale": [0.1, 1], "ratio": [0.5, 2], "size": 0}),
+        "image",
+        "a size of at least 1",
+    ),
+    "normalize_to_objects": (
+        _op("NormalizeImage", {"mean": [1, 2, 3], "std": [1, 2, 3], "type": "object"}),
+        "image",
+        "has dtype 'object', which the wire cannot carry",
     ),
     "replace_label_negative_id": (
         _op("ReplaceLabel", {"indices": [-5], "new_label": 3}),

@@ -60,9 +60,13 @@ def batch_layout(outputs: Sequence[OutputInfo], batch_size: int) -> SlotLayout:
     """The slot layout of one batch of ``outputs``.
 
     Raises:
-        SpecError: a slot would hold more than :data:`MAX_SLOT_BYTES`.
+        SpecError: a slot would hold more than :data:`MAX_SLOT_BYTES`, or an output's dtype or
+            shape is one the wire cannot carry (``NormalizeImage(type=object)``, say).
     """
-    layout = slot_layout([(o.name, o.shape, o.dtype) for o in outputs], batch_size)
+    try:
+        layout = slot_layout([(o.name, o.shape, o.dtype) for o in outputs], batch_size)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
     if layout.slot_bytes > MAX_SLOT_BYTES:
         raise SpecError(
             f"one batch needs {layout.slot_bytes} bytes, more than the {MAX_SLOT_BYTES} a slot "

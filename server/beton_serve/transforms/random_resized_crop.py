@@ -39,6 +39,11 @@ class RandomResizedCrop(Operation):
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
         self.size = int(size)
+        if not (0 < self.scale[0] <= self.scale[1]) or min(self.ratio) <= 0 or self.size < 1:
+            raise SpecError(
+                "RandomResizedCrop: need 0 < scale[0] <= scale[1], positive ratios and a size of "
+                f"at least 1, got scale={scale}, ratio={ratio}, size={size}"
+            )
         if resize not in ("area", "cv2"):
             raise SpecError(f"RandomResizedCrop: resize must be 'area' or 'cv2', not {resize!r}")
         self.resize = resize
