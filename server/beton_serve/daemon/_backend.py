@@ -168,11 +168,19 @@ WORKSPACE_SHARE_OF_MEMORY = 8
 
 def max_workspace_bytes() -> int:
     """The largest :attr:`Plan.workspace_bytes` the daemon accepts (see
-    :data:`WORKSPACE_SHARE_OF_MEMORY`)."""
+    :data:`WORKSPACE_SHARE_OF_MEMORY`): a share of the host's memory, or of the daemon's cgroup
+    limit when that is lower (a container's ``memory.max``, cgroup v2)."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         total = 8 << 30
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text.isdigit():
+            total = min(total, int(text))
+    except OSError:
+        pass
     return int(total) // WORKSPACE_SHARE_OF_MEMORY
 
 
@@ -316,7 +324,7 @@ class EngineBackend:
             raise SpecError(
                 f"the ops' buffers for one batch of {batch_size} would take {need:,} bytes of "
                 f"the daemon's memory (each of its workers holds one set), over its limit of "
-                f"{limit:,} (an eighth of this host's memory): use a smaller batch_size or "
+                f"{limit:,} (an eighth of its memory): use a smaller batch_size or "
                 "smaller sizes (a RandomTranslate padding, an output size)"
             )
         return plan  # type: ignore[no-any-return]
