@@ -357,8 +357,8 @@ class Plan:
                 continue
             try:
                 fn = node.op.generate_code()
-            except SpecError:
-                raise
+            except BetonError:
+                raise  # already typed (SpecError, PipelineError...)
             except Exception as exc:  # the op's own code, given its parameters: a bad request
                 raise SpecError(
                     f"{node.name}: generate_code() raised {type(exc).__name__}: {exc}"
