@@ -82,7 +82,7 @@ CASES: dict[str, tuple[Any, str, str]] = {
     "crop_transform_size_0": (
         _op("RandomResizedCrop", {"scale": [0.1, 1], "ratio": [0.5, 2], "size": 0}),
         "image",
-        "a size of at least 1",
+        "RandomResizedCrop: size must be at least 1",
     ),
     "normalize_to_objects": (
         _op("NormalizeImage", {"mean": [1, 2, 3], "std": [1, 2, 3], "type": "object"}),

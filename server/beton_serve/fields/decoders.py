@@ -30,7 +30,7 @@ This module imports neither Numba nor OpenCV at import time.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -778,6 +778,22 @@ class _CropDecoder(SimpleRGBImageDecoder):
 _MAX_SHARE_MIN_SIDE = 65535
 
 
+def crop_ranges(
+    owner: str, scale: Sequence[float], ratio: Sequence[float]
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """A random-resized crop's ``scale`` and ``ratio`` as float pairs, checked (the decoder's and
+    the ``RandomResizedCrop`` transform's): ``SpecError`` unless ``0 < scale[0] <= scale[1]`` and
+    both ratios are positive."""
+    s = (float(scale[0]), float(scale[1]))
+    r = (float(ratio[0]), float(ratio[1]))
+    if not (0 < s[0] <= s[1]) or min(r) <= 0:
+        raise SpecError(
+            f"{owner}: need 0 < scale[0] <= scale[1] and positive ratios, got scale={scale}, "
+            f"ratio={ratio}"
+        )
+    return s, r
+
+
 def _share_args(op: _CropDecoder, share_decode: object, share_min_side: object) -> tuple[bool, int]:
     """Checked ``(share_decode, share_min_side)`` of a crop decoder; raises ``SpecError``."""
     name = type(op).__name__
@@ -853,13 +869,7 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
         )
         #: Issue 16: take decodes from the stream's decode group (fields.decode_cache).
         self.share_decode, self.share_min_side = _share_args(self, share_decode, share_min_side)
-        self.scale = (float(scale[0]), float(scale[1]))
-        self.ratio = (float(ratio[0]), float(ratio[1]))
-        if not (0 < self.scale[0] <= self.scale[1]) or min(self.ratio) <= 0:
-            raise SpecError(
-                f"RandomResizedCropRGBImageDecoder: need 0 < scale[0] <= scale[1] and positive "
-                f"ratios, got scale={scale}, ratio={ratio}"
-            )
+        self.scale, self.ratio = crop_ranges("RandomResizedCropRGBImageDecoder", scale, ratio)
 
     def _crops(self, batch_indices: np.ndarray, seed_key: Any) -> np.ndarray:
         from beton_serve import _prewarm

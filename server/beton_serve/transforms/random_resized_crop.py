@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from beton_serve.errors import SpecError
+from beton_serve.fields.decoders import crop_ranges
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
@@ -36,14 +37,10 @@ class RandomResizedCrop(Operation):
         resize: str = "area",
     ) -> None:
         super().__init__()
-        self.scale = (float(scale[0]), float(scale[1]))
-        self.ratio = (float(ratio[0]), float(ratio[1]))
+        self.scale, self.ratio = crop_ranges("RandomResizedCrop", scale, ratio)
         self.size = int(size)
-        if not (0 < self.scale[0] <= self.scale[1]) or min(self.ratio) <= 0 or self.size < 1:
-            raise SpecError(
-                "RandomResizedCrop: need 0 < scale[0] <= scale[1], positive ratios and a size of "
-                f"at least 1, got scale={scale}, ratio={ratio}, size={size}"
-            )
+        if self.size < 1:
+            raise SpecError(f"RandomResizedCrop: size must be at least 1, got {size}")
         if resize not in ("area", "cv2"):
             raise SpecError(f"RandomResizedCrop: resize must be 'area' or 'cv2', not {resize!r}")
         self.resize = resize
