@@ -65,16 +65,15 @@ class Poison(Operation):
                 k = np.searchsorted(chosen, sid)
                 if k >= chosen.shape[0] or chosen[k] != sid:
                     continue
-                img = images[i]
                 for y in range(h):
                     for x in range(w):
-                        # read once per pixel: stores into the batch may alias runtime arrays
-                        kx = keep[y, x]
-                        ax = alpha[y, x]
-                        for c in range(img.shape[2]):
-                            v = np.float32(img[y, x, c]) * kx + mask[y, x, c] * ax
+                        for c in range(images.shape[3]):
+                            v = (
+                                np.float32(images[i, y, x, c]) * keep[y, x]
+                                + mask[y, x, c] * alpha[y, x]
+                            )
                             v = min(max(v, lo), hi)
-                            img[y, x, c] = v
+                            images[i, y, x, c] = v
             return images
 
         mask = np.ascontiguousarray(self.mask, dtype=np.float32)
