@@ -15,7 +15,7 @@ import pytest
 from beton_client import Loader, OrderOption
 from beton_serve.daemon._plans import MAX_CACHED_PLANS
 from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
-from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.daemon import daemon_factory, rss_mb, short_tmp  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -60,13 +60,6 @@ def test_a_parameter_sweep_keeps_at_most_the_bound_of_plans(daemon_factory, fixt
     assert d.stats().compiled_plans == MAX_CACHED_PLANS
 
 
-def _rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status").read().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_sweep_over_op_parameters_does_not_grow_the_daemon(daemon_factory, fixtures_dir) -> None:
     """Numba never frees machine code: when the built-in ops captured their parameters, every
     job of a sweep over them (a new brightness, flip probability, Cutout size) compiled its own
@@ -99,8 +92,8 @@ def test_a_sweep_over_op_parameters_does_not_grow_the_daemon(daemon_factory, fix
 
     for i in range(8):  # compiles (or loads) the kernels once, and fills the allocators
         job(i)
-    before = _rss_mb(d.pid)
+    before = rss_mb(d.pid)
     for i in range(8, 88):
         job(i)
-    grown = _rss_mb(d.pid) - before
+    grown = rss_mb(d.pid) - before
     assert grown < 40, f"80 jobs of distinct op parameters grew the daemon by {grown:.1f} MB"

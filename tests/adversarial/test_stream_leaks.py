@@ -26,7 +26,7 @@ from beton_serve.fields import IntField, NDArrayField
 from beton_serve.transport.shm import ShmRing
 from beton_serve.writer import DatasetWriter
 from beton_wire.slots import slot_layout
-from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.daemon import daemon_factory, rss_mb, short_tmp  # noqa: F401
 
 N = 48
 BATCH = 4
@@ -70,14 +70,6 @@ def _fds(pid: int) -> list[str]:
 def _beton_maps(pid: int) -> list[str]:
     with open(f"/proc/{pid}/maps") as f:
         return [line.split(None, 5)[-1].strip() for line in f if "/dev/shm/beton-" in line]
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def _check(batch: tuple, ids: np.ndarray, index: int) -> None:
@@ -157,14 +149,14 @@ def test_thousand_short_streams_leave_no_ring_fd_or_memory_behind(
         while _beton_maps(d.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
-        base_fds, base_rss = _fds(d.pid), _rss_mb(d.pid)
+        base_fds, base_rss = _fds(d.pid), rss_mb(d.pid)
         assert not _beton_maps(d.pid)
         me = os.getpid()
         my_fds, my_maps = _fds(me), _beton_maps(me)
         for i in range(WARMUP, WARMUP + CYCLES):
             _cycle(d.address, i)
         fds, maps = _settle(d.pid, base_fds)
-        rss = _rss_mb(d.pid)
+        rss = rss_mb(d.pid)
         assert not maps, f"closed rings still mapped in the daemon: {sorted(set(maps))}"
         assert fds == base_fds, (
             f"daemon descriptors: {len(base_fds)} before, {len(fds)} after; new: "

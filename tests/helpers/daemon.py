@@ -221,3 +221,12 @@ def daemon(fixtures_dir: Path) -> Iterator[DaemonProcess]:
     finally:
         d.stop()
         shutil.rmtree(d_dir, ignore_errors=True)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MiB (``VmRSS`` of ``/proc/PID/status``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
