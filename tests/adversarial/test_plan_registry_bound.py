@@ -1,11 +1,12 @@
 # ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
 """Clients that ask for ever new pipeline specs cannot grow a long-lived daemon without bound.
 
-Every distinct spec (an RRC ``scale`` of a parameter sweep, an output size) is a plan of its own,
-with ~0.35 MB of workspaces. The daemon keeps at most ``MAX_CACHED_PLANS`` of them, the least
-recently asked-for going first; a stream whose plan was dropped keeps it, and the next stream
-with that spec compiles it again (from the compile cache), with the same batches. The bound is
-worth something only because no op compiles per parameter value (the last test).
+Every distinct spec (an RRC ``scale`` of a parameter sweep, an output size) is a plan of its own.
+The daemon keeps at most ``MAX_CACHED_PLANS`` of them, the least recently asked-for going first;
+a stream whose plan was dropped keeps it, and the next stream with that spec compiles it again
+(from the compile cache), with the same batches. A kept plan with no open stream holds no batch
+workspaces (they went with its last stream), and the bound is worth something only because no op
+compiles per parameter value (the last two tests).
 """
 
 from __future__ import annotations
@@ -97,3 +98,48 @@ def test_a_sweep_over_op_parameters_does_not_grow_the_daemon(daemon_factory, fix
         job(i)
     grown = rss_mb(d.pid) - before
     assert grown < 40, f"80 jobs of distinct op parameters grew the daemon by {grown:.1f} MB"
+
+
+def test_plans_kept_for_reuse_hold_no_batch_memory(daemon_factory, fixtures_dir) -> None:
+    """A sweep of ImageNet-style jobs (RRC + flip + normalize: the decoder's output is scratch
+    memory, ~4.8 MB per worker at 32 x 224 px) used to leave every finished job's workspaces in
+    the plan the daemon keeps for reuse: +9.6 MB per job here, ~70 MB per job at batch 256,
+    up to 64 plans. The workspaces now go with a plan's last stream; a kept plan asked for again
+    allocates them anew, with the same batches."""
+    from beton_serve.transforms import NormalizeImage, RandomHorizontalFlip, ToTensor
+
+    d = daemon_factory([fixtures_dir / "images_jpg.beton"], args=["--workers", "2"])
+    mean, std = np.array([120.0, 110.0, 100.0]), np.array([60.0, 60.0, 60.0])
+
+    def job(i: int) -> list[np.ndarray]:
+        with Loader(
+            "images_jpg",
+            batch_size=32,
+            order=OrderOption.RANDOM,
+            seed=3,
+            pipelines={
+                "image": [
+                    RandomResizedCropRGBImageDecoder((224, 224), scale=(0.08 + i / 1e4, 1.0)),
+                    RandomHorizontalFlip(),
+                    NormalizeImage(mean, std, np.float16),
+                    ToTensor(),
+                ],
+                "label": [IntDecoder()],
+            },
+            server=d.address,
+            spawn=False,
+        ) as ld:
+            return [np.array(b[0]) for b in ld]  # both batches: both workers' workspaces
+
+    first = job(0)
+    for i in range(1, 4):  # the kernels, the allocators
+        job(i)
+    before = rss_mb(d.pid)
+    for i in range(4, 28):
+        job(i)
+    grown = rss_mb(d.pid) - before
+    assert grown < 60, f"24 finished jobs left {grown:.1f} MB in the daemon's kept plans"
+    again = job(0)  # a kept plan: its workspaces allocated anew
+    assert len(again) == len(first) == 2
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert all(np.isfinite(a.astype(np.float32)).all() and a.any() for a in again)

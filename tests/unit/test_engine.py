@@ -587,3 +587,32 @@ def test_a_loaders_engine_finalizer_run_inside_one_of_its_tasks_waits_for_nothin
     assert engine.submit(task_collected_mid_run).future.result(timeout=10) == 7
     assert took[0] < 5.0
     _assert_stops(engine)
+
+
+def test_a_plan_keeps_its_workspaces_only_while_a_source_runs_it():
+    """The daemon keeps idle plans for reuse: their batch workspaces go with their last source
+    (``Plan.hold``/``unhold``), and the same batches come from workspaces allocated anew."""
+    r = FakeReader(n=16)
+    plan = _plan(r, 4)
+    with Engine(2) as eng:
+        a = BatchSource(engine=eng, plan=plan, batch_size=4)
+        b = BatchSource(engine=eng, plan=plan, batch_size=4)
+        first = [np.array(x) for x in a.submit(0, 0).result(60)]
+        assert len(plan._free) == 1  # kept for the next batch
+        a.close()
+        a.close()  # idempotent: one release per source
+        assert len(plan._free) == 1  # b still runs the plan
+        b.submit(0, 1).result(60)
+        b.close()
+        assert plan._free == []  # no source left: the plan holds no batch memory
+        c = BatchSource(engine=eng, plan=plan, batch_size=4)
+        again = [np.array(x) for x in c.submit(0, 0).result(60)]
+        assert len(plan._free) == 1
+        c.close()
+    assert plan._free == []
+    assert all(np.array_equal(x, y) for x, y in zip(first, again, strict=True))
+    # A plan no source ever held (a precompile, a direct caller) keeps its free list.
+    direct = _plan(r, 4)
+    ws = direct.acquire_workspace()
+    direct.release_workspace(ws)
+    assert direct.acquire_workspace() is ws

@@ -7,10 +7,12 @@ key reuses the plan, even while the first one still compiles (both await one fut
 whose compilation failed is compiled again by the next request.
 
 The registry keeps at most :data:`MAX_CACHED_PLANS` plans, dropping the least recently asked for
-first (never one still compiling). A plan holds ~0.35 MB (mostly its batch workspaces), and
-every distinct spec (an RRC scale, an output size) is a new plan: before the bound, a client
-sweeping parameters grew a long-lived daemon by that much per spec, for good (+100 MB of RSS
-over 300 specs; with the bound, 400 and 800 specs both end at the same ~+125 MB). A dropped plan
+first (never one still compiling). Every distinct spec (an RRC scale, an output size) is a new
+plan: before the bound, a client sweeping parameters grew a long-lived daemon by ~0.35 MB per
+spec, for good (+100 MB of RSS over 300 specs; with the bound, 400 and 800 specs both end at the
+same ~+125 MB). A kept plan holds no batch workspaces once its last stream closed
+(``Plan.unhold``): before, each kept its workers' sets, ~70 MB per plan for an ImageNet-sized
+RRC + flip + normalize job on 2 workers, up to the 64 plans. A dropped plan
 stays alive for the streams that use it; the next stream with its spec compiles it again (from
 the compile cache: milliseconds). The bound holds only because no built-in op compiles per
 parameter value (their kernels take parameters as arguments, ``transforms._util.bind``): Numba

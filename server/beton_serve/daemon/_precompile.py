@@ -192,6 +192,7 @@ def _run_one(spec: PrecompileSpec, datasets: Any, backend: Any) -> None:
             plan.run(ws, np.arange(n, dtype=np.uint64), plan.seed_keys(0, 0))
         finally:
             plan.release_workspace(ws)
+            plan.drop_workspaces()  # the plan waits in the registry: keep no batch memory
     finally:
         if opened is not None:  # a reader of the backend: closed as DatasetTable closes its own
             opened.close()

@@ -130,6 +130,13 @@ class BatchSource:
             raise SpecError("QUASI_RANDOM needs at least one sample")
         self.engine = engine
         self.plan = plan
+        # The plan keeps its batch workspaces while a source runs it (until close()).
+        self._unhold: Callable[[], None] | None = getattr(plan, "unhold", None)
+        hold = getattr(plan, "hold", None)
+        if hold is not None and self._unhold is not None:
+            hold()
+        else:
+            self._unhold = None
         self.order = order
         self.batch_size = int(batch_size)
         self.seed = int(seed)
@@ -164,9 +171,14 @@ class BatchSource:
         self.decode_binding = bind_decode_groups(self)
 
     def close(self) -> None:
-        """Leave its decode groups now instead of when collected (issue 16). Idempotent; the
-        source stays usable and decodes alone from then on."""
+        """Leave its decode groups now instead of when collected (issue 16), and let the plan
+        free its batch workspaces if no other open source runs it (``Plan.unhold``).
+        Idempotent; the source stays usable and decodes alone from then on (allocating its
+        workspaces per batch if the plan is no longer held)."""
         unbind(self.decode_binding)
+        unhold, self._unhold = self._unhold, None
+        if unhold is not None:
+            unhold()
 
     # -- order ---------------------------------------------------------------------------
     def sample_order(self, epoch: int) -> NDArray[np.uint64]:

@@ -15,7 +15,12 @@ A :class:`Plan` is built once per (dataset, pipelines, batch size):
 Buffers. Running a batch needs every op's scratch/output memory. Several workers may run
 batches of one plan at once, so buffers live in a :class:`Workspace` (one per concurrently
 running batch, recycled through the plan's free list); an op receives ``buffer[:n]`` for a batch
-of ``n`` samples. The jit outputs are written into caller-owned destination arrays (a shm slot,
+of ``n`` samples. The free list is kept while a source that runs the plan is open
+(:meth:`Plan.hold`, :meth:`Plan.unhold`): when the last one closes, the workspaces go, so an idle
+plan that a daemon keeps for reuse holds no batch memory (an ImageNet-sized plan's decoder
+output alone is ~39 MB per worker; a served sweep of distinct specs grew the daemon by ~70 MB
+per job before, up to its 64 cached plans). A plan that no source ever held (a precompile, a
+direct caller of :meth:`Plan.run`) keeps its free list. The jit outputs are written into caller-owned destination arrays (a shm slot,
 a Loader slot), copied there unless the last op could write there directly. An ``inplace`` op
 (``Operation.inplace``) whose parent returned the buffer it was given, and is that parent's only
 jit child, gets that buffer as its destination and works in place; when such a chain ends an
@@ -221,6 +226,9 @@ class Plan:
         self._cache_key = cache_key
         self._lock = threading.Lock()
         self._free: list[Workspace] = []
+        #: Open sources that run this plan (:meth:`hold`); whether any ever did.
+        self._holders = 0
+        self._held = False
         #: ``{op name: [seconds, runs]}`` accumulated by :meth:`run` (see :meth:`op_times`).
         self._op_time: dict[str, list[float]] = {}
         self._states: dict[int, State] = {}
@@ -478,9 +486,31 @@ class Plan:
         return Workspace(self)
 
     def release_workspace(self, ws: Workspace) -> None:
+        """Give back a workspace from :meth:`acquire_workspace`: kept for the next batch while
+        a source holds the plan (or none ever did), else freed."""
         with self._lock:
-            if ws.generation == self.generation:
+            if ws.generation == self.generation and (self._holders or not self._held):
                 self._free.append(ws)
+
+    def hold(self) -> None:
+        """A source that runs this plan opened: keep released workspaces for reuse until the
+        last such source calls :meth:`unhold`."""
+        with self._lock:
+            self._holders += 1
+            self._held = True
+
+    def unhold(self) -> None:
+        """A source from :meth:`hold` closed; the last one frees the kept workspaces (a batch
+        still running frees its own when it ends)."""
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
+            if not self._holders:
+                self._free.clear()
+
+    def drop_workspaces(self) -> None:
+        """Free the kept workspaces now (e.g. after a precompile's one batch)."""
+        with self._lock:
+            self._free.clear()
 
     def op_times(self) -> dict[str, tuple[float, int]]:
         """``{op name: (seconds, runs)}``: wall time each jit op spent in :meth:`run`, summed
