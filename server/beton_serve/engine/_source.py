@@ -130,13 +130,6 @@ class BatchSource:
             raise SpecError("QUASI_RANDOM needs at least one sample")
         self.engine = engine
         self.plan = plan
-        # The plan keeps its batch workspaces while a source runs it (until close()).
-        self._unhold: Callable[[], None] | None = getattr(plan, "unhold", None)
-        hold = getattr(plan, "hold", None)
-        if hold is not None and self._unhold is not None:
-            hold()
-        else:
-            self._unhold = None
         self.order = order
         self.batch_size = int(batch_size)
         self.seed = int(seed)
@@ -169,6 +162,14 @@ class BatchSource:
         self._len = epoch_length(len(self.sample_order(0)), self.batch_size, self.drop_last)
         #: Issue 16: the decode groups of its ``share_decode`` decoders (None: decodes alone).
         self.decode_binding = bind_decode_groups(self)
+        # The plan keeps its batch workspaces while a source runs it (until close()); last, so
+        # that a source whose construction failed holds nothing.
+        self._unhold: Callable[[], None] | None = getattr(plan, "unhold", None)
+        hold = getattr(plan, "hold", None)
+        if hold is not None and self._unhold is not None:
+            hold()
+        else:
+            self._unhold = None
 
     def close(self) -> None:
         """Leave its decode groups now instead of when collected (issue 16), and let the plan
