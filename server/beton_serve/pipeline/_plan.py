@@ -20,8 +20,10 @@ of ``n`` samples. The free list is kept while a source that runs the plan is ope
 plan that a daemon keeps for reuse holds no batch memory (an ImageNet-sized plan's decoder
 output alone is ~39 MB per worker; a served sweep of distinct specs grew the daemon by ~70 MB
 per job before, up to its 64 cached plans). A plan that no source ever held (a precompile, a
-direct caller of :meth:`Plan.run`) keeps its free list. The jit outputs are written into caller-owned destination arrays (a shm slot,
-a Loader slot), copied there unless the last op could write there directly. An ``inplace`` op
+direct caller of :meth:`Plan.run`) keeps its free list.
+
+The jit outputs are written into caller-owned destination arrays (a shm slot, a Loader slot),
+copied there unless the last op could write there directly. An ``inplace`` op
 (``Operation.inplace``) whose parent returned the buffer it was given, and is that parent's only
 jit child, gets that buffer as its destination and works in place; when such a chain ends an
 output, its first op (a decoder, say) is the one given the caller's destination.
