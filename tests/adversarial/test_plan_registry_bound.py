@@ -11,6 +11,8 @@ compiles per parameter value (the last two tests).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from beton_client import Loader, OrderOption
@@ -34,6 +36,16 @@ def _loader(address: str, i: int) -> Loader:
         server=address,
         spawn=False,
     )
+
+
+def _growth(pid: int, job: Callable[[int], object], *, warm: range, measured: range) -> float:
+    """MB the daemon ``pid`` grew over the ``measured`` jobs, run after the ``warm`` ones."""
+    for i in warm:
+        job(i)
+    before = rss_mb(pid)
+    for i in measured:
+        job(i)
+    return rss_mb(pid) - before
 
 
 def _first_two(address: str, i: int) -> list[tuple[np.ndarray, ...]]:
@@ -91,12 +103,8 @@ def test_a_sweep_over_op_parameters_does_not_grow_the_daemon(daemon_factory, fix
         ) as ld:
             assert np.array(next(iter(ld))[0]).any()
 
-    for i in range(8):  # compiles (or loads) the kernels once, and fills the allocators
-        job(i)
-    before = rss_mb(d.pid)
-    for i in range(8, 88):
-        job(i)
-    grown = rss_mb(d.pid) - before
+    # the first 8 compile (or load) the kernels once, and fill the allocators
+    grown = _growth(d.pid, job, warm=range(8), measured=range(8, 88))
     assert grown < 40, f"80 jobs of distinct op parameters grew the daemon by {grown:.1f} MB"
 
 
@@ -132,12 +140,7 @@ def test_plans_kept_for_reuse_hold_no_batch_memory(daemon_factory, fixtures_dir)
             return [np.array(b[0]) for b in ld]  # both batches: both workers' workspaces
 
     first = job(0)
-    for i in range(1, 4):  # the kernels, the allocators
-        job(i)
-    before = rss_mb(d.pid)
-    for i in range(4, 28):
-        job(i)
-    grown = rss_mb(d.pid) - before
+    grown = _growth(d.pid, job, warm=range(1, 4), measured=range(4, 28))
     assert grown < 60, f"24 finished jobs left {grown:.1f} MB in the daemon's kept plans"
     again = job(0)  # a kept plan: its workspaces allocated anew
     assert len(again) == len(first) == 2
