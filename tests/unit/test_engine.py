@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from beton_serve.engine import BatchSource, Engine, OrderOption
 from beton_serve.errors import BetonError, PipelineError, ResourceExhausted, SpecError
-from beton_serve.pipeline import PlanCache, compile_pipelines
+from beton_serve.pipeline import AllocationQuery, PlanCache, compile_pipelines
+from beton_serve.pipeline._plan import shared_free_workspaces
 from beton_wire.limits import MAX_WORKERS, workers_out_of_range
 from helpers.fake_pipeline import AddIndex, AddOne, FakeImageDecoder, FakeReader, fake_image
 
@@ -589,30 +591,104 @@ def test_a_loaders_engine_finalizer_run_inside_one_of_its_tasks_waits_for_nothin
     _assert_stops(engine)
 
 
-def test_a_plan_keeps_its_workspaces_only_while_a_source_runs_it():
-    """The daemon keeps idle plans for reuse: their batch workspaces go with their last source
-    (``Plan.hold``/``unhold``), and the same batches come from workspaces allocated anew."""
+def test_held_plans_share_free_workspaces_by_layout_until_their_last_source_closes():
+    """The daemon keeps idle plans for reuse: their batch workspaces go with the last source of
+    their layout (``Plan.hold``/``unhold``). Plans of one layout (another parameter value, the
+    same ops and shapes) share the free ones; the same batches come from workspaces reused or
+    allocated anew."""
     r = FakeReader(n=16)
-    plan = _plan(r, 4)
+    # batch sizes 6 and 7: layouts no other test of this module holds
+    a_plan = _plan(r, 6)
+    b_plan = _plan(r, 6, decoder=FakeImageDecoder(fail_on=-2))  # another spec, one layout
+    c_plan = _plan(r, 7)  # another batch size: another layout
+    assert a_plan._layout == b_plan._layout != c_plan._layout
+
+    def free(plan) -> int:
+        return shared_free_workspaces().get(plan._layout, 0)
+
     with Engine(2) as eng:
-        a = BatchSource(engine=eng, plan=plan, batch_size=4)
-        b = BatchSource(engine=eng, plan=plan, batch_size=4)
+        a = BatchSource(engine=eng, plan=a_plan, batch_size=6)
         first = [np.array(x) for x in a.submit(0, 0).result(60)]
-        assert len(plan._free) == 1  # kept for the next batch
+        assert free(a_plan) == 1  # kept for the next batch
+        b = BatchSource(engine=eng, plan=b_plan, batch_size=6)
+        ws = b_plan.acquire_workspace()
+        assert free(a_plan) == 0  # a's free workspace serves b's batch
+        b_plan.release_workspace(ws)
+        c_ws = c_plan.acquire_workspace()
+        c_plan.release_workspace(c_ws)  # c is held by no source: its own free list
+        assert c_plan.acquire_workspace() is c_ws and free(c_plan) == 0
         a.close()
         a.close()  # idempotent: one release per source
-        assert len(plan._free) == 1  # b still runs the plan
+        assert free(a_plan) == 1  # b still runs the layout
         b.submit(0, 1).result(60)
         b.close()
-        assert plan._free == []  # no source left: the plan holds no batch memory
-        c = BatchSource(engine=eng, plan=plan, batch_size=4)
-        again = [np.array(x) for x in c.submit(0, 0).result(60)]
-        assert len(plan._free) == 1
-        c.close()
-    assert plan._free == []
+        assert free(a_plan) == 0  # no source left: no batch memory kept
+        again_src = BatchSource(engine=eng, plan=a_plan, batch_size=6)
+        again = [np.array(x) for x in again_src.submit(0, 0).result(60)]
+        assert free(a_plan) == 1
+        again_src.close()
+    assert free(a_plan) == 0
     assert all(np.array_equal(x, y) for x, y in zip(first, again, strict=True))
-    # A plan no source ever held (a precompile, a direct caller) keeps its free list.
+
+
+class _Widening(AddOne):
+    """``AddOne`` into a buffer of :attr:`dtype`, which the user may change between epochs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtype = np.dtype(np.uint8)
+
+    def declare_state_and_memory(self, previous_state):
+        state = dataclasses.replace(previous_state, dtype=self.dtype)
+        return state, AllocationQuery(previous_state.shape, self.dtype)
+
+    def spec_params(self):
+        return {"dtype": self.dtype.str}
+
+
+def test_a_plan_refreshed_to_another_layout_moves_its_hold():
+    """``refresh`` that changes a buffer (FFCV's per-epoch ``output_size``) gives the plan a new
+    layout: its hold moves there, and the old layout's free workspaces go."""
+    r = FakeReader(n=16)
+    op = _Widening()
+    plan = compile_pipelines(
+        r, {"image": [FakeImageDecoder(), op], "label": [AddIndex()]}, batch_size=4
+    )
+    old = plan._layout
+    with Engine(1) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=4)
+        first = src.submit(0, 0).result(60)[0]
+        assert first.dtype == np.uint8 and shared_free_workspaces().get(old) == 1
+        op.dtype = np.dtype(np.uint16)
+        assert plan.refresh(1)
+        new = plan._layout
+        assert new != old
+        assert old not in shared_free_workspaces()  # the only hold moved: the old sets went
+        wide = src.submit(1, 0).result(60)[0]
+        assert wide.dtype == np.uint16 and shared_free_workspaces().get(new) == 1
+        ids = src.batch_ids(1, 0)
+        expected = np.stack([fake_image(int(i)) for i in ids]).astype(np.uint16) + 1
+        assert np.array_equal(wide, expected)
+        src.close()
+    assert new not in shared_free_workspaces()
+    # A plan no source ever held (a precompile, a direct caller) keeps its own free list.
     direct = _plan(r, 4)
     ws = direct.acquire_workspace()
     direct.release_workspace(ws)
     assert direct.acquire_workspace() is ws
+
+
+def test_a_collected_source_releases_its_plan():
+    """The in-process Loader never closes its sources: a source that is collected gives up its
+    hold, so the process keeps no free workspaces for a Loader that is gone."""
+    import gc
+
+    r = FakeReader(n=16)
+    plan = _plan(r, 5)  # a layout of its own in this module
+    with Engine(1) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=5)
+        src.submit(0, 0).result(60)
+        assert shared_free_workspaces().get(plan._layout) == 1
+        del src
+        gc.collect()
+        assert plan._layout not in shared_free_workspaces()

@@ -10,9 +10,10 @@ The registry keeps at most :data:`MAX_CACHED_PLANS` plans, dropping the least re
 first (never one still compiling). Every distinct spec (an RRC scale, an output size) is a new
 plan: before the bound, a client sweeping parameters grew a long-lived daemon by ~0.35 MB per
 spec, for good (+100 MB of RSS over 300 specs; with the bound, 400 and 800 specs both end at the
-same ~+125 MB). A kept plan holds no batch workspaces once its last stream closed
-(``Plan.unhold``): before, each kept its workers' sets, ~70 MB per plan for an ImageNet-sized
-RRC + flip + normalize job on 2 workers, up to the 64 plans. A dropped plan
+same ~+125 MB). A kept plan holds no batch workspaces once no stream of its layout is open
+(``Plan.unhold``; plans of one layout share their free ones): before, each kept its workers'
+sets, ~70 MB per plan for an ImageNet-sized RRC + flip + normalize job on 2 workers, up to the
+64 plans. A dropped plan
 stays alive for the streams that use it; the next stream with its spec compiles it again (from
 the compile cache: milliseconds). The bound holds only because no built-in op compiles per
 parameter value (their kernels take parameters as arguments, ``transforms._util.bind``): Numba

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -162,14 +163,15 @@ class BatchSource:
         self._len = epoch_length(len(self.sample_order(0)), self.batch_size, self.drop_last)
         #: Issue 16: the decode groups of its ``share_decode`` decoders (None: decodes alone).
         self.decode_binding = bind_decode_groups(self)
-        # The plan keeps its batch workspaces while a source runs it (until close()); last, so
+        # The plan keeps its batch workspaces while a source runs it: until close(), or until
+        # the source is collected (the in-process Loader never closes its sources). Last, so
         # that a source whose construction failed holds nothing.
-        self._unhold: Callable[[], None] | None = getattr(plan, "unhold", None)
-        hold = getattr(plan, "hold", None)
-        if hold is not None and self._unhold is not None:
+        self._unhold: weakref.finalize[Any, Any] | None = None
+        hold, unhold = getattr(plan, "hold", None), getattr(plan, "unhold", None)
+        if hold is not None and unhold is not None:
             hold()
-        else:
-            self._unhold = None
+            self._unhold = weakref.finalize(self, unhold)
+            self._unhold.atexit = False
 
     def close(self) -> None:
         """Leave its decode groups now instead of when collected (issue 16), and let the plan
@@ -177,9 +179,8 @@ class BatchSource:
         Idempotent; the source stays usable and decodes alone from then on (allocating its
         workspaces per batch if the plan is no longer held)."""
         unbind(self.decode_binding)
-        unhold, self._unhold = self._unhold, None
-        if unhold is not None:
-            unhold()
+        if self._unhold is not None:
+            self._unhold()  # a finalizer: runs once
 
     # -- order ---------------------------------------------------------------------------
     def sample_order(self, epoch: int) -> NDArray[np.uint64]:

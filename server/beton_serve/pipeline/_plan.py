@@ -15,12 +15,18 @@ A :class:`Plan` is built once per (dataset, pipelines, batch size):
 Buffers. Running a batch needs every op's scratch/output memory. Several workers may run
 batches of one plan at once, so buffers live in a :class:`Workspace` (one per concurrently
 running batch, recycled through the plan's free list); an op receives ``buffer[:n]`` for a batch
-of ``n`` samples. The free list is kept while a source that runs the plan is open
-(:meth:`Plan.hold`, :meth:`Plan.unhold`): when the last one closes, the workspaces go, so an idle
-plan that a daemon keeps for reuse holds no batch memory (an ImageNet-sized plan's decoder
-output alone is ~39 MB per worker; a served sweep of distinct specs grew the daemon by ~70 MB
-per job before, up to its 64 cached plans). A plan that no source ever held (a precompile, a
-direct caller of :meth:`Plan.run`) keeps its free list.
+of ``n`` samples. Free workspaces are kept while a source that runs the plan is open
+(:meth:`Plan.hold`, :meth:`Plan.unhold`): when the last one closes, they go, so an idle plan that
+a daemon keeps for reuse holds no batch memory (an ImageNet-sized plan's decoder output alone is
+~39 MB per worker; a served sweep of distinct specs grew the daemon by ~70 MB per job before, up
+to its 64 cached plans). The free workspaces of held plans are kept by *layout* (the batch size,
+and each op's class, states and buffers): plans with one layout share them. The jobs of a sweep
+over an RRC scale, a flip probability or a brightness have one layout, and running at once on
+W workers they need W sets in all, not W each (the free list of a plan grows to the most
+batches it ever ran at once, which on a daemon's shared pool is every worker). A workspace's
+contents are undefined when a batch starts, whichever plan ran in it before, as they are
+between two batches of one plan. A plan that no source ever held (a precompile, a direct caller
+of :meth:`Plan.run`) keeps a free list of its own.
 
 The jit outputs are written into caller-owned destination arrays (a shm slot, a Loader slot),
 copied there unless the last op could write there directly. An ``inplace`` op
@@ -167,11 +173,44 @@ def _query_bytes(q: AllocationQuery, batch: int | None) -> int:
     return n * item
 
 
+class _FreeSets:
+    """The free workspaces of held plans, by layout, and how many holds each layout has (see
+    the module docstring). One per process; its lock guards every plan's workspace bookkeeping."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.free: dict[str, list[Workspace]] = {}
+        self.holds: dict[str, int] = {}
+
+    def hold(self, layout: str) -> None:
+        self.holds[layout] = self.holds.get(layout, 0) + 1
+
+    def unhold(self, layout: str) -> list[Workspace] | None:
+        """Drop one hold; the last one takes the layout's free workspaces away (returned, to be
+        freed by the caller outside :attr:`lock`: unmapping 40 MB takes milliseconds)."""
+        n = self.holds.get(layout, 0) - 1
+        if n > 0:
+            self.holds[layout] = n
+            return None
+        self.holds.pop(layout, None)
+        return self.free.pop(layout, None)
+
+
+_FREE_SETS = _FreeSets()
+
+
+def shared_free_workspaces() -> dict[str, int]:
+    """``{layout: free workspaces}`` of the held plans in this process (for tests)."""
+    with _FREE_SETS.lock:
+        return {k: len(v) for k, v in _FREE_SETS.free.items() if v}
+
+
 class Workspace:
     """The buffers one running batch needs (see the module docstring). Owned by one worker at a time."""
 
     def __init__(self, plan: Plan) -> None:
-        self.generation = plan.generation
+        #: What the buffers are (``Plan._layout``): given back only to a plan of this layout.
+        self.layout = plan._layout
         self.buffers: dict[int, Any] = {}
         self.shared: dict[int, Any] = {}
         for node in plan.jit_nodes:
@@ -227,10 +266,13 @@ class Plan:
         self._cache = cache
         self._cache_key = cache_key
         self._lock = threading.Lock()
+        #: Free workspaces of a plan no source ever held (held plans: ``_FREE_SETS``).
         self._free: list[Workspace] = []
-        #: Open sources that run this plan (:meth:`hold`); whether any ever did.
+        #: Open sources that run this plan (:meth:`hold`); whether any ever did; the layout its
+        #: workspaces are kept by (set by ``_declare``). Guarded by ``_FREE_SETS.lock``.
         self._holders = 0
         self._held = False
+        self._layout = ""
         #: ``{op name: [seconds, runs]}`` accumulated by :meth:`run` (see :meth:`op_times`).
         self._op_time: dict[str, list[float]] = {}
         self._states: dict[int, State] = {}
@@ -330,10 +372,28 @@ class Plan:
         if self._fns:
             self._steps = self._build_steps()
         if changed:
-            with self._lock:
+            layout = repr(
+                (
+                    self.batch_size,
+                    [
+                        (nd.position, type(nd.op).__module__, type(nd.op).__qualname__)
+                        for nd in self.nodes
+                    ],
+                    sorted(jit.items()),
+                    [sorted(part.items()) for part in signature],
+                )
+            )
+            gone: list[Any] = []
+            with _FREE_SETS.lock:
                 self._signature = signature
                 self.generation += 1
-                self._free.clear()
+                gone.append(self._free)
+                self._free = []
+                for _ in range(self._holders):  # a held plan's holds move to its new layout
+                    gone.append(_FREE_SETS.unhold(self._layout))
+                    _FREE_SETS.hold(layout)
+                self._layout = layout
+            del gone  # freed outside the lock
         return changed
 
     def _leaf(self, path: OutputPath) -> Node:
@@ -480,39 +540,52 @@ class Plan:
 
     def acquire_workspace(self) -> Workspace:
         """A workspace for one batch; give it back with :meth:`release_workspace`."""
-        with self._lock:
-            while self._free:
-                ws = self._free.pop()
-                if ws.generation == self.generation:
-                    return ws
+        with _FREE_SETS.lock:
+            free = _FREE_SETS.free.get(self._layout) if self._holders else self._free
+            if free:
+                return free.pop()
         return Workspace(self)
 
     def release_workspace(self, ws: Workspace) -> None:
-        """Give back a workspace from :meth:`acquire_workspace`: kept for the next batch while
-        a source holds the plan (or none ever did), else freed."""
-        with self._lock:
-            if ws.generation == self.generation and (self._holders or not self._held):
+        """Give back a workspace from :meth:`acquire_workspace`: kept for the next batch of a
+        plan of its layout while a source holds one (or, for a plan no source ever held, in its
+        own free list), else freed."""
+        with _FREE_SETS.lock:
+            if ws.layout != self._layout:  # allocated before a refresh changed a buffer
+                return
+            if self._holders:
+                _FREE_SETS.free.setdefault(self._layout, []).append(ws)
+            elif not self._held:
                 self._free.append(ws)
 
     def hold(self) -> None:
-        """A source that runs this plan opened: keep released workspaces for reuse until the
-        last such source calls :meth:`unhold`."""
-        with self._lock:
+        """A source that runs this plan opened: keep released workspaces for reuse (shared
+        with the held plans of the same layout) until the last such source calls
+        :meth:`unhold`."""
+        with _FREE_SETS.lock:
             self._holders += 1
             self._held = True
+            _FREE_SETS.hold(self._layout)
+            own, self._free = self._free, []
+            if own:
+                _FREE_SETS.free.setdefault(self._layout, []).extend(own)
 
     def unhold(self) -> None:
-        """A source from :meth:`hold` closed; the last one frees the kept workspaces (a batch
-        still running frees its own when it ends)."""
-        with self._lock:
-            self._holders = max(0, self._holders - 1)
+        """A source from :meth:`hold` closed. When no held plan of this layout is left, its
+        free workspaces are freed (a batch still running frees its own when it ends)."""
+        with _FREE_SETS.lock:
             if not self._holders:
-                self._free.clear()
+                return
+            self._holders -= 1
+            gone = _FREE_SETS.unhold(self._layout)
+        del gone  # freed outside the lock
 
     def drop_workspaces(self) -> None:
-        """Free the kept workspaces now (e.g. after a precompile's one batch)."""
-        with self._lock:
-            self._free.clear()
+        """Free the workspaces a plan no source holds keeps (e.g. after a precompile's one
+        batch); a held plan's are shared with its layout and stay."""
+        with _FREE_SETS.lock:
+            gone, self._free = self._free, []
+        del gone
 
     def op_times(self) -> dict[str, tuple[float, int]]:
         """``{op name: (seconds, runs)}``: wall time each jit op spent in :meth:`run`, summed
@@ -530,7 +603,7 @@ class Plan:
         """Run the jit prefix for ``batch_indices`` (at most ``batch_size`` of them).
 
         Args:
-            ws: a workspace of the current generation, owned by the caller.
+            ws: a workspace of the plan's current layout, owned by the caller.
             batch_indices: the sample ids of the batch (``uint64``, C-contiguous).
             seed_keys: from :meth:`seed_keys` for this epoch.
             outs: destinations, one per output, each at least ``(len(batch_indices), *shape)``;
