@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -692,3 +693,17 @@ def test_a_collected_source_releases_its_plan():
         del src
         gc.collect()
         assert plan._layout not in shared_free_workspaces()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_inherit_a_held_workspace_lock():
+    """The workspace bookkeeping's lock is process-wide: held by a thread at a fork, it would
+    hang every batch in the child. The child gets a fresh one."""
+    from beton_serve.pipeline import _plan
+
+    with _plan._FREE_SETS.lock:
+        pid = os.fork()
+        if pid == 0:  # the child: exits with 0 only if it could take the lock
+            os._exit(0 if _plan._FREE_SETS.lock.acquire(timeout=5) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

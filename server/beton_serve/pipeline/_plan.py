@@ -47,6 +47,7 @@ the op as its last argument.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -197,6 +198,16 @@ class _FreeSets:
 
 
 _FREE_SETS = _FreeSets()
+
+
+def _after_fork_in_child() -> None:
+    """A lock another thread held at the fork would stay held in the child for ever (every
+    plan's first batch there would hang): replace it, as ``engine._pool`` does its own."""
+    _FREE_SETS.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def shared_free_workspaces() -> dict[str, int]:
