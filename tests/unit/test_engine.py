@@ -707,3 +707,28 @@ def test_a_forked_child_does_not_inherit_a_held_workspace_lock():
             os._exit(0 if _plan._FREE_SETS.lock.acquire(timeout=5) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_hold_released_while_the_workspace_lock_is_held_does_not_deadlock():
+    """A source in a reference cycle is released by the garbage collector's finalizer, which
+    may run inside any allocation: also inside the workspace bookkeeping's own locked section,
+    on the thread that holds the lock."""
+    from beton_serve.pipeline import _plan as plan_mod
+
+    r = FakeReader(n=16)
+    plan = _plan(r, 9)  # a layout of its own in this module
+    done = threading.Event()
+    with Engine(1) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=9)
+        src.submit(0, 0).result(60)
+
+        def reenter() -> None:
+            with plan_mod._FREE_SETS.lock:  # as if the collector ran the finalizer here
+                src.close()
+                done.set()
+
+        t = threading.Thread(target=reenter, daemon=True)
+        t.start()
+        t.join(5)
+    assert done.is_set(), "releasing a hold inside the locked section deadlocked"
+    assert plan._layout not in shared_free_workspaces()

@@ -179,7 +179,9 @@ class _FreeSets:
     the module docstring). One per process; its lock guards every plan's workspace bookkeeping."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Reentrant: a source collected by the garbage collector releases its hold from a
+        # finalizer (``BatchSource``), which may run inside any allocation, this lock held.
+        self.lock = threading.RLock()
         self.free: dict[str, list[Workspace]] = {}
         self.holds: dict[str, int] = {}
 
@@ -203,7 +205,7 @@ _FREE_SETS = _FreeSets()
 def _after_fork_in_child() -> None:
     """A lock another thread held at the fork would stay held in the child for ever (every
     plan's first batch there would hang): replace it, as ``engine._pool`` does its own."""
-    _FREE_SETS.lock = threading.Lock()
+    _FREE_SETS.lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
