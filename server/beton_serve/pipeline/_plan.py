@@ -47,6 +47,7 @@ the op as its last argument.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -168,10 +169,7 @@ def _query_bytes(q: AllocationQuery, batch: int | None) -> int:
         item = int(getattr(q.dtype, "itemsize", 0) or 8)
     else:
         item = np.dtype(q.dtype).itemsize
-    n = 1 if batch is None else batch
-    for d in q.shape:
-        n *= int(d)
-    return n * item
+    return math.prod(int(d) for d in q.shape) * (1 if batch is None else batch) * item
 
 
 class _FreeSets:
@@ -396,7 +394,7 @@ class Plan:
                     [sorted(part.items()) for part in signature],
                 )
             )
-            gone: list[Any] = []
+            gone: list[Any] = []  # freed on return, outside the lock
             with _FREE_SETS.lock:
                 self._signature = signature
                 self.generation += 1
@@ -406,7 +404,6 @@ class Plan:
                     gone.append(_FREE_SETS.unhold(self._layout))
                     _FREE_SETS.hold(layout)
                 self._layout = layout
-            del gone  # freed outside the lock
         return changed
 
     def _leaf(self, path: OutputPath) -> Node:
@@ -590,15 +587,13 @@ class Plan:
             if not self._holders:
                 return
             self._holders -= 1
-            gone = _FREE_SETS.unhold(self._layout)
-        del gone  # freed outside the lock
+            gone = _FREE_SETS.unhold(self._layout)  # noqa: F841 (freed on return, unlocked)
 
     def drop_workspaces(self) -> None:
         """Free the workspaces a plan no source holds keeps (e.g. after a precompile's one
         batch); a held plan's are shared with its layout and stay."""
         with _FREE_SETS.lock:
-            gone, self._free = self._free, []
-        del gone
+            gone, self._free = self._free, []  # noqa: F841 (freed on return, unlocked)
 
     def op_times(self) -> dict[str, tuple[float, int]]:
         """``{op name: (seconds, runs)}``: wall time each jit op spent in :meth:`run`, summed
