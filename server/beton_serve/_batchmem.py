@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BATCH_MAP_MIN_BYTES", "batch_empty"]
+__all__ = ["BATCH_MAP_MIN_BYTES", "batch_empty", "memory_limit_bytes"]
 
 #: Smaller buffers come from ``np.empty`` (numpy advises huge pages only from 4 MiB up, too).
 BATCH_MAP_MIN_BYTES = 4 << 20
@@ -45,6 +45,23 @@ _NO_HUGE: int | None = getattr(mmap, "MADV_NOHUGEPAGE", None)
 _PRIVATE: int | None = (
     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
 )
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use: the host's, or its cgroup's limit when that is lower (a
+    container's ``memory.max``, cgroup v2); 8 GiB where neither can be read."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text.isdigit():
+            total = min(total, int(text))
+    except OSError:
+        pass
+    return int(total)
 
 
 def _huge_pages_wanted() -> bool:

@@ -31,6 +31,10 @@ name                                       kind     labels           from ``Daem
 ``beton_shm_bytes``                        gauge    -                ``shm_bytes``
 ``beton_ring_bytes``                       gauge    -                ``ring_bytes``
 ``beton_max_ring_bytes``                   gauge    -                ``max_ring_bytes`` (0: none)
+``beton_buffer_bytes``                     gauge    -                ``buffer_bytes``
+``beton_idle_buffer_bytes``                gauge    -                ``idle_buffer_bytes``
+``beton_max_idle_buffer_bytes``            gauge    -                ``max_idle_buffer_bytes``
+``beton_idle_buffers_freed_total``         counter  -                ``idle_buffers_freed``
 ``beton_compiled_plans``                   gauge    -                ``compiled_plans``
 ``beton_uptime_seconds``                   gauge    -                ``uptime_s``
 ``beton_stats_stale``                      gauge    -                1 when the last snapshot failed
@@ -248,6 +252,36 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
                 "The stream memory budget: a stream past it is refused (0: no budget).",
             ),
             stats.max_ring_bytes,
+        ),
+        (
+            _gauge(
+                "beton_buffer_bytes",
+                "Bytes of the ops' buffers the daemon holds, running a batch or kept for the next.",
+            ),
+            stats.buffer_bytes,
+        ),
+        (
+            _gauge(
+                "beton_idle_buffer_bytes",
+                "Bytes of the ops' buffers kept for the next batches, within max_idle_buffer_bytes.",
+            ),
+            stats.idle_buffer_bytes,
+        ),
+        (
+            _gauge(
+                "beton_max_idle_buffer_bytes",
+                "The bound on idle_buffer_bytes: past it, the buffers of layouts used longest ago "
+                "are freed.",
+            ),
+            stats.max_idle_buffer_bytes,
+        ),
+        (
+            _counter(
+                "beton_idle_buffers_freed",
+                "Kept buffer sets freed to stay within max_idle_buffer_bytes (reallocated when "
+                "their layout runs again).",
+            ),
+            stats.idle_buffers_freed,
         ),
         (
             _gauge("beton_compiled_plans", "Compiled pipeline plans in the daemon's cache."),

@@ -732,3 +732,53 @@ def test_a_hold_released_while_the_workspace_lock_is_held_does_not_deadlock():
         t.join(5)
     assert done.is_set(), "releasing a hold inside the locked section deadlocked"
     assert plan._layout not in shared_free_workspaces()
+
+
+def test_idle_workspaces_past_the_limit_go_the_layouts_used_longest_ago_first():
+    """Held plans of many layouts at once (a sweep over output sizes, each job open) each keep
+    up to one set per worker. Past ``set_idle_workspace_limit`` the sets of the layouts used
+    longest ago are freed; a layout that runs again allocates anew, with the same batches, and
+    :func:`workspace_memory` counts what is alive and what is kept."""
+    import gc
+
+    from beton_serve.pipeline import set_idle_workspace_limit, workspace_memory
+
+    r = FakeReader(n=24)
+    plans = {b: _plan(r, b) for b in (10, 11, 12)}  # layouts no other test of this module holds
+    size = {b: p.workspace_bytes for b, p in plans.items()}
+
+    def free(b: int) -> int:
+        return shared_free_workspaces().get(plans[b]._layout, 0)
+
+    def check(src: BatchSource, epoch: int, b: int) -> None:
+        img, lab = src.submit(epoch, b).result(60)
+        ids = src.batch_ids(epoch, b)
+        assert np.array_equal(img, np.stack([fake_image(int(i)) for i in ids]) + 1)
+        assert np.array_equal(lab.ravel(), ids.astype(lab.dtype) * 1010)  # 10 id + 1000 id
+
+    try:
+        with Engine(1) as eng:
+            srcs = {b: BatchSource(engine=eng, plan=p, batch_size=b) for b, p in plans.items()}
+            set_idle_workspace_limit(1)  # frees every idle set of this process at the release
+            check(srcs[10], 0, 0)
+            assert free(10) == 0 and workspace_memory().idle_bytes == 0
+            live_before = workspace_memory().live_bytes  # none of ours: the one set went
+            set_idle_workspace_limit(size[11] + size[12])
+            for b in (10, 11, 12):
+                check(srcs[b], 0, 1)
+            # 10 was used longest ago: its set went
+            assert (free(10), free(11), free(12)) == (0, 1, 1)
+            mem = workspace_memory()
+            assert mem.idle_bytes == size[11] + size[12] == mem.limit_bytes
+            assert mem.evicted >= 1
+            check(srcs[10], 1, 0)  # allocated anew, the same pixels; now 11 is the oldest
+            assert (free(10), free(11), free(12)) == (1, 0, 1)
+            assert workspace_memory().idle_bytes == size[10] + size[12]
+            for src in srcs.values():
+                src.close()
+            assert workspace_memory().idle_bytes == 0
+            del srcs
+        gc.collect()
+        assert workspace_memory().live_bytes == live_before  # nothing alive is left uncounted
+    finally:
+        assert set_idle_workspace_limit(None) > size[12]  # the default: an eighth of memory

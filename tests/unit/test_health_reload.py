@@ -13,6 +13,7 @@ from beton_serve.cli._reload import ConfigReloader
 from beton_serve.cli.config import load_config, merge_flags
 from beton_serve.daemon._health import FileWatch
 from beton_serve.errors import FormatError
+from beton_serve.pipeline import set_idle_workspace_limit, workspace_memory
 
 
 def test_file_watch_detects_shrinking_and_sticks(tmp_path: Path) -> None:
@@ -67,13 +68,19 @@ def test_sighup_applies_safe_keys_keeps_flags_and_refuses_the_rest(
     cfg_file.write_text(
         'files = ["b.beton"]\nshare_max_lag = 3\nshare_retain = 9\nbad_sample_budget = 5\n'
         "workers = 7\nmax_ring_bytes = 123456\nunattached_timeout = 4.5\n"
+        "max_idle_buffer_bytes = 7654321\n"
     )
     with caplog.at_level(logging.INFO, logger="beton_serve.serve"):
-        applied = r()
+        try:
+            applied = r()
+            assert workspace_memory().limit_bytes == 7654321  # the process-wide bound
+        finally:
+            set_idle_workspace_limit(None)
     assert applied == {
         "bad_sample_budget": 5,
         "share_max_lag": 3,
         "max_ring_bytes": 123456,
+        "max_idle_buffer_bytes": 7654321,
         "unattached_timeout": 4.5,
     }
     assert daemon.streams.unattached_timeout_s == 4.5  # the liveness monitor's next tick

@@ -84,6 +84,10 @@ def test_every_field_of_a_snapshot_becomes_a_metric(exporter_of) -> None:
         workers_replaced=1,
         bad_samples=(("cifar", 2),),
         op_seconds=(("SimpleRGBImageDecoder", 0.006, 2), ("RandomHorizontalFlip", 0.0001, 1)),
+        buffer_bytes=7000,
+        idle_buffer_bytes=3000,
+        max_idle_buffer_bytes=5000,
+        idle_buffers_freed=4,
     )
     _, port = exporter_of(lambda: stats)
     got = scrape(port)
@@ -116,6 +120,10 @@ def test_every_field_of_a_snapshot_becomes_a_metric(exporter_of) -> None:
     assert got[("beton_worker_utilisation", ())] == pytest.approx(0.75)
     assert got[("beton_workers_replaced_total", ())] == 1
     assert got[("beton_shm_bytes", ())] == 4096
+    assert got[("beton_buffer_bytes", ())] == 7000
+    assert got[("beton_idle_buffer_bytes", ())] == 3000
+    assert got[("beton_max_idle_buffer_bytes", ())] == 5000
+    assert got[("beton_idle_buffers_freed_total", ())] == 4
     assert got[("beton_compiled_plans", ())] == 1
     assert got[("beton_uptime_seconds", ())] == 10
     assert got[("beton_stats_stale", ())] == 0

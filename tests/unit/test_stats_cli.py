@@ -170,6 +170,23 @@ def test_the_ring_budget_shows_in_json_and_in_the_head_line() -> None:
     assert "ring budget" not in _rendered(fake_response())  # no budget reported: no mention
 
 
+def test_the_buffer_memory_shows_in_json_and_in_the_head_line() -> None:
+    resp = fake_response()
+    resp.buffer_bytes = 231 << 20
+    resp.idle_buffer_bytes = 154 << 20
+    resp.max_idle_buffer_bytes = 3 << 30
+    resp.idle_buffers_freed = 12
+    d = snapshot_dict(resp, now=1.0)
+    assert (
+        d["buffer_bytes"],
+        d["idle_buffer_bytes"],
+        d["max_idle_buffer_bytes"],
+        d["idle_buffers_freed"],
+    ) == (231 << 20, 154 << 20, 3 << 30, 12)  # ints, not strings
+    assert "buffers 231.0 MiB (idle 154.0 MiB of 3.0 GiB)" in _rendered(resp)
+    assert "buffers" not in _rendered(fake_response())  # an older daemon: no mention
+
+
 def test_run_json_prints_one_snapshot() -> None:
     out = io.StringIO()
     seen: list[str] = []

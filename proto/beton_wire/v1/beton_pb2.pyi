@@ -746,9 +746,13 @@ class DecodeGroupStats(_message.Message):
 
 class StatsResponse(_message.Message):
     __slots__ = (
+        "buffer_bytes",
         "compiled_plans",
         "datasets",
         "decode_groups",
+        "idle_buffer_bytes",
+        "idle_buffers_freed",
+        "max_idle_buffer_bytes",
         "max_ring_bytes",
         "pid",
         "queue_depth",
@@ -775,6 +779,10 @@ class StatsResponse(_message.Message):
     DECODE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     RING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDLE_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BUFFERS_FREED_FIELD_NUMBER: _ClassVar[int]
     pid: int
     uptime_s: float
     workers: int
@@ -789,6 +797,10 @@ class StatsResponse(_message.Message):
     decode_groups: _containers.RepeatedCompositeFieldContainer[DecodeGroupStats]
     max_ring_bytes: int
     ring_bytes: int
+    buffer_bytes: int
+    idle_buffer_bytes: int
+    max_idle_buffer_bytes: int
+    idle_buffers_freed: int
     def __init__(
         self,
         pid: int | None = ...,
@@ -805,4 +817,8 @@ class StatsResponse(_message.Message):
         decode_groups: _Iterable[DecodeGroupStats | _Mapping] | None = ...,
         max_ring_bytes: int | None = ...,
         ring_bytes: int | None = ...,
+        buffer_bytes: int | None = ...,
+        idle_buffer_bytes: int | None = ...,
+        max_idle_buffer_bytes: int | None = ...,
+        idle_buffers_freed: int | None = ...,
     ) -> None: ...

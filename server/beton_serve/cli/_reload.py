@@ -1,7 +1,8 @@
 """SIGHUP: re-read the daemon's config file and apply the keys that are safe to change live.
 
 Reloadable (:data:`RELOADABLE`): ``log_level``, ``log_format``, ``bad_sample_budget`` and
-``max_ring_bytes`` (streams opened afterwards), ``share_max_lag`` and ``share_retain`` (sharing
+``max_ring_bytes`` (streams opened afterwards), ``max_idle_buffer_bytes`` (the next batch
+released), ``share_max_lag`` and ``share_retain`` (sharing
 groups formed afterwards), ``unattached_timeout`` (the liveness monitor's next tick).
 Every other key (datasets, files, sockets, addresses, workers, plugins, TLS, token, sharing on or
 off) needs a restart: a change to one of them is logged as refused, naming the keys, and the
@@ -34,6 +35,7 @@ RELOADABLE = (
     "log_format",
     "bad_sample_budget",
     "max_ring_bytes",
+    "max_idle_buffer_bytes",
     "share_max_lag",
     "share_retain",
     "unattached_timeout",
@@ -104,6 +106,10 @@ class ConfigReloader:
             from beton_serve.daemon import ring_budget
 
             d.max_ring_bytes = ring_budget(int(apply["max_ring_bytes"]))
+        if "max_idle_buffer_bytes" in apply:
+            from beton_serve.pipeline import set_idle_workspace_limit
+
+            set_idle_workspace_limit(int(apply["max_idle_buffer_bytes"]))
         if "unattached_timeout" in apply:
             d.streams.unattached_timeout_s = float(apply["unattached_timeout"])
         sharing = d.sharing

@@ -173,6 +173,14 @@ def register(subparsers: Any) -> None:
         "exceed it is refused (ResourceExhausted). Default 0: half the size of /dev/shm",
     )
     p.add_argument(
+        "--max-idle-buffer-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="bytes of the ops' buffers kept between batches for the streams that use them; "
+        "past it, those of the layouts used longest ago are freed. Default 0: an eighth of memory",
+    )
+    p.add_argument(
         "--bad-sample-budget",
         type=int,
         default=None,
@@ -359,6 +367,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "decode_cache_bytes": getattr(args, "decode_cache_bytes", None),
             "bad_sample_budget": getattr(args, "bad_sample_budget", None),
             "max_ring_bytes": getattr(args, "max_ring_bytes", None),
+            "max_idle_buffer_bytes": getattr(args, "max_idle_buffer_bytes", None),
             "verify_checksums": getattr(args, "verify_checksums", None),
             "data_roots": tuple(args.data_root) if getattr(args, "data_root", None) else None,
             "open_on_demand": False if getattr(args, "no_open_on_demand", False) else None,
@@ -424,6 +433,9 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
 
         # Before any stream: every share_decode stream of this daemon joins this cache.
         set_default_decode_cache(DecodeCache(max_bytes=cfg.decode_cache_bytes))
+        from beton_serve.pipeline import set_idle_workspace_limit
+
+        set_idle_workspace_limit(cfg.max_idle_buffer_bytes)
         share_kw: dict[str, Any] = {
             "share": cfg.share,
             "share_max_lag": cfg.share_max_lag,
@@ -560,12 +572,15 @@ async def _serve(
         addresses = ([f"unix://{os.path.abspath(socket_path)}"] if socket_path else []) + [
             a.rsplit(":", 1)[0] + f":{handle.port}" if a.endswith(":0") else a for a in cfg.listen
         ]
+        from beton_serve.pipeline import workspace_memory
+
         log.info(
-            "serving addresses=%s workers=%d pid=%d max_ring_bytes=%d",
+            "serving addresses=%s workers=%d pid=%d max_ring_bytes=%d max_idle_buffer_bytes=%d",
             ",".join(addresses),
             daemon.workers,
             os.getpid(),
             daemon.max_ring_bytes,
+            workspace_memory().limit_bytes,
         )
         if cfg.metrics_port >= 0:
             from beton_serve.metrics import serve_daemon_metrics

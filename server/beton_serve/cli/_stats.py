@@ -181,7 +181,17 @@ def _int(v: Any) -> int:
 
 _INT64_STREAM = ("batches_sent", "samples_sent", "client_wait_us")
 _INT64_DATASET = ("samples_decoded", "batches_decoded", "bad_samples")
-_INT64_TOP = ("shm_bytes", "streams_opened", "workers_replaced", "max_ring_bytes", "ring_bytes")
+_INT64_TOP = (
+    "shm_bytes",
+    "streams_opened",
+    "workers_replaced",
+    "max_ring_bytes",
+    "ring_bytes",
+    "buffer_bytes",
+    "idle_buffer_bytes",
+    "max_idle_buffer_bytes",
+    "idle_buffers_freed",
+)
 _INT64_GROUP = ("delivered", "decoded", "hits", "evicted", "live_bytes", "waits")
 
 
@@ -255,6 +265,14 @@ def _budget(snap: Mapping[str, Any]) -> str:
     return f"{human_bytes(used)} of {human_bytes(cap)} ({100 * used / cap:.0f}%)"
 
 
+def _buffers(snap: Mapping[str, Any]) -> str:
+    """``"buffers 231.0 MiB (idle 154.0 MiB of 3.0 GiB)"``: the ops' buffers, and the idle ones
+    against ``max_idle_buffer_bytes``."""
+    live, idle = float(snap.get("buffer_bytes", 0)), float(snap.get("idle_buffer_bytes", 0))
+    cap = float(snap.get("max_idle_buffer_bytes", 0))
+    return f"buffers {human_bytes(live)} (idle {human_bytes(idle)} of {human_bytes(cap)})"
+
+
 def _human_duration(s: float) -> str:
     s = int(s)
     h, rem = divmod(s, 3600)
@@ -278,6 +296,7 @@ def render(snap: Mapping[str, Any], *, target: str = "") -> Any:
         *([f"queue {snap['queue_depth']}  "] if "queue_depth" in snap else []),
         f"shm {human_bytes(float(snap.get('shm_bytes', 0)))}  ",
         *([f"ring budget {_budget(snap)}  "] if snap.get("max_ring_bytes") else []),
+        *([f"{_buffers(snap)}  "] if snap.get("max_idle_buffer_bytes") else []),
         f"plans {snap.get('compiled_plans', 0)}  streams opened {snap.get('streams_opened', 0)}",
     )
     streams = Table(title=f"streams (rates: {basis})", title_justify="left", expand=False)

@@ -19,6 +19,8 @@ of them, and a test checks that it does). A TOML file holds these keys at its to
     decode_cache_bytes = 1073741824           # decoded images share_decode groups may cache
     max_ring_bytes = 0                        # stream buffers all streams may hold; 0 = half
                                               # of /dev/shm
+    max_idle_buffer_bytes = 0                 # ops' buffers kept between batches; 0 = an
+                                              # eighth of memory
     bad_sample_budget = 0                     # failing samples a stream may skip; 0 = fail
     verify_checksums = false                  # check samples against FILE.crc32c sidecars
     open_on_demand = true                     # open a .beton a client names (see data_roots)
@@ -85,6 +87,11 @@ class ServeConfig:
             daemon's own memory for grpc streams) all open streams may hold together; a stream
             that would exceed it is refused with ``ResourceExhausted``. 0 (the default) means
             half the size of ``/dev/shm``, so that the daemon never fills it for everyone else.
+        max_idle_buffer_bytes: bytes of the ops' buffers (one set per batch being decoded) the
+            daemon keeps between batches for the streams that use them; past it, the kept sets
+            of the layouts used longest ago are freed (reallocated when next needed). 0 (the
+            default) means an eighth of the memory (the host's, or the cgroup's limit).
+            Reloadable.
         bad_sample_budget: failing samples each stream may skip, counted in stats; 0 fails the
             stream with an error naming the sample (reloadable; new streams).
         verify_checksums: check every sample against its file's CRC32C sidecar (``beton-serve
@@ -131,6 +138,7 @@ class ServeConfig:
     share_retain: int = 4
     decode_cache_bytes: int = 1 << 30
     max_ring_bytes: int = 0
+    max_idle_buffer_bytes: int = 0
     bad_sample_budget: int = 0
     verify_checksums: bool = False
     open_on_demand: bool = True
@@ -161,7 +169,13 @@ class ServeConfig:
             )
         if self.idle_timeout < 0:
             raise ConfigError(f"idle_timeout must be >= 0 seconds, got {self.idle_timeout}")
-        for key in ("share_max_lag", "share_retain", "bad_sample_budget", "max_ring_bytes"):
+        for key in (
+            "share_max_lag",
+            "share_retain",
+            "bad_sample_budget",
+            "max_ring_bytes",
+            "max_idle_buffer_bytes",
+        ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.decode_cache_bytes <= 64 << 30:

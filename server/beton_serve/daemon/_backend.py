@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from beton_serve._batchmem import memory_limit_bytes
+
 if TYPE_CHECKING:
     from beton_serve.engine import SourceCaps
 
@@ -170,18 +172,7 @@ def max_workspace_bytes() -> int:
     """The largest :attr:`Plan.workspace_bytes` the daemon accepts (see
     :data:`WORKSPACE_SHARE_OF_MEMORY`): a share of the host's memory, or of the daemon's cgroup
     limit when that is lower (a container's ``memory.max``, cgroup v2)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 8 << 30
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            text = f.read().strip()
-        if text.isdigit():
-            total = min(total, int(text))
-    except OSError:
-        pass
-    return int(total) // WORKSPACE_SHARE_OF_MEMORY
+    return memory_limit_bytes() // WORKSPACE_SHARE_OF_MEMORY
 
 
 class Backend(Protocol):

@@ -168,3 +168,10 @@ class DaemonStats:
     #: open streams' batch slots and the sharing groups' arenas.
     max_ring_bytes: int = 0
     ring_bytes: int = 0
+    #: The ops' buffers (``pipeline.workspace_memory``): all live ones (running or kept), the
+    #: kept ones, and the bound on those (``max_idle_buffer_bytes``).
+    buffer_bytes: int = 0
+    idle_buffer_bytes: int = 0
+    max_idle_buffer_bytes: int = 0
+    #: Kept sets freed to stay within ``max_idle_buffer_bytes``, over the daemon's life.
+    idle_buffers_freed: int = 0

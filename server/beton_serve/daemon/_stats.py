@@ -51,7 +51,10 @@ class StatsBook:
         ring_bytes: int = 0,
     ) -> DaemonStats:
         """A snapshot of the daemon made of these parts (``plans``: the compiled ones)."""
+        from beton_serve.pipeline import workspace_memory
+
         now = time.monotonic()
+        buffers = workspace_memory()
         return DaemonStats(
             pid=os.getpid(),
             uptime_s=now - self.started,
@@ -69,6 +72,10 @@ class StatsBook:
             decode_groups=_decode_groups(),
             max_ring_bytes=max_ring_bytes,
             ring_bytes=ring_bytes,
+            buffer_bytes=buffers.live_bytes,
+            idle_buffer_bytes=buffers.idle_bytes,
+            max_idle_buffer_bytes=buffers.limit_bytes,
+            idle_buffers_freed=buffers.evicted,
         )
 
     def _utilisation(self, now: float, engine: EngineLike | None) -> float:

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from beton_serve import _cfunc_hook
 from beton_serve.pipeline._boundary import ModuleWrapper, ToTensor, torch_dtype
-from beton_serve.pipeline._plan import OpFailure, OutputSpec, Plan, PlanCache, compile_pipelines
+from beton_serve.pipeline._plan import (
+    OpFailure,
+    OutputSpec,
+    Plan,
+    PlanCache,
+    WorkspaceMemory,
+    compile_pipelines,
+    set_idle_workspace_limit,
+    workspace_memory,
+)
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.compiler import Compiler
 from beton_serve.pipeline.operation import Operation
@@ -40,6 +49,9 @@ __all__ = [
     "PlanCache",
     "State",
     "ToTensor",
+    "WorkspaceMemory",
     "compile_pipelines",
+    "set_idle_workspace_limit",
     "torch_dtype",
+    "workspace_memory",
 ]

@@ -51,6 +51,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from beton_serve._batchmem import batch_empty
+from beton_serve._batchmem import batch_empty, memory_limit_bytes
 from beton_serve.errors import BetonError, PipelineError, SpecError
 from beton_serve.pipeline._graph import Node, OutputPath, build_graph
 from beton_serve.pipeline.allocation_query import AllocationQuery
@@ -67,7 +68,23 @@ from beton_serve.pipeline.operation import same_array
 from beton_serve.pipeline.pipeline_spec import PipelineSpec
 from beton_serve.pipeline.state import State, is_torch_dtype
 
-__all__ = ["OutputSpec", "Plan", "PlanCache", "Workspace", "compile_pipelines", "OpFailure"]
+__all__ = [
+    "IDLE_WORKSPACE_SHARE_OF_MEMORY",
+    "OpFailure",
+    "OutputSpec",
+    "Plan",
+    "PlanCache",
+    "Workspace",
+    "WorkspaceMemory",
+    "compile_pipelines",
+    "idle_workspace_limit",
+    "set_idle_workspace_limit",
+    "workspace_memory",
+]
+
+#: The default bound on the free workspaces a process keeps (:func:`idle_workspace_limit`): this
+#: share of its memory (the host's, or its cgroup's limit when lower).
+IDLE_WORKSPACE_SHARE_OF_MEMORY = 8
 
 
 @dataclass(frozen=True)
@@ -174,14 +191,26 @@ def _query_bytes(q: AllocationQuery, batch: int | None) -> int:
 
 class _FreeSets:
     """The free workspaces of held plans, by layout, and how many holds each layout has (see
-    the module docstring). One per process; its lock guards every plan's workspace bookkeeping."""
+    the module docstring). One per process; its lock guards every plan's workspace bookkeeping.
+
+    It also counts the bytes of every live workspace (:func:`workspace_memory`) and bounds the
+    free ones together (:func:`set_idle_workspace_limit`): when keeping a released workspace
+    would take the free bytes past the limit, free workspaces go, those of the layouts used
+    longest ago first. What is running is never touched, so a process's workspace memory is at
+    most the limit plus one set per batch running at once."""
 
     def __init__(self) -> None:
         # Reentrant: a source collected by the garbage collector releases its hold from a
         # finalizer (``BatchSource``), which may run inside any allocation, this lock held.
         self.lock = threading.RLock()
+        #: Oldest-used layout first (``put`` and ``take`` move a layout to the end).
         self.free: dict[str, list[Workspace]] = {}
         self.holds: dict[str, int] = {}
+        self.free_bytes = 0
+        self.live_bytes = 0
+        self.evicted = 0
+        #: ``None``: not set yet (:func:`idle_workspace_limit` computes the default).
+        self.limit: int | None = None
 
     def hold(self, layout: str) -> None:
         self.holds[layout] = self.holds.get(layout, 0) + 1
@@ -194,10 +223,97 @@ class _FreeSets:
             self.holds[layout] = n
             return None
         self.holds.pop(layout, None)
-        return self.free.pop(layout, None)
+        gone = self.free.pop(layout, None)
+        if gone:
+            self.free_bytes -= sum(ws.nbytes for ws in gone)
+        return gone
+
+    def take(self, layout: str) -> Workspace | None:
+        """A free workspace of ``layout``, or ``None``."""
+        free = self.free.get(layout)
+        if not free:
+            return None
+        ws = free.pop()
+        self.free_bytes -= ws.nbytes
+        self.free[layout] = self.free.pop(layout)  # most recently used: last
+        return ws
+
+    def put(self, layout: str, spare: list[Workspace]) -> list[Workspace]:
+        """Keep ``spare`` (free workspaces of ``layout``); returns those evicted to stay within
+        :attr:`limit`, to be freed by the caller outside :attr:`lock`."""
+        free = self.free.pop(layout, None) or []
+        self.free[layout] = free
+        free.extend(spare)
+        self.free_bytes += sum(ws.nbytes for ws in spare)
+        limit = idle_workspace_limit()
+        gone: list[Workspace] = []
+        if self.free_bytes <= limit:
+            return gone
+        for key in list(self.free):  # oldest-used first; ``layout`` itself is last
+            victims = self.free[key]
+            while victims and self.free_bytes > limit:
+                ws = victims.pop(0)  # the set released longest ago
+                self.free_bytes -= ws.nbytes
+                gone.append(ws)
+            if self.free_bytes <= limit:
+                break
+        self.evicted += len(gone)
+        return gone
 
 
 _FREE_SETS = _FreeSets()
+
+
+def idle_workspace_limit() -> int:
+    """The bound on the bytes of free workspaces this process keeps for reuse
+    (:func:`set_idle_workspace_limit`; by default an eighth of the memory, see
+    :func:`beton_serve._batchmem.memory_limit_bytes`)."""
+    limit = _FREE_SETS.limit
+    if limit is None:
+        limit = _FREE_SETS.limit = memory_limit_bytes() // IDLE_WORKSPACE_SHARE_OF_MEMORY
+    return limit
+
+
+def set_idle_workspace_limit(nbytes: int | None) -> int:
+    """Bound the free workspaces this process keeps for reuse to ``nbytes`` (``None`` or 0: the
+    default, an eighth of the memory); returns the bound now in force. Free workspaces over a
+    lower bound go at the next release. The daemon's ``max_idle_buffer_bytes``."""
+    with _FREE_SETS.lock:
+        _FREE_SETS.limit = int(nbytes) if nbytes and nbytes > 0 else None
+        return idle_workspace_limit()
+
+
+@dataclass(frozen=True)
+class WorkspaceMemory:
+    """What the ops' buffers hold in this process (:func:`workspace_memory`).
+
+    Attributes:
+        live_bytes: every workspace allocated and not freed yet, running or free.
+        idle_bytes: the free workspaces kept for reuse (at most ``limit_bytes``).
+        limit_bytes: the bound on ``idle_bytes``.
+        evicted: free workspaces freed to stay within the bound, over the process's life.
+    """
+
+    live_bytes: int
+    idle_bytes: int
+    limit_bytes: int
+    evicted: int
+
+
+def workspace_memory() -> WorkspaceMemory:
+    """A snapshot of this process's workspace memory (for stats and tests)."""
+    with _FREE_SETS.lock:
+        return WorkspaceMemory(
+            live_bytes=_FREE_SETS.live_bytes,
+            idle_bytes=_FREE_SETS.free_bytes,
+            limit_bytes=idle_workspace_limit(),
+            evicted=_FREE_SETS.evicted,
+        )
+
+
+def _forget_workspace(nbytes: int) -> None:
+    with _FREE_SETS.lock:
+        _FREE_SETS.live_bytes -= nbytes
 
 
 def _after_fork_in_child() -> None:
@@ -240,6 +356,11 @@ class Workspace:
                     f"allocated ({exc}); the buffers of one batch of this plan take "
                     f"{plan.workspace_bytes:,} bytes: use smaller sizes or a smaller batch_size"
                 ) from None
+        #: Bytes of the buffers (counted in :func:`workspace_memory` while the workspace lives).
+        self.nbytes = plan.workspace_bytes
+        with _FREE_SETS.lock:
+            _FREE_SETS.live_bytes += self.nbytes
+        weakref.finalize(self, _forget_workspace, self.nbytes).atexit = False
 
 
 class Plan:
@@ -551,20 +672,24 @@ class Plan:
     def acquire_workspace(self) -> Workspace:
         """A workspace for one batch; give it back with :meth:`release_workspace`."""
         with _FREE_SETS.lock:
-            free = _FREE_SETS.free.get(self._layout) if self._holders else self._free
-            if free:
-                return free.pop()
+            if self._holders:
+                ws = _FREE_SETS.take(self._layout)
+                if ws is not None:
+                    return ws
+            elif self._free:
+                return self._free.pop()
         return Workspace(self)
 
     def release_workspace(self, ws: Workspace) -> None:
         """Give back a workspace from :meth:`acquire_workspace`: kept for the next batch of a
         plan of its layout while a source holds one (or, for a plan no source ever held, in its
         own free list), else freed."""
+        gone: list[Workspace] = []  # freed on return, outside the lock
         with _FREE_SETS.lock:
             if ws.layout != self._layout:  # allocated before a refresh changed a buffer
                 return
             if self._holders:
-                _FREE_SETS.free.setdefault(self._layout, []).append(ws)
+                gone = _FREE_SETS.put(self._layout, [ws])  # noqa: F841 (freed on return)
             elif not self._held:
                 self._free.append(ws)
 
@@ -577,8 +702,7 @@ class Plan:
             self._held = True
             _FREE_SETS.hold(self._layout)
             own, self._free = self._free, []
-            if own:
-                _FREE_SETS.free.setdefault(self._layout, []).extend(own)
+            gone = _FREE_SETS.put(self._layout, own) if own else []  # noqa: F841 (freed on return)
 
     def unhold(self) -> None:
         """A source from :meth:`hold` closed. When no held plan of this layout is left, its

@@ -479,6 +479,10 @@ def stats_message(s: DaemonStats) -> pb.StatsResponse:
         workers_replaced=s.workers_replaced,
         max_ring_bytes=s.max_ring_bytes,
         ring_bytes=s.ring_bytes,
+        buffer_bytes=s.buffer_bytes,
+        idle_buffer_bytes=s.idle_buffer_bytes,
+        max_idle_buffer_bytes=s.max_idle_buffer_bytes,
+        idle_buffers_freed=s.idle_buffers_freed,
         decode_groups=[
             pb.DecodeGroupStats(
                 dataset=g.dataset,
