@@ -2,7 +2,8 @@
 
 It calls the daemon's ``Stats`` RPC (``beton_wire.v1.BetonServe/Stats``) and shows:
 
-- the daemon: pid, uptime, workers, shared-memory bytes, compiled plans, streams opened;
+- the daemon: pid, uptime, workers, shared-memory bytes, the ring budget, the ops' buffers
+  (all, idle, and the idle bound), compiled plans, streams opened;
 - per stream: dataset, client, transport, batches/s, images/s, data-stall %, slots in use;
 - per dataset: samples decoded (in total and per second), batches decoded;
 - per decode group (issue 16, jobs whose pipelines differ sharing decodes): members, detached,
