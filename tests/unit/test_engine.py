@@ -759,8 +759,11 @@ def test_idle_workspaces_past_the_limit_go_the_layouts_used_longest_ago_first():
     try:
         with Engine(1) as eng:
             srcs = {b: BatchSource(engine=eng, plan=p, batch_size=b) for b, p in plans.items()}
-            set_idle_workspace_limit(1)  # frees every idle set of this process at the release
             check(srcs[10], 0, 0)
+            assert free(10) == 1
+            set_idle_workspace_limit(1)  # frees every idle set of this process, at once
+            assert free(10) == 0 and workspace_memory().idle_bytes == 0
+            check(srcs[10], 0, 0)  # and each one released from now on
             assert free(10) == 0 and workspace_memory().idle_bytes == 0
             live_before = workspace_memory().live_bytes  # none of ours: the one set went
             set_idle_workspace_limit(size[11] + size[12])

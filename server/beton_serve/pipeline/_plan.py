@@ -245,11 +245,16 @@ class _FreeSets:
         self.free[layout] = free
         free.extend(spare)
         self.free_bytes += sum(ws.nbytes for ws in spare)
+        return self.trim()
+
+    def trim(self) -> list[Workspace]:
+        """Evict free workspaces, those of the layouts used longest ago first, until they fit
+        within :attr:`limit`; returns them, to be freed by the caller outside :attr:`lock`."""
         limit = idle_workspace_limit()
         gone: list[Workspace] = []
         if self.free_bytes <= limit:
             return gone
-        for key in list(self.free):  # oldest-used first; ``layout`` itself is last
+        for key in list(self.free):  # oldest-used first; the layout just used is last
             victims = self.free[key]
             while victims and self.free_bytes > limit:
                 ws = victims.pop(0)  # the set released longest ago
@@ -276,11 +281,14 @@ def idle_workspace_limit() -> int:
 
 def set_idle_workspace_limit(nbytes: int | None) -> int:
     """Bound the free workspaces this process keeps for reuse to ``nbytes`` (``None`` or 0: the
-    default, an eighth of the memory); returns the bound now in force. Free workspaces over a
-    lower bound go at the next release. The daemon's ``max_idle_buffer_bytes``."""
+    default, an eighth of the memory); returns the bound now in force. Free workspaces past the
+    new bound are freed at once. The daemon's ``max_idle_buffer_bytes``."""
     with _FREE_SETS.lock:
         _FREE_SETS.limit = int(nbytes) if nbytes and nbytes > 0 else None
-        return idle_workspace_limit()
+        gone = _FREE_SETS.trim()
+        limit = idle_workspace_limit()
+    del gone  # freed outside the lock (unmapping 40 MB takes milliseconds)
+    return limit
 
 
 @dataclass(frozen=True)
