@@ -2,7 +2,8 @@
 
 * ``gpu`` tests are skipped, with a visible reason, when CUDA is not available.
 * An autouse guard fails any test that leaves a ``beton-*`` segment in ``/dev/shm``, a live child
-  process, or a running ``beton-*`` thread behind.
+  process, or a running ``beton-*`` thread behind, or leaves this process's count of idle
+  workspace bytes (``pipeline._plan``) unequal to what its free lists hold.
 * The compile cache (issue 14) of the whole run, and of every daemon a test starts (they inherit
   the environment), is one fresh temporary directory: the suite never reads or writes the user's
   ``~/.cache/beton-serve``, and later tests reuse what earlier ones compiled. Tests of the cache
@@ -157,6 +158,17 @@ def resource_guard(request: pytest.FixtureRequest):
         problems.append(f"child processes left running: {sorted(kids)}")
     if threads:
         problems.append(f"beton threads left running: {sorted(threads)}")
+    plan_mod = sys.modules.get("beton_serve.pipeline._plan")
+    if plan_mod is not None:  # only once a test used pipelines in this process
+        sets = plan_mod._FREE_SETS
+        with sets:
+            listed = sum(ws.nbytes for v in sets.free.values() for ws in v)
+            counted = sets.free_bytes
+            sets.free_bytes = listed  # so that one miscount does not fail every later test
+        if listed != counted:
+            problems.append(
+                f"idle workspace bytes counted {counted:,}, the free lists hold {listed:,}"
+            )
     if problems:
         pytest.fail("resource leak: " + "; ".join(problems), pytrace=False)
 

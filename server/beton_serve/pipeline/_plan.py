@@ -202,7 +202,12 @@ class _FreeSets:
     def __init__(self) -> None:
         # Reentrant: a source collected by the garbage collector releases its hold from a
         # finalizer (``BatchSource``), which may run inside any allocation, this lock held.
+        # Such a nested release is deferred to the end of the outer section (``__exit__``):
+        # run at once, it popped a layout's list in the middle of ``put``, and the bytes
+        # counted no longer matched the lists.
         self.lock = threading.RLock()
+        self._depth = 0
+        self._deferred: list[str] = []
         #: Oldest-used layout first (``put`` and ``take`` move a layout to the end).
         self.free: dict[str, list[Workspace]] = {}
         self.holds: dict[str, int] = {}
@@ -212,12 +217,35 @@ class _FreeSets:
         #: ``None``: not set yet (:func:`idle_workspace_limit` computes the default).
         self.limit: int | None = None
 
+    def __enter__(self) -> _FreeSets:
+        """Take :attr:`lock` for one section of workspace bookkeeping."""
+        self.lock.acquire()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gone: list[list[Workspace] | None] = []  # freed after the lock is released
+        try:
+            while self._depth == 1 and self._deferred:
+                gone.append(self._unhold_now(self._deferred.pop()))
+        finally:
+            self._depth -= 1
+            self.lock.release()
+
     def hold(self, layout: str) -> None:
         self.holds[layout] = self.holds.get(layout, 0) + 1
 
     def unhold(self, layout: str) -> list[Workspace] | None:
         """Drop one hold; the last one takes the layout's free workspaces away (returned, to be
-        freed by the caller outside :attr:`lock`: unmapping 40 MB takes milliseconds)."""
+        freed by the caller outside :attr:`lock`: unmapping 40 MB takes milliseconds). Called
+        inside a section of this thread's (a finalizer run by the garbage collector there), it
+        is deferred to that section's end."""
+        if self._depth > 1:
+            self._deferred.append(layout)
+            return None
+        return self._unhold_now(layout)
+
+    def _unhold_now(self, layout: str) -> list[Workspace] | None:
         n = self.holds.get(layout, 0) - 1
         if n > 0:
             self.holds[layout] = n
@@ -241,8 +269,8 @@ class _FreeSets:
     def put(self, layout: str, spare: list[Workspace]) -> list[Workspace]:
         """Keep ``spare`` (free workspaces of ``layout``); returns those evicted to stay within
         :attr:`limit`, to be freed by the caller outside :attr:`lock`."""
-        free = self.free.pop(layout, None) or []
-        self.free[layout] = free
+        free = self.free.pop(layout, None)
+        self.free[layout] = free = [] if free is None else free
         free.extend(spare)
         self.free_bytes += sum(ws.nbytes for ws in spare)
         return self.trim()
@@ -283,7 +311,7 @@ def set_idle_workspace_limit(nbytes: int | None) -> int:
     """Bound the free workspaces this process keeps for reuse to ``nbytes`` (``None`` or 0: the
     default, an eighth of the memory); returns the bound now in force. Free workspaces past the
     new bound are freed at once. The daemon's ``max_idle_buffer_bytes``."""
-    with _FREE_SETS.lock:
+    with _FREE_SETS:
         _FREE_SETS.limit = int(nbytes) if nbytes and nbytes > 0 else None
         gone = _FREE_SETS.trim()
         limit = idle_workspace_limit()
@@ -310,7 +338,7 @@ class WorkspaceMemory:
 
 def workspace_memory() -> WorkspaceMemory:
     """A snapshot of this process's workspace memory (for stats and tests)."""
-    with _FREE_SETS.lock:
+    with _FREE_SETS:
         return WorkspaceMemory(
             live_bytes=_FREE_SETS.live_bytes,
             idle_bytes=_FREE_SETS.free_bytes,
@@ -319,15 +347,16 @@ def workspace_memory() -> WorkspaceMemory:
         )
 
 
-def _forget_workspace(nbytes: int) -> None:
-    with _FREE_SETS.lock:
-        _FREE_SETS.live_bytes -= nbytes
+def _forget_workspace(counted: list[int]) -> None:
+    with _FREE_SETS:
+        _FREE_SETS.live_bytes -= counted[0]
 
 
 def _after_fork_in_child() -> None:
     """A lock another thread held at the fork would stay held in the child for ever (every
     plan's first batch there would hang): replace it, as ``engine._pool`` does its own."""
     _FREE_SETS.lock = threading.RLock()
+    _FREE_SETS._depth = 0  # the thread that was inside a section is not in the child
 
 
 if hasattr(os, "register_at_fork"):
@@ -336,39 +365,74 @@ if hasattr(os, "register_at_fork"):
 
 def shared_free_workspaces() -> dict[str, int]:
     """``{layout: free workspaces}`` of the held plans in this process (for tests)."""
-    with _FREE_SETS.lock:
+    with _FREE_SETS:
         return {k: len(v) for k, v in _FREE_SETS.free.items() if v}
 
 
 class Workspace:
-    """The buffers one running batch needs (see the module docstring). Owned by one worker at a time."""
+    """The buffers one running batch needs (see the module docstring). Owned by one worker at a time.
+
+    An op's batch buffer is allocated the first time a batch needs it (:meth:`buffer`): one the
+    plan never passes to its op, because the op writes the caller's destination instead (a
+    decoder whose output goes straight into the slot, an ``inplace`` op working on its parent's
+    buffer), is never allocated, so it costs no memory and does not count against
+    :func:`set_idle_workspace_limit`. Shared memory (``declare_shared_memory``) is allocated at
+    once."""
 
     def __init__(self, plan: Plan) -> None:
         #: What the buffers are (``Plan._layout``): given back only to a plan of this layout.
         self.layout = plan._layout
         self.buffers: dict[int, Any] = {}
         self.shared: dict[int, Any] = {}
+        #: What :meth:`buffer` allocates on demand: ``{position: (query or queries, op name)}``.
+        self._queries: dict[int, tuple[Any, str]] = {}
+        self._batch_size = plan.batch_size
+        self._plan_bytes = plan.workspace_bytes
+        #: Bytes allocated (counted in :func:`workspace_memory` while the workspace lives).
+        self.nbytes = 0
+        #: ``[nbytes]``, for the finalizer (which must not hold the workspace).
+        self._counted = [0]
+        weakref.finalize(self, _forget_workspace, self._counted).atexit = False
         for node in plan.jit_nodes:
             q = plan._alloc[node.position]
-            try:
-                if isinstance(q, list):
-                    self.buffers[node.position] = [_empty(x, plan.batch_size) for x in q]
-                elif q is not None:
-                    self.buffers[node.position] = _empty(q, plan.batch_size)
-                sq = plan._shared_alloc.get(node.position)
-                if sq is not None:
-                    self.shared[node.position] = _empty(sq, None)
-            except MemoryError as exc:
-                raise SpecError(
-                    f"{node.name}: its buffers for a batch of {plan.batch_size} cannot be "
-                    f"allocated ({exc}); the buffers of one batch of this plan take "
-                    f"{plan.workspace_bytes:,} bytes: use smaller sizes or a smaller batch_size"
-                ) from None
-        #: Bytes of the buffers (counted in :func:`workspace_memory` while the workspace lives).
-        self.nbytes = plan.workspace_bytes
-        with _FREE_SETS.lock:
-            _FREE_SETS.live_bytes += self.nbytes
-        weakref.finalize(self, _forget_workspace, self.nbytes).atexit = False
+            if q is not None:
+                self._queries[node.position] = (q, node.name)
+            sq = plan._shared_alloc.get(node.position)
+            if sq is not None:
+                self.shared[node.position] = self._allocate(node.name, sq, None)
+
+    def buffer(self, position: int) -> Any:
+        """The batch buffer of the op at ``position`` (``None`` if it declared none), allocated
+        on first use.
+
+        Raises:
+            SpecError: it cannot be allocated (the message names the op and the sizes).
+        """
+        buf = self.buffers.get(position)
+        if buf is None and position in self._queries:
+            q, name = self._queries[position]
+            buf = self.buffers[position] = self._allocate(name, q, self._batch_size)
+        return buf
+
+    def _allocate(self, name: str, q: Any, batch: int | None) -> Any:
+        """``q``'s buffer (a list for a list of queries), counted in :attr:`nbytes`."""
+        queries = q if isinstance(q, list) else [q]
+        try:
+            made = [_empty(x, batch) for x in queries]
+        except MemoryError as exc:
+            raise SpecError(
+                f"{name}: its buffers for a batch of {self._batch_size} cannot be "
+                f"allocated ({exc}); the buffers of one batch of this plan take up to "
+                f"{self._plan_bytes:,} bytes: use smaller sizes or a smaller batch_size"
+            ) from None
+        self._count(sum(_query_bytes(x, batch) for x in queries))
+        return made if isinstance(q, list) else made[0]
+
+    def _count(self, nbytes: int) -> None:
+        with _FREE_SETS:
+            self.nbytes += nbytes
+            self._counted[0] += nbytes
+            _FREE_SETS.live_bytes += nbytes
 
 
 class Plan:
@@ -409,7 +473,7 @@ class Plan:
         #: Free workspaces of a plan no source ever held (held plans: ``_FREE_SETS``).
         self._free: list[Workspace] = []
         #: Open sources that run this plan (:meth:`hold`); whether any ever did; the layout its
-        #: workspaces are kept by (set by ``_declare``). Guarded by ``_FREE_SETS.lock``.
+        #: workspaces are kept by (set by ``_declare``). Guarded by ``_FREE_SETS`` (its lock).
         self._holders = 0
         self._held = False
         self._layout = ""
@@ -524,7 +588,7 @@ class Plan:
                 )
             )
             gone: list[Any] = []  # freed on return, outside the lock
-            with _FREE_SETS.lock:
+            with _FREE_SETS:
                 self._signature = signature
                 self.generation += 1
                 gone.append(self._free)
@@ -679,7 +743,7 @@ class Plan:
 
     def acquire_workspace(self) -> Workspace:
         """A workspace for one batch; give it back with :meth:`release_workspace`."""
-        with _FREE_SETS.lock:
+        with _FREE_SETS:
             if self._holders:
                 ws = _FREE_SETS.take(self._layout)
                 if ws is not None:
@@ -693,7 +757,7 @@ class Plan:
         plan of its layout while a source holds one (or, for a plan no source ever held, in its
         own free list), else freed."""
         gone: list[Workspace] = []  # freed on return, outside the lock
-        with _FREE_SETS.lock:
+        with _FREE_SETS:
             if ws.layout != self._layout:  # allocated before a refresh changed a buffer
                 return
             if self._holders:
@@ -705,7 +769,7 @@ class Plan:
         """A source that runs this plan opened: keep released workspaces for reuse (shared
         with the held plans of the same layout) until the last such source calls
         :meth:`unhold`."""
-        with _FREE_SETS.lock:
+        with _FREE_SETS:
             self._holders += 1
             self._held = True
             _FREE_SETS.hold(self._layout)
@@ -715,7 +779,7 @@ class Plan:
     def unhold(self) -> None:
         """A source from :meth:`hold` closed. When no held plan of this layout is left, its
         free workspaces are freed (a batch still running frees its own when it ends)."""
-        with _FREE_SETS.lock:
+        with _FREE_SETS:
             if not self._holders:
                 return
             self._holders -= 1
@@ -724,7 +788,7 @@ class Plan:
     def drop_workspaces(self) -> None:
         """Free the workspaces a plan no source holds keeps (e.g. after a precompile's one
         batch); a held plan's are shared with its layout and stay."""
-        with _FREE_SETS.lock:
+        with _FREE_SETS:
             gone, self._free = self._free, []  # noqa: F841 (freed on return, unlocked)
 
     def op_times(self) -> dict[str, tuple[float, int]]:
@@ -781,7 +845,7 @@ class Plan:
             elif over is not None and results[over] is passed[over]:
                 dst = results[over]  # in place: the parent returned the buffer it was given
             else:
-                dst = _slice(ws.buffers.get(pos), n)
+                dst = _slice(ws.buffer(pos), n)
             passed[pos] = dst
             try:
                 if parent is None:
