@@ -1,8 +1,8 @@
 """SIGHUP: re-read the daemon's config file and apply the keys that are safe to change live.
 
 Reloadable (:data:`RELOADABLE`): ``log_level``, ``log_format``, ``bad_sample_budget`` and
-``max_ring_bytes`` (streams opened afterwards), ``max_idle_buffer_bytes`` (the next batch
-released), ``share_max_lag`` and ``share_retain`` (sharing
+``max_ring_bytes`` (streams opened afterwards), ``max_idle_buffer_bytes`` (at once: a
+lower bound frees the kept buffers past it), ``share_max_lag`` and ``share_retain`` (sharing
 groups formed afterwards), ``unattached_timeout`` (the liveness monitor's next tick).
 Every other key (datasets, files, sockets, addresses, workers, plugins, TLS, token, sharing on or
 off) needs a restart: a change to one of them is logged as refused, naming the keys, and the
