@@ -1,7 +1,8 @@
 """Random Loaders, served against in-process, bit for bit: a seeded fuzz over the FFCV fixtures.
 
 Each trial draws a file, a pipeline per field (decoder, with its JPEG backend and resize,
-augmentations, normalisation, tensor ops, in random combinations and parameters), an order and seed, a batch size, ``drop_last``,
+augmentations, normalisation, tensor ops, in random combinations and parameters; on the mixed
+file, the bytes and JSON fields too and some fields left out with ``None``), an order and seed, a batch size, ``drop_last``,
 ``batches_ahead``, sometimes ``indices`` (with repeats) or ``distributed`` (``RANK`` and
 ``WORLD_SIZE`` set for both Loaders), and a transport (sometimes with ``copy=True``); then reads two epochs
 from the daemon and from the in-process Loader and compares every output's bits, or, when one
@@ -33,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 from beton_serve.fields.decoders import (
+    BytesDecoder,
     CenterCropRGBImageDecoder,
     FloatDecoder,
     IntDecoder,
@@ -73,7 +75,7 @@ FILES = {
     "images_jpg": (("image", "label", "weight"), 64),
     "images_smart": (("image", "label"), 64),
     "image_pairs": (("input", "target"), 16),
-    "mixed_fields": (("int", "float", "array"), 50),
+    "mixed_fields": (("int", "float", "array", "blob", "meta"), 50),
 }
 TRIALS = int(os.environ.get("BETON_FUZZ_TRIALS", "25"))
 SEEDS = [int(s) for s in os.environ.get("BETON_FUZZ_SEEDS", "0,1,2,3").split(",") if s]
@@ -143,13 +145,13 @@ def _image_ops(r: random.Random, fixed_size: bool, mixup: tuple[float, bool] | N
     return ops
 
 
-def _pipelines(file: str, seed: int) -> dict[str, list]:
+def _pipelines(file: str, seed: int) -> dict[str, list | None]:
     """Fresh ops for ``file``, drawn from ``seed`` (called once per Loader: a Loader owns its
     ops)."""
     r = random.Random(seed)
     fields, _ = FILES[file]
     mixup = (r.uniform(0.1, 1.0), r.random() < 0.5) if r.random() < 0.2 else None
-    out: dict[str, list] = {}
+    out: dict[str, list | None] = {}
     for name in fields:
         if name == "label":
             ops: list[Any] = [IntDecoder()]
@@ -164,9 +166,14 @@ def _pipelines(file: str, seed: int) -> dict[str, list]:
             out[name] = [IntDecoder()] + ([ToTensor()] if r.random() < 0.5 else [])
         elif name == "array":
             out[name] = [NDArrayDecoder()] + ([ToTensor()] if r.random() < 0.5 else [])
+        elif name in ("blob", "meta"):  # BytesField, JSONField (whose decoder is BytesDecoder)
+            out[name] = [BytesDecoder()] + ([ToTensor()] if r.random() < 0.5 else [])
         else:
             fixed = file == "image_pairs"
             out[name] = _image_ops(r, fixed, mixup if name == "image" else None)
+    if file == "mixed_fields":  # FFCV skips a field whose pipeline is None
+        for name in r.sample(fields, r.randint(0, 3)):
+            out[name] = None
     return out
 
 
@@ -209,18 +216,20 @@ class _Factory:
         self.pseed = pseed
         self.kw = kw if backend == "inproc" else {**kw, **served}  # served: served-only options
         self.address = address
-        self.pipes: dict[str, list] = {}
+        self.pipes: dict[str, list | None] = {}
 
     def __call__(self) -> Any:
         self.pipes = _pipelines(self.path.stem, self.pseed)
         return make_loader(self.backend, self.path, self.pipes, address=self.address, **self.kw)
 
 
-def _resize(pipes: dict[str, list], size: tuple[int, int] | None) -> None:
+def _resize(pipes: dict[str, list | None], size: tuple[int, int] | None) -> None:
     """Progressive resizing (ffcv-imagenet): set every crop decoder's ``output_size``."""
     for ops in pipes.values():
-        if size is not None and isinstance(
-            ops[0], RandomResizedCropRGBImageDecoder | CenterCropRGBImageDecoder
+        if (
+            size is not None
+            and ops
+            and isinstance(ops[0], RandomResizedCropRGBImageDecoder | CenterCropRGBImageDecoder)
         ):
             ops[0].output_size = size
 
