@@ -369,6 +369,48 @@ def test_a_split_batch_names_its_first_bad_sample_whichever_part_fails_first():
     assert info.value.sample_index == 1
 
 
+@pytest.mark.parametrize("budget", [1, 2])
+def test_a_split_batch_spends_the_budget_as_the_whole_batch_does(budget):
+    """Bad samples 1 and 6 in the two parts of a split batch, the part with 6 failing first.
+    Budget 1: the batch fails naming sample 1 and records none, as the batch run whole does;
+    it was charged part by part, so the part with 6 spent the budget, was recorded, and the
+    part with 1 failed naming it (or the other way round, whichever part came first). Budget 2:
+    both are skipped, each replaced by the next good sample of the batch, recorded in batch
+    order."""
+    r = FakeReader(n=16)
+    got = []
+    for slices in (1, 2):
+        later_failed = threading.Event()
+        if slices == 1:
+            later_failed.set()  # one part: nothing to hold back
+        plan = compile_pipelines(
+            r,
+            {"image": [FakeImageDecoder(), _SlowFirstFailing(later_failed)], "label": [AddIndex()]},
+            batch_size=8,
+            cache=PlanCache(),
+        )
+        with Engine(2) as eng:
+            src = BatchSource(
+                engine=eng, plan=plan, batch_size=8, slices=slices, bad_sample_budget=budget
+            )
+            fut = src.submit(0, 0)
+            if budget == 1:
+                with pytest.raises(PipelineError, match="budget 1 exhausted") as info:
+                    fut.result(60)
+                assert info.value.sample_index == 1, slices
+                got.append(None)
+            else:
+                img, lab = fut.result(60)
+                np.testing.assert_array_equal(fut.sample_ids, [0, 2, 2, 3, 4, 5, 7, 7])
+                np.testing.assert_array_equal(img[1], fake_image(2) + 1)
+                np.testing.assert_array_equal(img[6], fake_image(7) + 1)
+                got.append((img.copy(), lab.copy()))
+            assert [b.sample_id for b in src.bad_samples] == ([] if budget == 1 else [1, 6])
+    if budget == 2:
+        np.testing.assert_array_equal(got[0][0], got[1][0])
+        np.testing.assert_array_equal(got[0][1], got[1][1])
+
+
 def test_a_zero_budget_fails_the_batch_naming_the_setting():
     r = FakeReader(n=16)
     plan = _plan(r, 4, decoder=FakeImageDecoder(fail_on=6))

@@ -451,8 +451,12 @@ class BatchSource:
     ) -> NDArray[np.uint64]:
         """Sample ids for ``batch[lo:hi]`` with failing samples replaced (module docstring).
 
-        Replacements are searched in the whole batch, not only in the slice, so the result does
-        not depend on how the batch was split.
+        The failing samples are looked for in the whole batch, not only in the slice, and the
+        budget is charged with all of them at once, so neither the replacements, nor what is
+        recorded, nor the sample an exhausted budget names depends on how the batch was split
+        or on which part failed first. (Charged part by part, a budget of 1 with a bad sample
+        in each half recorded one of them and named the other, whichever half came first;
+        the batch run whole names the first and records none.)
         """
         verdict: dict[int, OpFailure | None] = {}
 
@@ -465,18 +469,17 @@ class BatchSource:
                     verdict[pos] = f
             return verdict[pos]
 
-        bad = [(i, f) for i in range(lo, hi) if (f := check(i)) is not None]
-        if not bad:  # only the whole batch fails: not a sample's fault
+        n = len(batch)
+        bad = [(i, f) for i in range(n) if (f := check(i)) is not None]
+        if not any(lo <= i < hi for i, _ in bad):  # only the slice fails: not a sample's fault
             raise PipelineError(f"{failure.cause!r}", op=failure.node.name) from failure.cause
         fixed = batch[lo:hi].copy()
-        n = len(batch)
-        all_bad = False
-        for i, _ in bad:
-            repl = next((j % n for j in range(i + 1, i + n) if check(j % n) is None), None)
-            if repl is None:
-                all_bad = True
-                break
-            fixed[i - lo] = batch[repl]
+        all_bad = len(bad) == n
+        if not all_bad:
+            for i, _ in bad:
+                if lo <= i < hi:
+                    repl = next(j % n for j in range(i + 1, i + n) if check(j % n) is None)
+                    fixed[i - lo] = batch[repl]
         first_i, first = bad[0]
         with self._lock:
             # A sample already skipped in this epoch (its batch was decoded again, e.g. after a
