@@ -8,8 +8,9 @@ on demand) and from the in-process Loader, half the trials under a bad-sample bu
 daemon's ``--bad-sample-budget``, the Loader's ``bad_sample_budget``). Both must return the
 same bits, or fail with the same error type naming a spoilt sample: the same one without a
 budget (the first bad sample in batch order, however the daemon split the batch over its
-workers). Under a budget a split batch spends it part by part, so the sample named when it runs
-out may be another bad one than in a whole-batch run.
+workers). Under a budget the batches in flight at once charge it in the order they finish (a
+split batch charges all its bad samples at once, as a whole one does), so the sample named when
+it runs out may be another bad one than in the other Loader's run.
 
 The first run of this fuzz found that a corrupt header left the worker's TurboJPEG handle
 failing every later JPEG (``tests/unit/test_tj3.py`` has the deterministic tests).
