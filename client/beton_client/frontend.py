@@ -436,6 +436,9 @@ class FrontEnd:
         self._identity: StateIdentity | None = None
         self.last_sample_ids: np.ndarray = np.empty(0, np.uint64)
         self._current: weakref.ref[EpochIterator] | None = None
+        #: Held while ``iter()`` or an iterator's ``next()`` runs: a Loader serves one of them
+        #: at a time (:data:`_IN_USE`).
+        self._busy = threading.Lock()
         self._feed: Feed | None = None
         self._len: int | None = None
         self._tails: list[OutputTail] = []
@@ -498,10 +501,27 @@ class FrontEnd:
 
     def __iter__(self) -> EpochIterator:
         """Start the next epoch (on a re-opened feed if an op's parameters changed, or the last
-        epoch was left early on a feed that cannot drop it)."""
+        epoch was left early on a feed that cannot drop it).
+
+        The previous epoch's iterator stops: asking it for another batch raises
+        ``RuntimeError`` if its epoch was not finished. A Loader yields one epoch at a time, from
+        one thread at a time: ``iter()`` while another thread is inside ``next()`` raises
+        ``RuntimeError`` too.
+        """
+        busy = self._busy
+        if not busy.acquire(blocking=False):
+            raise RuntimeError(_IN_USE)
+        try:
+            return self._iter_locked()
+        finally:
+            busy.release()
+
+    def _iter_locked(self) -> EpochIterator:
         feed = self._feed_or_raise()
         prev = self._current() if self._current is not None else None
         if prev is not None:
+            if not prev.done:
+                prev.stopped_by = self.next_epoch
             prev.close()
         plans = self._split()
         feed = self._feed_accepting(feed, plans)
@@ -632,6 +652,14 @@ class FrontEnd:
         self.close()
 
 
+#: Raised by ``iter()`` and ``next()`` while another thread runs one of them on the same Loader.
+_IN_USE = (
+    "this Loader is already in use by another thread (inside iter() or next()): a Loader "
+    "yields one epoch at a time, from one thread at a time; use one Loader per consumer "
+    "thread (identical Loaders of one daemon share their decoding)"
+)
+
+
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[None]:
     """Hold back Ctrl-C (SIGINT) while a stream is opened, started or closed, and deliver it
@@ -680,6 +708,8 @@ class EpochIterator:
         #: The epoch's feed: opened by the first ``next()`` (:meth:`_reopen`), so that
         #: ``FrontEnd.__iter__`` does nothing a Ctrl-C could leave half done.
         self._epoch_feed: EpochFeed | None = None
+        #: The epoch whose ``iter()`` stopped this one before its end, else ``None``.
+        self.stopped_by: int | None = None
 
     @property
     def index(self) -> int:
@@ -766,7 +796,23 @@ class EpochIterator:
         return ef
 
     def __next__(self) -> tuple[Any, ...]:
+        busy = self.loader._busy
+        if not busy.acquire(blocking=False):
+            raise RuntimeError(_IN_USE)
+        try:
+            return self._next_locked()
+        finally:
+            busy.release()
+
+    def _next_locked(self) -> tuple[Any, ...]:
         if self.done:
+            if self.stopped_by is not None:
+                raise RuntimeError(
+                    f"this iterator of epoch {self.epoch} stopped after {self.batch} of its "
+                    f"{len(self)} batches, when iter() on its Loader started epoch "
+                    f"{self.stopped_by}: a Loader yields one epoch at a time (finish or leave "
+                    "an epoch before starting the next, or use one Loader per consumer)"
+                )
             # Asking past the end releases the last batch (as asking for a next batch does).
             self.close()
             raise StopIteration

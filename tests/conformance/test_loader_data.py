@@ -205,6 +205,82 @@ def test_len_and_epochs_without_iterating(data: Path, daemon: DaemonProcess, bac
     assert_same_epochs(got, want, f"{backend} vs in-process")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_iterator_stopped_by_the_next_epoch_says_so(
+    data: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """``iter()`` while an epoch is part-way ends that epoch's iterator. Asking it for another
+    batch raised ``StopIteration``, so a loop over it (another thread's, a forgotten one) lost
+    the rest of its epoch without a word; now it raises ``RuntimeError`` naming both epochs.
+    An iterator that finished its epoch still only stops."""
+    case = Case(data, daemon, order="RANDOM", seed=8, drop_last=False)
+    with case.loader("inproc") as ref, case.loader(backend) as ld:
+        want = [epoch(ref, 2), epoch(ref), epoch(ref)]
+        it0 = iter(ld)
+        got = [epoch(it0, 2)]
+        it1 = iter(ld)
+        with pytest.raises(
+            RuntimeError,
+            match="epoch 0 stopped after 2 of its 8 batches, when "
+            "iter\\(\\) on its Loader started epoch 1",
+        ):
+            next(it0)
+        got.append(epoch(it1))
+        it2 = iter(ld)
+        with pytest.raises(StopIteration):
+            next(it1)  # finished its epoch before epoch 2 started
+        got.append(epoch(it2))
+    assert_same_epochs(got, want, f"{backend} vs in-process")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_loader_iterated_from_two_threads_errors_and_never_mixes_batches(
+    data: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """Two threads loop over one Loader at once (each calls ``iter()``). A Loader serves one
+    ``iter()`` or ``next()`` at a time: the other thread's call raises ``RuntimeError``, and the
+    epoch that one thread stopped raises it there too. What was yielded is the right data. On
+    shm the losing thread had got ``TransportError('no sample ids for slot 0 ...')`` or a
+    silently short epoch."""
+    import threading
+
+    case = Case(data, daemon, order="RANDOM", seed=8, drop_last=False)
+    with case.loader("inproc") as ref:
+        want = epochs(ref, 2 * 20)
+    errors: list[BaseException] = []
+    got: dict[int, list] = {}
+    with case.loader(backend) as ld:
+        for _round in range(20):
+            out: dict[int, Any] = {}
+
+            def loop(k: int, ld: Any = ld, out: dict[int, Any] = out) -> None:
+                try:
+                    it = iter(ld)
+                    out[k] = (it.epoch, epoch(it))
+                except RuntimeError as exc:
+                    out[k] = exc
+
+            threads = [threading.Thread(target=loop, args=(k,)) for k in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads)
+            for res in out.values():
+                if isinstance(res, RuntimeError):
+                    assert "in use by another thread" in str(res) or "started epoch" in str(res)
+                    errors.append(res)
+                else:
+                    e, batches = res
+                    got[e] = batches
+            assert len(out) == 2
+    assert errors  # the threads did collide
+    assert got  # and some epochs were read whole
+    for e, batches in got.items():
+        assert_same_batches(batches, want[e], f"{backend}, epoch {e} read by one of two threads")
+
+
 # -- resume -------------------------------------------------------------------------------------
 #: Every checkpoint-on-one, resume-on-another pair, and in-process on its own.
 PAIRS: list[Any] = [("inproc", "inproc")] + [
