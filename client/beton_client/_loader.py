@@ -50,6 +50,7 @@ from beton_wire.limits import (
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
+from beton_client._forks import owner_only
 from beton_client._ops import BRANCH_FIELD, PipelinePlan, device_of, explain_refusal
 from beton_client._options import ServeOptions, merge_serve_keywords
 from beton_client._resume import RetryPolicy, retriable, retry
@@ -229,6 +230,8 @@ class DaemonBackend:
     """
 
     errors = CLIENT_ERRORS
+    #: A daemon's stream belongs to the process that opened it (``_forks``).
+    fork_safe = False
 
     def __init__(
         self,
@@ -276,7 +279,7 @@ class DaemonBackend:
         self._stub = pb_grpc.BetonServeStub(self._channel)
         # On the Loader: its remote streams register their own finalizers on it, which then run
         # first (newest first) and end their calls before this closes the channel.
-        self._finalizer = weakref.finalize(self._owner_or_self(), self._channel.close)
+        self._finalizer = weakref.finalize(self._owner_or_self(), owner_only(self._channel.close))
 
     def _owner_or_self(self) -> object:
         owner = self._owner()

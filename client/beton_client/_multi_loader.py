@@ -45,6 +45,7 @@ from beton_wire.framing import ALIGN, Compression, DecodedBatch, OpenRequest
 from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
+from beton_client._forks import owner_only
 from beton_client._ops import PipelinePlan, explain_refusal
 from beton_client._tail import OutputInfo
 from beton_client._transport.grpc_codec import BatchStream, BufferPool
@@ -141,7 +142,9 @@ class RemoteStream:
             discard=_give_back,
         )
         reader_ref = weakref.ref(self.reader)
-        self._finalizer = weakref.finalize(self, _close_remote, self.reader, list(self.daemons))
+        self._finalizer = weakref.finalize(
+            self, owner_only(_close_remote), self.reader, list(self.daemons)
+        )
         # Finalizers of one object run newest first: this one before the owner's (module doc).
         self._owner_finalizer = (
             weakref.finalize(owner, self._finalizer) if owner is not None else None
@@ -211,7 +214,7 @@ class RemoteEpochFeed:
         self._gen: Generator[Any, None, None] = stream.reader.iter_epoch(  # type: ignore[assignment]
             epoch, stream.num_batches, start
         )
-        self._finalizer = weakref.finalize(self, _release_held, self._held)
+        self._finalizer = weakref.finalize(self, owner_only(_release_held), self._held)
 
     def release(self) -> None:
         _release_held(self._held)

@@ -29,6 +29,7 @@ from beton_wire import notice
 from beton_wire.slots import DTYPE_NAMES, slot_layout
 from beton_wire.v1 import beton_pb2 as pb
 
+from beton_client._forks import owner_only
 from beton_client._tail import OutputInfo
 from beton_client._transport import Receiver, ShmReceiver, TensorInfo
 from beton_client._transport.shm import NoticeChannel, SegmentGone
@@ -124,7 +125,7 @@ class _Stream:
         self._call = stub.Batches(iter(self._requests.get, None))
         self.closed = False
         self._finalizer = weakref.finalize(
-            self, _close_stream, self._requests, self._call, receiver, self.notice
+            self, owner_only(_close_stream), self._requests, self._call, receiver, self.notice
         )
 
     @property

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import os
 import signal
 import sys
 import threading
@@ -55,6 +56,7 @@ from beton_wire.loader_state import (
     make_state,
 )
 
+from beton_client import _forks
 from beton_client import errors as client_errors
 from beton_client._gcpause import gc_paused
 from beton_client._ops import PipelinePlan, split_pipelines
@@ -172,6 +174,9 @@ class Backend(Protocol):
 
     #: The Loader's error classes.
     errors: ErrorKinds
+    #: Whether a process forked from the one that built the backend may use it (the in-process
+    #: engine starts its own workers there; a daemon's stream belongs to one process).
+    fork_safe: bool
 
     def open(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> Feed:
         """Open a feed for ``plans`` (the split pipelines) with ``args``.
@@ -415,6 +420,8 @@ class FrontEnd:
         """Adopt ``args`` and open the first feed (closing the backend if that fails)."""
         self._backend = backend
         self._errors = backend.errors
+        #: The process that built it, and its fork generation (``_forks``).
+        self._pid, self._generation = os.getpid(), _forks.generation()
         self._args = args
         self.batch_size = args.batch_size
         self.num_workers = args.num_workers
@@ -516,7 +523,14 @@ class FrontEnd:
         finally:
             busy.release()
 
+    def _check_process(self) -> None:
+        """Raise ``RuntimeError`` in a process forked from the one that built this Loader, if
+        its backend cannot be used there (``_forks``)."""
+        if self._generation != _forks.generation() and not self._backend.fork_safe:
+            raise RuntimeError(_forked_message(self._pid))
+
     def _iter_locked(self) -> EpochIterator:
+        self._check_process()
         feed = self._feed_or_raise()
         prev = self._current() if self._current is not None else None
         if prev is not None:
@@ -634,6 +648,13 @@ class FrontEnd:
         short left a stream half closed that nothing closed again, or, on gRPC, a lock of the
         channel held, on which the channel's own close then hung.
         """
+        if self._generation != _forks.generation() and not self._backend.fork_safe:
+            # A forked child: the streams, channels and mappings are its parent's. Forget them;
+            # their finalizers do nothing here (``_forks.owner_only``).
+            feed, self._feed, self._current = self._feed, None, None
+            if feed is not None:
+                self._len = feed.num_batches
+            return
         with _sigint_deferred():
             ref = self._current
             cur = ref() if ref is not None else None
@@ -658,6 +679,15 @@ _IN_USE = (
     "yields one epoch at a time, from one thread at a time; use one Loader per consumer "
     "thread (identical Loaders of one daemon share their decoding)"
 )
+
+
+def _forked_message(pid: int) -> str:
+    return (
+        f"this served Loader belongs to process {pid}, and this is a process forked from it "
+        f"({os.getpid()}): its stream, channel and shared memory are the parent's, and batches "
+        "read here would be taken from the parent. Build a new Loader in the child (identical "
+        "Loaders of one daemon share their decoding)"
+    )
 
 
 @contextlib.contextmanager
@@ -805,6 +835,9 @@ class EpochIterator:
             busy.release()
 
     def _next_locked(self) -> tuple[Any, ...]:
+        loader = self.loader
+        if loader._generation != _forks.generation():
+            loader._check_process()
         if self.done:
             if self.stopped_by is not None:
                 raise RuntimeError(

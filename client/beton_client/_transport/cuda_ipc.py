@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from beton_client._forks import owner_only
+
 __all__ = ["CudaIpcReceiver", "TensorView", "TransportUnavailable"]
 
 log = logging.getLogger("beton_client.transport.cuda_ipc")
@@ -106,7 +108,7 @@ class _Mapping:
 
     def __init__(self, rt: Any, slot: int, ptr: int, nbytes: int, device: int) -> None:
         self.slot, self.ptr, self.nbytes, self.device = slot, ptr, nbytes, device
-        self.finalizer = weakref.finalize(self, _close_mapping, rt, ptr, device)
+        self.finalizer = weakref.finalize(self, owner_only(_close_mapping), rt, ptr, device)
 
 
 def _close_mapping(rt: Any, ptr: int, device: int) -> None:

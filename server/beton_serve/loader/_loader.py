@@ -114,6 +114,8 @@ class EngineBackend:
     """
 
     errors = ENGINE_ERRORS
+    #: A forked child runs its epochs on workers of its own (``Engine``).
+    fork_safe = True
 
     def __init__(
         self,
