@@ -446,6 +446,7 @@ class FrontEnd:
         #: Held while ``iter()`` or an iterator's ``next()`` runs: a Loader serves one of them
         #: at a time (:data:`_IN_USE`).
         self._busy = threading.Lock()
+        self._busy_generation = self._generation
         self._feed: Feed | None = None
         self._len: int | None = None
         self._tails: list[OutputTail] = []
@@ -515,13 +516,25 @@ class FrontEnd:
         one thread at a time: ``iter()`` while another thread is inside ``next()`` raises
         ``RuntimeError`` too.
         """
-        busy = self._busy
-        if not busy.acquire(blocking=False):
-            raise RuntimeError(_IN_USE)
+        busy = self._take_busy()
         try:
             return self._iter_locked()
         finally:
             busy.release()
+
+    def _take_busy(self) -> threading.Lock:
+        """Acquire :attr:`_busy` (``RuntimeError`` if another thread holds it). In a forked
+        child, a lock that a thread of the parent held when it forked is replaced: that thread
+        does not exist here."""
+        busy = self._busy
+        if busy.acquire(blocking=False):
+            return busy
+        if self._busy_generation != _forks.generation():
+            busy = self._busy = threading.Lock()
+            self._busy_generation = _forks.generation()
+            busy.acquire()
+            return busy
+        raise RuntimeError(_IN_USE)
 
     def _check_process(self) -> None:
         """Raise ``RuntimeError`` in a process forked from the one that built this Loader, if
@@ -826,9 +839,7 @@ class EpochIterator:
         return ef
 
     def __next__(self) -> tuple[Any, ...]:
-        busy = self.loader._busy
-        if not busy.acquire(blocking=False):
-            raise RuntimeError(_IN_USE)
+        busy = self.loader._take_busy()
         try:
             return self._next_locked()
         finally:

@@ -133,10 +133,13 @@ def test_a_failed_epoch_stops_its_workers_and_the_next_starts_new_ones():
     assert not _beton_threads()
 
 
-def test_a_forked_child_runs_its_epochs_on_its_own_workers():
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "another-thread-inside-next"])
+def test_a_forked_child_runs_its_epochs_on_its_own_workers(busy):
     """The parent's workers do not exist in a fork's child: its engine is closed there and the
     child's epoch starts new workers (it used to hang waiting for the parent's threads, had
-    they been kept). The child's batches equal the parent's."""
+    they been kept). The child's batches equal the parent's. ``busy``: another thread of the
+    parent is inside the Loader's ``next()`` (holds its one-at-a-time lock) when it forks;
+    that thread does not exist in the child, which must not take the lock for held."""
     import os
     import select
     import signal
@@ -145,6 +148,13 @@ def test_a_forked_child_runs_its_epochs_on_its_own_workers():
         next(iter(ld))  # the parent's workers are running
         want = np.concatenate([np.asarray(lab)[:, 0] for _, lab in _copies(ld, ld.next_epoch)])
         epoch = ld.next_epoch - 1
+        held, done = threading.Event(), threading.Event()
+        holder = threading.Thread(
+            target=lambda: (ld._busy.acquire(), held.set(), done.wait(30), ld._busy.release())
+        )
+        if busy:
+            holder.start()
+            assert held.wait(10)
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: one epoch, its labels through the pipe, then _exit
@@ -171,6 +181,9 @@ def test_a_forked_child_runs_its_epochs_on_its_own_workers():
             if time.monotonic() >= deadline:
                 os.kill(pid, signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
+        done.set()
+        if busy:
+            holder.join(10)
         assert os.waitstatus_to_exitcode(status) == 0
         np.testing.assert_array_equal(np.frombuffer(data, np.int64), want)
         assert len(_beton_threads()) == 2  # the parent's own, untouched
