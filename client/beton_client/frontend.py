@@ -443,9 +443,11 @@ class FrontEnd:
         self._identity: StateIdentity | None = None
         self.last_sample_ids: np.ndarray = np.empty(0, np.uint64)
         self._current: weakref.ref[EpochIterator] | None = None
-        #: Held while ``iter()`` or an iterator's ``next()`` runs: a Loader serves one of them
-        #: at a time (:data:`_IN_USE`).
-        self._busy = threading.Lock()
+        #: Held while ``iter()`` or an iterator's ``next()`` runs: a Loader serves one thread
+        #: at a time (:data:`_IN_USE`). Re-entrant, so that a hold a Ctrl-C left behind (it can
+        #: land between the acquire and the ``try`` that releases it) never locks out the thread
+        #: that was interrupted.
+        self._busy = threading.RLock()
         self._busy_generation = self._generation
         self._feed: Feed | None = None
         self._len: int | None = None
@@ -522,7 +524,7 @@ class FrontEnd:
         finally:
             busy.release()
 
-    def _take_busy(self) -> threading.Lock:
+    def _take_busy(self) -> Any:
         """Acquire :attr:`_busy` (``RuntimeError`` if another thread holds it). In a forked
         child, a lock that a thread of the parent held when it forked is replaced: that thread
         does not exist here."""
@@ -530,7 +532,7 @@ class FrontEnd:
         if busy.acquire(blocking=False):
             return busy
         if self._busy_generation != _forks.generation():
-            busy = self._busy = threading.Lock()
+            busy = self._busy = threading.RLock()
             self._busy_generation = _forks.generation()
             busy.acquire()
             return busy

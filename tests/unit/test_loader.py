@@ -190,6 +190,33 @@ def test_a_forked_child_runs_its_epochs_on_its_own_workers(busy):
     assert not _beton_threads()
 
 
+def test_a_hold_left_by_an_interrupted_call_does_not_lock_the_loader_out():
+    """A Ctrl-C can land between taking the Loader's one-thread-at-a-time lock and the ``try``
+    that gives it back, leaving it held. The interrupted thread must still iterate (another
+    thread is refused, as while a call runs)."""
+    ref = _copies(_loader(seed=5, order=OrderOption.RANDOM), 0)
+    with _loader(seed=5, order=OrderOption.RANDOM) as ld:
+        ld._busy.acquire()  # what an interrupt at the wrong bytecode leaves behind
+        got = _copies(ld, 0)
+        refused = []
+        t = threading.Thread(target=lambda: refused.append(_refused(ld)))
+        t.start()
+        t.join(30)
+        assert refused == [True]
+    assert len(got) == len(ref)
+    for g, w in zip(got, ref, strict=True):
+        for a, b in zip(g, w, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def _refused(ld) -> bool:
+    try:
+        iter(ld)
+    except RuntimeError as exc:
+        return "in use by another thread" in str(exc)
+    return False
+
+
 def _copies(ld, epoch):
     """Epoch ``epoch`` of ``ld``, each batch copied."""
     ld.next_epoch = epoch
