@@ -538,10 +538,14 @@ class FrontEnd:
             return busy
         raise RuntimeError(_IN_USE)
 
+    def _parents(self) -> bool:
+        """Whether this is a process forked from the one that built this Loader, and its
+        backend's resources stay with that process (``_forks``)."""
+        return self._generation != _forks.generation() and not self._backend.fork_safe
+
     def _check_process(self) -> None:
-        """Raise ``RuntimeError`` in a process forked from the one that built this Loader, if
-        its backend cannot be used there (``_forks``)."""
-        if self._generation != _forks.generation() and not self._backend.fork_safe:
+        """Raise ``RuntimeError`` where the backend is the parent's (:meth:`_parents`)."""
+        if self._parents():
             raise RuntimeError(_forked_message(self._pid))
 
     def _iter_locked(self) -> EpochIterator:
@@ -663,7 +667,7 @@ class FrontEnd:
         short left a stream half closed that nothing closed again, or, on gRPC, a lock of the
         channel held, on which the channel's own close then hung.
         """
-        if self._generation != _forks.generation() and not self._backend.fork_safe:
+        if self._parents():
             # A forked child: the streams, channels and mappings are its parent's. Forget them;
             # their finalizers do nothing here (``_forks.owner_only``).
             feed, self._feed, self._current = self._feed, None, None
