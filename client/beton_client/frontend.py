@@ -44,6 +44,7 @@ import numpy as np
 from beton_wire.limits import (
     MAX_BATCH_SIZE,
     MAX_BATCHES_AHEAD,
+    MAX_EPOCH,
     MAX_WORLD_SIZE,
     short_repr,
     workers_out_of_range,
@@ -551,15 +552,20 @@ class FrontEnd:
     def _iter_locked(self) -> EpochIterator:
         self._check_process()
         feed = self._feed_or_raise()
+        epoch = self.next_epoch  # an attribute a user may set (FFCV's way to resume an epoch)
+        if not is_int(epoch) or not 0 <= epoch <= MAX_EPOCH:
+            raise self._errors.spec(
+                f"next_epoch must be an int in 0..{MAX_EPOCH}, not {short_repr(epoch)}"
+            )
         prev = self._current() if self._current is not None else None
         if prev is not None:
             if not prev.done:
-                prev.stopped_by = self.next_epoch
+                prev.stopped_by = int(epoch)
             prev.close()
         plans = self._split()
         feed = self._feed_accepting(feed, plans)
         self._plans = plans
-        epoch, start = self.next_epoch, self._resume_batch
+        epoch, start = int(epoch), self._resume_batch
         it = EpochIterator(self, feed, epoch, start)  # opens nothing yet: see EpochIterator
         ref = weakref.ref(it)
         # The epoch is taken only here, by plain stores that no signal handler can run between
@@ -662,6 +668,10 @@ class FrontEnd:
     def close(self) -> None:
         """Stop the current epoch, close the feed and the backend (idempotent).
 
+        An epoch left part-way is not ended silently: its iterator's next ``next()`` raises the
+        Loader's closed error (``BetonClientError`` served, ``BetonError`` in process), naming
+        how many of its batches it yielded. An iterator that finished its epoch just stops.
+
         Ctrl-C is held back until it is done (:func:`_sigint_deferred`): closing is short
         (cancelling calls, unmapping, waiting for the batches running in process), and one cut
         short left a stream half closed that nothing closed again, or, on gRPC, a lock of the
@@ -678,6 +688,8 @@ class FrontEnd:
             ref = self._current
             cur = ref() if ref is not None else None
             if cur is not None:
+                if not cur.done:
+                    cur.closed_early = True
                 cur.close()
             feed, self._feed = self._feed, None
             if feed is not None:
@@ -685,12 +697,26 @@ class FrontEnd:
                 feed.close()
             self._backend.close()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuse ``pickle``, ``copy.copy`` and ``copy.deepcopy`` (``TypeError``): a Loader owns
+        worker threads or a daemon's stream, which belong to one object in one process (a copy
+        sharing them would close them under the original)."""
+        raise TypeError(_NOT_COPYABLE)
+
     def __enter__(self) -> FrontEnd:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+#: Raised by ``pickle`` and ``copy`` of a Loader.
+_NOT_COPYABLE = (
+    "a Loader cannot be pickled or copied: it owns worker threads (in process) or a stream of a "
+    "daemon (served), which belong to it alone, in the process that built it. Build a Loader "
+    "in each process from the same arguments (served Loaders with identical arguments share "
+    "one decode), and carry an epoch's position with state_dict() / load_state_dict()"
+)
 
 #: Raised by ``iter()`` and ``next()`` while another thread runs one of them on the same Loader.
 _IN_USE = (
@@ -759,6 +785,12 @@ class EpochIterator:
         self._epoch_feed: EpochFeed | None = None
         #: The epoch whose ``iter()`` stopped this one before its end, else ``None``.
         self.stopped_by: int | None = None
+        #: Whether ``close()`` on the Loader stopped this epoch before its end.
+        self.closed_early = False
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuse ``pickle`` and ``copy`` (``TypeError``), as the Loader does."""
+        raise TypeError("an epoch iterator c" + _NOT_COPYABLE[len("a Loader c") :])
 
     @property
     def index(self) -> int:
@@ -862,6 +894,11 @@ class EpochIterator:
                     f"{len(self)} batches, when iter() on its Loader started epoch "
                     f"{self.stopped_by}: a Loader yields one epoch at a time (finish or leave "
                     "an epoch before starting the next, or use one Loader per consumer)"
+                )
+            if self.closed_early:
+                raise loader._errors.closed(
+                    f"this iterator of epoch {self.epoch} stopped after {self.batch} of its "
+                    f"{len(self)} batches, when its Loader was closed"
                 )
             # Asking past the end releases the last batch (as asking for a next batch does).
             self.close()

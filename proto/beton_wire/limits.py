@@ -10,6 +10,8 @@ limit                    value                        what it bounds
 =======================  ===========================  ==============================================
 MAX_BATCH_SIZE           65,536                       ``batch_size``
 MAX_BATCHES_AHEAD        64                           ``batches_ahead`` (at least 1)
+MAX_EPOCH                4,294,967,295 (2**32 - 1)    the epoch an ``iter()`` starts (``next_epoch``,
+                                                      a ``load_state_dict`` state, a ``Start``)
 MAX_WORLD_SIZE           65,536                       ``world_size`` (at least 1) of a distributed
                                                       stream; the padded order is ``n + world`` ids
 MAX_INDICES              4,194,304 (2**22)            ``indices`` of one request (at least 1)
@@ -51,6 +53,7 @@ from typing import Any
 
 __all__ = [
     "MAX_BATCHES_AHEAD",
+    "MAX_EPOCH",
     "MAX_BATCH_SIZE",
     "MAX_ECHO_CHARS",
     "MAX_ERROR_CHARS",
@@ -76,6 +79,8 @@ __all__ = [
 
 MAX_BATCH_SIZE = 1 << 16
 MAX_BATCHES_AHEAD = 64
+#: A 1-second epoch would take 136 years to get there; past 2**63 the daemon's arithmetic overflowed.
+MAX_EPOCH = (1 << 32) - 1
 MAX_WORLD_SIZE = 1 << 16
 MAX_WORKERS = 1024
 MAX_INDICES = 1 << 22

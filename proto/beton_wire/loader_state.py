@@ -7,7 +7,7 @@ that ``torch.save``, JSON and pickle all carry it. Version 2 (:data:`STATE_VERSI
 key               type       meaning
 ================  =========  ======================================================================
 ``version``       int        2
-``epoch``         int        the epoch the next ``iter(loader)`` continues (>= 0)
+``epoch``         int        the epoch the next ``iter(loader)`` continues (0..``MAX_EPOCH``)
 ``batch``         int        batches of that epoch already yielded (0 <= batch < ``len``)
 ``seed``          int        the Loader's ``seed``
 ``order``         str        the order's name: ``"SEQUENTIAL"``, ``"RANDOM"``, ``"QUASI_RANDOM"``,
@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+
+from beton_wire.limits import MAX_EPOCH
 
 __all__ = [
     "LEGACY_VERSIONS",
@@ -221,4 +223,8 @@ def check_state(state: Mapping[str, Any], mine: StateIdentity) -> tuple[int, int
         raise StateError(f"Loader state epoch {epoch} batch {batch} is outside 0..{mine.len}")
     if batch == mine.len:
         epoch, batch = epoch + 1, 0
+    if epoch > MAX_EPOCH:
+        raise StateError(
+            f"Loader state epoch {epoch} is past the last epoch a Loader starts ({MAX_EPOCH})"
+        )
     return epoch, batch

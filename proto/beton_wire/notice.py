@@ -91,6 +91,8 @@ TOKEN_BYTES = 32
 #: Longest segment name in a ``BATCH_AT``.
 MAX_SEGMENT_NAME = 200
 _OFFSET = struct.Struct("<Q")
+#: Distinct lease tokens: 1 .. 2**64 - 2.
+_TOKENS = (1 << 64) - 2
 #: Longest record either side sends (header plus a ``BATCH_AT`` payload).
 MAX_RECORD = RECORD.size + _OFFSET.size + MAX_SEGMENT_NAME
 
@@ -150,8 +152,10 @@ def wake() -> bytes:
 
 def lease_token(epoch: int, index: int, batches_per_epoch: int) -> int:
     """The token that releases batch ``index`` of ``epoch``: its position in the stream plus one
-    (never 0, which a fresh word holds, and never the same for two leases of a stream)."""
-    return epoch * batches_per_epoch + index + 1
+    (never 0, which a fresh word holds, and never the same for two leases of a stream), kept in
+    a release word's 64 bits below the daemon's "no lease" value (``2**64 - 1``): it wraps only
+    past ``2**64 - 2`` batches, far beyond any two leases that are live at once."""
+    return (epoch * batches_per_epoch + index) % _TOKENS + 1
 
 
 def unpack(data: bytes) -> tuple[int, int, int, int, int, bytes]:

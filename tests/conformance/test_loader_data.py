@@ -17,6 +17,7 @@ import torch
 from beton_serve.fields.decoders import IntDecoder, NDArrayDecoder
 from beton_serve.pipeline import PipelineSpec
 from beton_serve.transforms import Convert, Squeeze, ToTensor
+from beton_wire.limits import MAX_EPOCH
 from helpers.daemon import DaemonProcess
 from helpers.labelled import write_labelled
 
@@ -230,6 +231,101 @@ def test_an_iterator_stopped_by_the_next_epoch_says_so(
         with pytest.raises(StopIteration):
             next(it1)  # finished its epoch before epoch 2 started
         got.append(epoch(it2))
+    assert_same_epochs(got, want, f"{backend} vs in-process")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_epoch_cut_short_by_close_says_so(
+    data: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """``close()`` part-way through an epoch: the iterator's next ``next()`` raised
+    ``StopIteration``, so a loop over it ended its epoch early without a word (and went on to
+    save a checkpoint, say). Now it raises the Loader's closed error, naming how far it got.
+    An iterator whose epoch was whole before the close just stops. What was yielded is the
+    in-process Loader's data."""
+    case = Case(data, daemon, order="RANDOM", seed=4, drop_last=False)
+    with case.loader("inproc") as ref:
+        want = [epoch(ref), epoch(ref, 3)]
+    ld = case.loader(backend)
+    got = [epoch(ld)]
+    done = iter(ld)  # a whole epoch, read before the close
+    got.append(epoch(done, 3))
+    ld.close()
+    with pytest.raises(
+        Exception, match="epoch 1 stopped after 3 of its 8 batches, when its Loader was closed"
+    ) as info:
+        next(done)
+    assert type(info.value).__name__ in ("BetonError", "BetonClientError"), info.value
+    with pytest.raises(type(info.value), match="stopped after 3 of its 8"):  # and again
+        next(done)
+    assert_same_epochs(got, want, f"{backend} vs in-process")
+
+    ld = case.loader(backend)
+    whole = iter(ld)
+    assert len(epoch(whole)) == 8
+    ld.close()
+    with pytest.raises(StopIteration):  # its epoch was complete: nothing was lost
+        next(whole)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_next_epoch_is_checked_and_the_last_epochs_match_in_process(
+    data: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """``next_epoch`` (an attribute FFCV scripts set to resume) and a state's epoch run up to
+    ``MAX_EPOCH``; the last two epochs are the in-process Loader's, bit for bit (the order's
+    seed is ``seed + epoch``). Beyond it, or not an int, ``iter()`` refuses with a spec error
+    and leaves the Loader usable; from 2**63 on a served Loader used to get an "internal
+    error" (the daemon's 64-bit arithmetic overflowed) and past 2**64 a bare ``ValueError``."""
+    case = Case(data, daemon, order="RANDOM", seed=2**64 - 3, drop_last=False)
+    with case.loader("inproc") as ref:
+        ref.next_epoch = MAX_EPOCH - 1
+        want = epochs(ref, 2)
+    with case.loader(backend) as ld:
+        state = ld.state_dict()
+        ld.load_state_dict({**state, "epoch": MAX_EPOCH - 1})
+        got = epochs(ld, 2)
+        assert ld.next_epoch == MAX_EPOCH + 1
+        for bad in (MAX_EPOCH + 1, 2**63, 2**64, -1, "3", 1.0, True, None):
+            ld.next_epoch = bad
+            with pytest.raises(
+                Exception, match=r"next_epoch must be an int in 0\.\.4294967295"
+            ) as info:
+                iter(ld)
+            assert type(info.value).__name__ == "SpecError", info.value
+        with pytest.raises(Exception, match="past the last epoch a Loader starts"):
+            ld.load_state_dict({**state, "epoch": MAX_EPOCH + 1})
+        ld.next_epoch = np.int64(MAX_EPOCH)  # a numpy int is an int
+        got.append(epoch(ld))
+    assert_same_epochs(got, [*want, want[1]], f"{backend} vs in-process")
+    assert ids(got[0]) != ids(got[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loader_and_its_iterator_refuse_pickle_and_copy(
+    data: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """A Loader owns worker threads or a daemon's stream. ``copy.copy`` made a second Loader on
+    the same ones (closing either closed both); ``pickle`` and ``deepcopy`` failed on an
+    internal object ("cannot pickle 'mappingproxy'", "no default __reduce__"). Each now raises
+    a ``TypeError`` that says what to do, and the Loader goes on untouched."""
+    import copy
+    import pickle
+
+    case = Case(data, daemon, order="RANDOM", seed=3, drop_last=False)
+    with case.loader("inproc") as ref:
+        want = epochs(ref, 1)
+    with case.loader(backend) as ld:
+        it = iter(ld)
+        got = [epoch(it, 2)]
+        for obj, what in ((ld, "a Loader"), (it, "an epoch iterator")):
+            for fn in (pickle.dumps, copy.copy, copy.deepcopy):
+                with pytest.raises(
+                    TypeError,
+                    match=f"^{what} cannot be pickled or copied: .* Build a Loader in each process",
+                ):
+                    fn(obj)
+        got[0] += epoch(it)
     assert_same_epochs(got, want, f"{backend} vs in-process")
 
 

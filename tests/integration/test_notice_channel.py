@@ -16,6 +16,7 @@ from beton_client import Loader, OrderOption
 from beton_serve.fields.decoders import IntDecoder, NDArrayDecoder
 from beton_serve.transforms import ToTensor
 from beton_wire import notice
+from beton_wire.limits import MAX_EPOCH
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 from helpers.daemon import SHM, daemon, wait_for  # noqa: F401
@@ -134,6 +135,25 @@ def test_notices_on_a_stream_without_a_channel_is_invalid_argument(daemon) -> No
             list(stub.Batches(iter([start]), timeout=20))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "notice channel" in err.value.details()
+
+
+@pytest.mark.parametrize("epoch", [MAX_EPOCH + 1, 2**63, 2**64 - 1])
+def test_a_start_past_max_epoch_is_invalid_argument(daemon, epoch: int) -> None:
+    """A client that skips the checks sends an absurd epoch: the daemon names it
+    (``INVALID_ARGUMENT``); from 2**63 on it answered "internal error: OverflowError" (arming
+    the lease token). It serves on."""
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.BetonServeStub(ch)
+        reply = _open_raw(stub, "grpc")
+        start = pb.ClientMessage(start=pb.Start(stream_id=reply.stream_id, epoch=epoch))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Batches(iter([start]), timeout=20))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"epoch {epoch} is outside 0..{MAX_EPOCH}" in err.value.details()
+    with Loader("mixed_fields", batch_size=25, pipelines=PIPES, server=daemon.address) as ld:
+        first = [int(x) for b in ld for x in b[0].reshape(-1)]
+        ld.next_epoch = MAX_EPOCH  # the last epoch a Loader starts: SEQUENTIAL, the same values
+        assert [int(x) for b in ld for x in b[0].reshape(-1)] == first and len(first) == 50
 
 
 def test_notices_asked_for_but_never_connected_fail_the_stream(daemon) -> None:

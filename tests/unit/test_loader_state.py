@@ -14,6 +14,7 @@ import pytest
 from beton_serve.errors import SpecError
 from beton_serve.loader import Loader, OrderOption
 from beton_serve.pipeline import PlanCache
+from beton_wire.limits import MAX_EPOCH
 from beton_wire.loader_state import (
     STATE_VERSION,
     StateError,
@@ -23,6 +24,7 @@ from beton_wire.loader_state import (
     make_state,
     samples_per_rank,
 )
+from beton_wire.notice import lease_token
 from helpers.fake_pipeline import AddIndex, AddOne, FakeReader
 
 CACHE = PlanCache()
@@ -163,6 +165,38 @@ def test_malformed_states_are_refused() -> None:
         check_state({**s, "batch": 6}, IDENT)
     with pytest.raises(StateError, match="outside"):
         check_state({**s, "epoch": -1}, IDENT)
+
+
+def test_epochs_past_max_epoch_are_refused() -> None:
+    """Epochs from 2**63 on (the daemon's 64-bit arithmetic overflowed: an "internal error",
+    and a ``ValueError`` from protobuf past 2**64) are refused by name, for every backend
+    alike; the last epoch a Loader starts is ``MAX_EPOCH``, also after a finished epoch."""
+    s = make_state(epoch=0, batch=1, identity=IDENT)
+    assert check_state({**s, "epoch": MAX_EPOCH}, IDENT) == (MAX_EPOCH, 1)
+    for epoch in (MAX_EPOCH + 1, 2**63, 2**64, 10**30):
+        with pytest.raises(StateError, match=f"epoch {epoch} is past the last epoch"):
+            check_state({**s, "epoch": epoch}, IDENT)
+    with pytest.raises(StateError, match="past the last epoch"):  # batch == len: the next one
+        check_state({**s, "epoch": MAX_EPOCH, "batch": IDENT.len}, IDENT)
+
+
+def test_lease_tokens_stay_in_a_release_word_and_off_its_reserved_values() -> None:
+    """A lease token is never 0 (a fresh word) nor 2**64 - 1 (the daemon's "no lease"), and
+    fits the word's 64 bits at any epoch a Loader starts (past 2**64 it raised OverflowError
+    when the daemon armed it)."""
+    assert lease_token(0, 0, 10) == 1
+    assert lease_token(3, 4, 10) == 35
+    for epoch, index, n in [
+        (MAX_EPOCH, 0, 2**40),
+        (MAX_EPOCH + 1, 5, 2**40),
+        (2**63, 7, 9),
+        (0, 2**64 - 3, 2**64),
+        (0, 2**64 - 2, 2**64),
+    ]:
+        token = lease_token(epoch, index, n)
+        assert 1 <= token <= 2**64 - 2
+        np.array([token], dtype=np.uint64)  # what the daemon stores
+    assert lease_token(0, 2**64 - 2, 2**64) == 1  # wraps past 2**64 - 2 leases
 
 
 # -- mismatches ----------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from beton_wire.limits import MAX_EPOCH
+
 from beton_serve.daemon._events import (
     ClientEvent,
     ClientHungUp,
@@ -85,6 +87,8 @@ async def serve_call(
                 return
             if start.stream_id and start.stream_id != stream.stream_id:
                 raise SpecError("a Batches call serves one stream; open another call")
+            if not 0 <= start.epoch <= MAX_EPOCH:  # a client checks it; this one did not
+                raise SpecError(f"epoch {start.epoch} is outside 0..{MAX_EPOCH}")
             if start.notices:  # published from the workers, off this loop (daemon._pump)
                 conn = await stream.attach_notices(notice_closed)
                 await NoticePump(stream, start, loop, NoticePublisher(conn)).run()
