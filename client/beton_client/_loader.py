@@ -594,7 +594,8 @@ class Loader(FrontEnd):
         spawn_args = None
         if opts.spawn and sock is not None and is_file:
             if not os.path.isfile(text):
-                raise SpecError(f"dataset file {text} does not exist")
+                why = "is not a regular file" if os.path.exists(text) else "does not exist"
+                raise SpecError(f"dataset file {text} {why}")
             spawn_args = (sock, text)
         backend = DaemonBackend(
             dataset=self.dataset,

@@ -16,6 +16,7 @@ CRC32C sidecar (``beton-serve checksum FILE`` writes ``FILE.crc32c``).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -218,6 +219,15 @@ def test_stale_damaged_or_missing_sidecars_are_refused_at_open(
     side.unlink()
     with pytest.raises(FormatError, match="beton-serve checksum"):
         Loader(str(pristine), BATCH, pipelines=_pipelines(), verify_checksums=True)
+    # A FIFO (open() waited for a writer: a hang) or /dev/zero (read() never ended) in its place.
+    os.mkfifo(side)
+    with pytest.raises(FormatError, match="sidecar is not a regular file"):
+        Loader(str(pristine), BATCH, pipelines=_pipelines(), verify_checksums=True)
+    side.unlink()
+    side.symlink_to("/dev/zero")
+    with pytest.raises(FormatError, match="sidecar is not a regular file"):
+        Loader(str(pristine), BATCH, pipelines=_pipelines(), verify_checksums=True)
+    side.unlink()
     Loader(str(pristine), BATCH, pipelines=_pipelines()).close()  # without verification: fine
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -114,6 +115,19 @@ def test_dataset_arguments(tmp_path: Path) -> None:
         expand_dataset_args([str(tmp_path / "one.beton")], [f"one={tmp_path}/s-0.beton"])
     with pytest.raises(ConfigError, match="NAME=GLOB"):
         expand_dataset_args([], ["nonsense"])
+
+    # A directory or a FIFO was "does not exist"; a FIFO matched by a glob was taken, and the
+    # daemon's start then hung in open() for good.
+    os.mkfifo(tmp_path / "s-2.beton")
+    (tmp_path / "d.beton").mkdir()
+    with pytest.raises(ConfigError, match=r"s-2\.beton is not a regular file"):
+        expand_dataset_args([], [f"all={tmp_path}/s-*.beton"])
+    with pytest.raises(ConfigError, match=r"s-2\.beton is not a regular file"):
+        expand_dataset_args([str(tmp_path / "s-2.beton")], [])
+    with pytest.raises(ConfigError, match=r"d\.beton is a directory"):
+        expand_dataset_args([str(tmp_path / "d.beton")], [])
+    with pytest.raises(ConfigError, match=r"none\.beton does not exist"):
+        expand_dataset_args([str(tmp_path / "none.beton")], [])
 
 
 def test_metrics_keys_and_flags(tmp_path: Path, fixtures_dir: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -185,6 +186,17 @@ def test_close_is_idempotent_and_views_survive(fixtures_dir: Path) -> None:
 def test_missing_file_is_format_error(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match="cannot open"):
         BetonReader(tmp_path / "nope.beton")
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_a_directory_or_a_device_is_a_format_error_not_a_hang(tmp_path: Path) -> None:
+    """Opening a FIFO waited for a writer: ``BetonReader`` (the in-process Loader, and a daemon
+    given one by a glob) hung for good. Now every non-regular file is refused by name."""
+    fifo = tmp_path / "fifo.beton"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path, Path("/dev/zero")):
+        with pytest.raises(FormatError, match="not a regular file"):
+            BetonReader(path)
 
 
 class Point(Field):

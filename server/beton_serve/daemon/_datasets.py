@@ -18,6 +18,7 @@ import glob
 import hashlib
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -137,8 +138,9 @@ def expand_dataset_args(files: Sequence[str], named: Sequence[str]) -> dict[str,
 
     for f in files:
         p = Path(f)
-        if not p.is_file():
-            raise ConfigError(f"dataset file {f} does not exist")
+        why = _not_a_dataset_file(p)
+        if why is not None:
+            raise ConfigError(f"dataset file {f} {why}")
         add(p.stem, [os.fspath(p)], f)
     for arg in named:
         name, sep, patterns = arg.partition("=")
@@ -151,9 +153,32 @@ def expand_dataset_args(files: Sequence[str], named: Sequence[str]) -> dict[str,
             matched = sorted(glob.glob(pattern))
             if not matched:
                 raise ConfigError(f"--dataset {arg!r}: {pattern!r} matches no file")
+            for m in matched:
+                why = _not_a_dataset_file(Path(m))
+                if why is not None:
+                    raise ConfigError(f"--dataset {arg!r}: {m} {why}")
             paths.extend(matched)
         add(name, paths, patterns)
     return table
+
+
+def _not_a_dataset_file(p: Path) -> str | None:
+    """Why ``p`` cannot be served as a ``.beton`` file (``None``: it is a regular file).
+
+    A directory, a FIFO or a device was reported as "does not exist"; a FIFO given as a glob's
+    match blocked the daemon's start in ``open()``.
+    """
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a .beton file"
+    return "is not a regular file (a FIFO, a socket or a device): a .beton file is mapped"
 
 
 class DatasetTable:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import stat
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -132,13 +133,26 @@ class BetonReader:
         self._mm: mmap.mmap | None = None
         self._guard: Region | None = None
         try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            # O_NONBLOCK: opening a FIFO waits for a writer, which hung the Loader (and a
+            # daemon given one) for good; it is refused below instead.
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise FormatError(
+                        self.path,
+                        None,
+                        "not a regular file (a directory, a FIFO, a socket or a device): a "
+                        ".beton file is mapped",
+                    )
+                size = st.st_size
                 if size < HEADER_SIZE:
                     raise FormatError(
                         self.path, 0, f"file is {size} bytes, shorter than the 24-byte header"
                     )
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise FormatError(self.path, None, f"cannot open or map the file: {exc}") from None
         self.file_size = size
