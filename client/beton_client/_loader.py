@@ -198,13 +198,30 @@ def _client_name() -> str:
     return name[:MAX_NAME_CHARS]
 
 
+def _check_address(address: str) -> None:
+    """Refuse an address gRPC cannot parse the way it was meant (``SpecError``)."""
+    if not address.strip():
+        raise SpecError(
+            f"server={address!r} is empty; leave it None for this host's default socket, or "
+            "give an address (unix:///path/to.sock, host:port)"
+        )
+
+
 def _server_list(server: str | Sequence[str], transport: str) -> tuple[list[str], str]:
-    """``(every address, the first one)``; several addresses need the grpc transport."""
+    """``(every address, the first one)``; several addresses need the grpc transport.
+
+    Raises:
+        SpecError: an empty or blank address (gRPC answered ``ServerError`` "the target uri is
+            not valid" and logged to stderr).
+    """
     if isinstance(server, str):
+        _check_address(server)
         return [server], server
     servers = [str(x) for x in server]
     if not servers:
         raise SpecError("server=[] names no daemon; give at least one address")
+    for s in servers:
+        _check_address(s)
     if len(servers) > 1 and transport not in ("auto", "grpc"):
         raise SpecError(
             f"several daemons are read over grpc only, not transport={transport!r}; "

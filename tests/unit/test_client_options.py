@@ -63,3 +63,11 @@ def test_options_are_frozen_and_kept_on_the_loader() -> None:
     with pytest.raises(AttributeError):
         opts.server = "x"  # type: ignore[misc]
     assert ServeOptions() == ServeOptions(transport="auto", spawn=True)
+
+
+@pytest.mark.parametrize("server", ["", "   ", ["unix:///a.sock", ""]])
+def test_an_empty_address_is_a_spec_error(server: object) -> None:
+    """``server=""`` reached gRPC, which logged "the target uri is not valid" to stderr and
+    raised it as a ``ServerError``, as if a daemon had failed."""
+    with pytest.raises(SpecError, match="is empty; leave it None for this host's default socket"):
+        Loader("images_jpg", batch_size=8, serve=ServeOptions(server=server, spawn=False))  # type: ignore[arg-type]
