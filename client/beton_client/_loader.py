@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from beton_wire.address import ENV_ADDRESS, default_socket_path, socket_path_of, unix_target
+from beton_wire.address import (
+    ENV_ADDRESS,
+    default_socket_path,
+    socket_path_of,
+    socket_path_problem,
+    unix_target,
+)
 from beton_wire.file_identity import FileIdentity
 from beton_wire.limits import (
     MAX_INDICES,
@@ -607,6 +613,10 @@ class Loader(FrontEnd):
         socket_owner = opts.socket_owner
         if socket_owner is not None and (not _is_int(socket_owner) or socket_owner < 0):
             raise SpecError(f"socket_owner must be a uid (an int >= 0), not {socket_owner!r}")
+        for path in filter(None, map(socket_path_of, servers)):
+            problem = socket_path_problem(path)
+            if problem is not None:
+                raise SpecError(problem)
         sock = socket_path_of(first)
         spawn_args = None
         if opts.spawn and sock is not None and is_file:

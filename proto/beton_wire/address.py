@@ -41,6 +41,25 @@ def default_socket_path(environ: Mapping[str, str], uid: int | None = None) -> s
     return f"/tmp/beton-serve-{uid}/beton.sock"
 
 
+#: The longest Unix socket path the kernel takes: ``sun_path`` holds 108 bytes, NUL included.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def socket_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a Unix socket's path (too long), or ``None``.
+
+    gRPC reported it as "Failed to bind" (the daemon) or "the target uri is not valid" (a
+    client), after logging to stderr, without saying that the path was too long.
+    """
+    n = len(os.fsencode(path))  # as given: the kernel takes a relative path as it is
+    if n <= MAX_SOCKET_PATH_BYTES:
+        return None
+    return (
+        f"the socket path {path} is {n} bytes long, and a Unix socket path holds at most "
+        f"{MAX_SOCKET_PATH_BYTES}: choose a shorter one (in a directory of your own)"
+    )
+
+
 def unix_target(path: str) -> str:
     """The gRPC target of a Unix socket path."""
     return "unix://" + os.path.abspath(path)

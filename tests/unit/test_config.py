@@ -143,3 +143,27 @@ def test_metrics_keys_and_flags(tmp_path: Path, fixtures_dir: Path) -> None:
         ["serve", str(fixtures_dir / "images_raw.beton"), "--metrics-host", "::1"]
     )
     assert args.metrics_host == "::1"
+
+
+def test_a_socket_path_too_long_for_the_kernel_is_named_on_both_sides(
+    tmp_path: Path, fixtures_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sun_path`` holds 107 bytes and a NUL. gRPC reported a longer path as "Failed to bind
+    to address" (daemon) or a ``ServerError`` "the target uri is not valid" (client), after
+    logging to stderr, without saying why."""
+    from beton_client import Loader, ServeOptions
+    from beton_client import SpecError as ClientSpecError
+    from beton_serve.cli import main as cli_main
+    from beton_wire.address import MAX_SOCKET_PATH_BYTES, socket_path_problem
+
+    fits = "/" + "s" * (MAX_SOCKET_PATH_BYTES - 1)
+    assert socket_path_problem(fits) is None
+    assert socket_path_problem(fits + "s") is not None
+    d = tmp_path / ("d" * 60)
+    d.mkdir(mode=0o700)
+    long = str(d / ("s" * 60 + ".sock"))
+    want = f"is {len(long)} bytes long, and a Unix socket path holds at most 107"
+    assert cli_main([str(fixtures_dir / "images_raw.beton"), "--socket", long]) == 1
+    assert want in capsys.readouterr().err
+    with pytest.raises(ClientSpecError, match=want):
+        Loader("images_raw", batch_size=2, serve=ServeOptions(server=unix_target(long)))

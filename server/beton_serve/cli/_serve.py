@@ -407,6 +407,12 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     security = _security(cfg)
     datasets = expand_dataset_args(cfg.files, cfg.dataset_args())
     socket_path = resolve_socket(cfg, env)
+    if socket_path is not None:
+        from beton_wire.address import socket_path_problem
+
+        problem = socket_path_problem(socket_path)
+        if problem is not None:
+            raise ConfigError(problem)
     if socket_path is None and not cfg.listen:
         raise ConfigError(
             "no address to serve: --no-socket (unix_socket = false) needs a --listen HOST:PORT"
