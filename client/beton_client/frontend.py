@@ -717,6 +717,13 @@ _NOT_COPYABLE = (
     "in each process from the same arguments (served Loaders with identical arguments share "
     "one decode), and carry an epoch's position with state_dict() / load_state_dict()"
 )
+#: Raised by ``pickle`` and ``copy`` of an epoch iterator.
+_ITERATOR_NOT_COPYABLE = (
+    "an epoch iterator cannot be pickled or copied: it reads from its Loader's worker threads "
+    "or daemon stream, which stay with that Loader in this process. Build a Loader in each "
+    "process from the same arguments, and carry an epoch's position with state_dict() / "
+    "load_state_dict()"
+)
 
 #: Raised by ``iter()`` and ``next()`` while another thread runs one of them on the same Loader.
 _IN_USE = (
@@ -790,7 +797,7 @@ class EpochIterator:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refuse ``pickle`` and ``copy`` (``TypeError``), as the Loader does."""
-        raise TypeError("an epoch iterator c" + _NOT_COPYABLE[len("a Loader c") :])
+        raise TypeError(_ITERATOR_NOT_COPYABLE)
 
     @property
     def index(self) -> int:
