@@ -248,23 +248,21 @@ def read_sidecar(reader: Any, path: str | os.PathLike[str] | None = None) -> NDA
     side = os.fspath(path) if path is not None else sidecar_path(reader.path)
     make = f"run `beton-serve checksum {reader.path}` to create it"
     # A FIFO there (open() waited for a writer) or a link to /dev/zero (read() never ended) is
-    # refused before it is read.
+    # refused before it is opened, and again if it was replaced since.
+    not_regular = f"the checksum sidecar is not a regular file; {make}"
     try:
-        fd = os.open(side, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.stat(side).st_mode):
+            raise FormatError(side, None, not_regular)
+        with open(side, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise FormatError(side, None, not_regular)
+            data = f.read()
     except FileNotFoundError:
         raise FormatError(
             side, None, f"no checksum sidecar for {reader.path} (verification needs one); {make}"
         ) from None
     except OSError as exc:
         raise FormatError(side, None, f"cannot read the checksum sidecar: {exc}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(side, None, f"the checksum sidecar is not a regular file; {make}")
-        try:
-            data = f.read()
-        except OSError as exc:
-            raise FormatError(side, None, f"cannot read the checksum sidecar: {exc}") from None
     if len(data) < _HEADER_SIZE or data[:8] != _MAGIC:
         raise FormatError(side, 0, "not a beton-serve checksum sidecar (bad magic or too short)")
     _magic, version, hsize, n, size, digest, table_crc, head_crc = _HEADER.unpack_from(data)

@@ -90,6 +90,11 @@ class Header(NamedTuple):
     alloc_table_ptr: int
 
 
+_NOT_REGULAR = (
+    "not a regular file (a directory, a FIFO, a socket or a device): a .beton file is mapped"
+)
+
+
 class BetonReader:
     """A validated, memory-mapped ``.beton`` file (FFCV format version 2).
 
@@ -133,26 +138,22 @@ class BetonReader:
         self._mm: mmap.mmap | None = None
         self._guard: Region | None = None
         try:
-            # O_NONBLOCK: opening a FIFO waits for a writer, which hung the Loader (and a
-            # daemon given one) for good; it is refused below instead.
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise FormatError(
-                        self.path,
-                        None,
-                        "not a regular file (a directory, a FIFO, a socket or a device): a "
-                        ".beton file is mapped",
-                    )
+            # Opening a FIFO waits for a writer, which hung the Loader (and a daemon given one)
+            # for good: what is not a regular file is refused before it is opened. (Not with an
+            # O_NONBLOCK descriptor of our own: a Ctrl-C between os.open and its try leaked it,
+            # where a file object closes itself.)
+            if not stat.S_ISREG(os.stat(self.path).st_mode):
+                raise FormatError(self.path, None, _NOT_REGULAR)
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):  # replaced since the stat above
+                    raise FormatError(self.path, None, _NOT_REGULAR)
                 size = st.st_size
                 if size < HEADER_SIZE:
                     raise FormatError(
                         self.path, 0, f"file is {size} bytes, shorter than the 24-byte header"
                     )
-                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            finally:
-                os.close(fd)
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as exc:
             raise FormatError(self.path, None, f"cannot open or map the file: {exc}") from None
         self.file_size = size
