@@ -560,7 +560,12 @@ class FrontEnd:
         prev = self._current() if self._current is not None else None
         if prev is not None:
             if not prev.done:
-                prev.stopped_by = int(epoch)
+                prev.cut_short = (
+                    RuntimeError,
+                    f"when iter() on its Loader started epoch {int(epoch)}: a Loader yields one "
+                    "epoch at a time (finish or leave an epoch before starting the next, or use "
+                    "one Loader per consumer)",
+                )
             prev.close()
         plans = self._split()
         feed = self._feed_accepting(feed, plans)
@@ -689,7 +694,7 @@ class FrontEnd:
             cur = ref() if ref is not None else None
             if cur is not None:
                 if not cur.done:
-                    cur.closed_early = True
+                    cur.cut_short = (self._errors.closed, "when its Loader was closed")
                 cur.close()
             feed, self._feed = self._feed, None
             if feed is not None:
@@ -790,10 +795,9 @@ class EpochIterator:
         #: The epoch's feed: opened by the first ``next()`` (:meth:`_reopen`), so that
         #: ``FrontEnd.__iter__`` does nothing a Ctrl-C could leave half done.
         self._epoch_feed: EpochFeed | None = None
-        #: The epoch whose ``iter()`` stopped this one before its end, else ``None``.
-        self.stopped_by: int | None = None
-        #: Whether ``close()`` on the Loader stopped this epoch before its end.
-        self.closed_early = False
+        #: What stopped this epoch before its end (the next ``iter()``, or ``close()`` on the
+        #: Loader): the error to raise and why; ``None`` while it runs or once it is whole.
+        self.cut_short: tuple[type[Exception], str] | None = None
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refuse ``pickle`` and ``copy`` (``TypeError``), as the Loader does."""
@@ -895,17 +899,11 @@ class EpochIterator:
         if loader._generation != _forks.generation():
             loader._check_process()
         if self.done:
-            if self.stopped_by is not None:
-                raise RuntimeError(
+            if self.cut_short is not None:
+                kind, why = self.cut_short
+                raise kind(
                     f"this iterator of epoch {self.epoch} stopped after {self.batch} of its "
-                    f"{len(self)} batches, when iter() on its Loader started epoch "
-                    f"{self.stopped_by}: a Loader yields one epoch at a time (finish or leave "
-                    "an epoch before starting the next, or use one Loader per consumer)"
-                )
-            if self.closed_early:
-                raise loader._errors.closed(
-                    f"this iterator of epoch {self.epoch} stopped after {self.batch} of its "
-                    f"{len(self)} batches, when its Loader was closed"
+                    f"{len(self)} batches, {why}"
                 )
             # Asking past the end releases the last batch (as asking for a next batch does).
             self.close()
