@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import struct
 import tempfile
 from collections.abc import Callable, Sequence
@@ -63,6 +62,7 @@ from crc32c import crc32c as _crc32c_ext
 from numpy.typing import NDArray
 
 from beton_serve.errors import FormatError
+from beton_serve.format._files import NotRegularFile, open_regular
 
 __all__ = [
     "SIDECAR_SUFFIX",
@@ -247,16 +247,11 @@ def read_sidecar(reader: Any, path: str | os.PathLike[str] | None = None) -> NDA
     """
     side = os.fspath(path) if path is not None else sidecar_path(reader.path)
     make = f"run `beton-serve checksum {reader.path}` to create it"
-    # A FIFO there (open() waited for a writer) or a link to /dev/zero (read() never ended) is
-    # refused before it is opened, and again if it was replaced since.
-    not_regular = f"the checksum sidecar is not a regular file; {make}"
     try:
-        if not stat.S_ISREG(os.stat(side).st_mode):
-            raise FormatError(side, None, not_regular)
-        with open(side, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise FormatError(side, None, not_regular)
+        with open_regular(side) as f:
             data = f.read()
+    except NotRegularFile as exc:
+        raise FormatError(side, None, f"the checksum sidecar is {exc}; {make}") from None
     except FileNotFoundError:
         raise FormatError(
             side, None, f"no checksum sidecar for {reader.path} (verification needs one); {make}"

@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import stat
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -45,6 +44,7 @@ from numpy.typing import NDArray
 
 from beton_serve._field_types import FieldTypes, default_field_types
 from beton_serve.errors import FormatError
+from beton_serve.format._files import NotRegularFile, open_regular
 from beton_serve.format._guard import Region, guard
 from beton_serve.format._layout import (
     ALLOC_ENTRY_DTYPE,
@@ -90,11 +90,6 @@ class Header(NamedTuple):
     alloc_table_ptr: int
 
 
-_NOT_REGULAR = (
-    "not a regular file (a directory, a FIFO, a socket or a device): a .beton file is mapped"
-)
-
-
 class BetonReader:
     """A validated, memory-mapped ``.beton`` file (FFCV format version 2).
 
@@ -138,22 +133,15 @@ class BetonReader:
         self._mm: mmap.mmap | None = None
         self._guard: Region | None = None
         try:
-            # Opening a FIFO waits for a writer, which hung the Loader (and a daemon given one)
-            # for good: what is not a regular file is refused before it is opened. (Not with an
-            # O_NONBLOCK descriptor of our own: a Ctrl-C between os.open and its try leaked it,
-            # where a file object closes itself.)
-            if not stat.S_ISREG(os.stat(self.path).st_mode):
-                raise FormatError(self.path, None, _NOT_REGULAR)
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):  # replaced since the stat above
-                    raise FormatError(self.path, None, _NOT_REGULAR)
-                size = st.st_size
+            with open_regular(self.path) as f:
+                size = os.fstat(f.fileno()).st_size
                 if size < HEADER_SIZE:
                     raise FormatError(
                         self.path, 0, f"file is {size} bytes, shorter than the 24-byte header"
                     )
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except NotRegularFile as exc:
+            raise FormatError(self.path, None, f"{exc}: a .beton file is mapped") from None
         except OSError as exc:
             raise FormatError(self.path, None, f"cannot open or map the file: {exc}") from None
         self.file_size = size
