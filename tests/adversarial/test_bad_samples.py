@@ -127,3 +127,60 @@ def test_served_ids_name_the_samples_the_batch_holds(
     finally:
         for loader in loaders:
             loader.close()
+
+
+class _BigThenSmall:
+    """Samples 0..3 are 800x800 noise (slow to decode), the rest small; labels are ids."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        rng = np.random.default_rng(i)
+        shape = (800, 800, 3) if i < 4 else (24, 32, 3)
+        return rng.integers(0, 255, shape, dtype=np.uint8), i
+
+
+def _zero_samples(path: Path, ids: list[int]) -> None:
+    r = BetonReader(str(path))
+    try:
+        ptrs = [int(r.metadata["f0"]["data_ptr"][i]) for i in ids]
+    finally:
+        r.close()
+    with open(path, "r+b") as f:
+        for ptr in ptrs:
+            f.seek(ptr)
+            f.write(b"\0" * 64)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["inproc", "shm", "grpc"])
+def test_the_budget_runs_out_at_the_same_batch_whichever_batch_finishes_first(
+    daemon_factory, tmp_path: Path, backend: str
+) -> None:
+    """Budget 1, bad sample 1 in batch 0 (four large images, slow) and bad sample 5 in batch 1
+    (small, decoded and skipped long before batch 0). The budget is charged in batch order as
+    batches are delivered: batch 0 arrives, its sample 1 replaced, and batch 1 exhausts the
+    budget, naming sample 5, in every Loader. It was charged in the order batches finished,
+    so batch 1 took the budget and the Loader failed at batch 0, naming sample 1."""
+    path = tmp_path / "bigsmall.beton"
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(_BigThenSmall())
+    _zero_samples(path, [1, 5])
+    kw = {"pipelines": _pipelines(True), "num_workers": 2, "batches_ahead": 3}
+    if backend == "inproc":
+        loader: object = InProcessLoader(str(path), 4, bad_sample_budget=1, **kw)
+    else:
+        d = daemon_factory([path], args=["--bad-sample-budget", "1", "--workers", "2"])
+        loader = ServedLoader(str(path), 4, server=d.address, spawn=False, transport=backend, **kw)
+    got: list[list[int]] = []
+    try:
+        with pytest.raises(Exception, match="budget 1 exhausted") as info:
+            for _image, label in loader:  # type: ignore[attr-defined]
+                got.append(np.asarray(label).reshape(-1).tolist())
+    finally:
+        loader.close()  # type: ignore[attr-defined]
+    assert type(info.value).__name__ == "PipelineError"
+    assert got == [[0, 2, 2, 3]]  # batch 0, its bad sample replaced by the next good one
+    assert "sample 5" in str(info.value)

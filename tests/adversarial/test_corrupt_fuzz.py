@@ -6,11 +6,12 @@ samples at random (a flipped bit, a zeroed or random span, an early end-of-image
 over the header), and reads two epochs with a crop decoder from a daemon (which opens the copy
 on demand) and from the in-process Loader, half the trials under a bad-sample budget of 3 (the
 daemon's ``--bad-sample-budget``, the Loader's ``bad_sample_budget``). Both must return the
-same bits, or fail with the same error type naming a spoilt sample: the same one without a
-budget (the first bad sample in batch order, however the daemon split the batch over its
-workers). Under a budget the batches in flight at once charge it in the order they finish (a
-split batch charges all its bad samples at once, as a whole one does), so the sample named when
-it runs out may be another bad one than in the other Loader's run.
+same bits, and when one fails, the other fails after the same batches (compared bit for bit)
+with the same error type naming the same spoilt sample: without a budget the first bad sample in
+batch order, however the daemon split the batch over its workers; under a budget the first bad
+sample of the batch that exhausts it, however many batches were in flight at once and whichever
+finished first (the budget is charged in batch order, as each batch is delivered: it used to be
+charged as batches finished, so the two Loaders could fail at different batches).
 
 The first run of this fuzz found that a corrupt header left the worker's TurboJPEG handle
 failing every later JPEG (``tests/unit/test_tj3.py`` has the deterministic tests).
@@ -36,7 +37,7 @@ from beton_serve.fields.decoders import (
 )
 from beton_serve.format import BetonReader
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
-from conformance._backends import assert_same_epochs, epochs, make_loader, module_daemon
+from conformance._backends import assert_same_epochs, make_loader, module_daemon, snap
 from helpers.daemon import DaemonProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -118,12 +119,19 @@ def _pipelines(seed: int) -> dict[str, list]:
     return {"image": ops, "label": [IntDecoder()]}
 
 
-def _run(make: Any) -> list | BaseException:
+def _run(make: Any) -> tuple[list[list[Any]], BaseException | None]:
+    """Two epochs of ``make()``'s Loader, snapshotted: every batch delivered, and the error
+    that ended them (``None``: both epochs complete)."""
+    got: list[list[Any]] = []
     try:
         with make() as ld:
-            return epochs(ld, 2)
+            for _ in range(2):
+                got.append([])
+                for b in ld:
+                    got[-1].append(snap(b))
     except Exception as exc:
-        return exc
+        return got, exc
+    return got, None
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -149,19 +157,25 @@ def test_corrupt_jpegs_give_the_same_bits_or_the_same_error(
         d = budgeted if budget else plain
         what = f"seed {seed} trial {trial}: {src.name} {done} budget={budget} {transport} {kw}"
         extra = {"bad_sample_budget": BUDGET} if budget else {}
-        want = _run(lambda: make_loader("inproc", path, _pipelines(pseed), **kw, **extra))  # noqa: B023
-        got = _run(
+        want, want_exc = _run(lambda: make_loader("inproc", path, _pipelines(pseed), **kw, **extra))  # noqa: B023
+        got, got_exc = _run(
             lambda: make_loader(transport, path, _pipelines(pseed), address=d.address, **kw)  # noqa: B023
         )
-        if isinstance(want, BaseException) or isinstance(got, BaseException):
-            assert type(got).__name__ == type(want).__name__, f"{what}: {got!r} != {want!r}"
-            named = [[int(x) for x in _SAMPLE.findall(str(e))[:1]] for e in (got, want)]
+        # The same batches, bit for bit, up to the same point (an error ends both alike).
+        assert_same_epochs(got, want, what)
+        if want_exc is not None or got_exc is not None:
+            assert type(got_exc).__name__ == type(want_exc).__name__, (
+                f"{what}: {got_exc!r} != {want_exc!r}"
+            )
+            named = [[int(x) for x in _SAMPLE.findall(str(e))[:1]] for e in (got_exc, want_exc)]
             spoilt = {i for i, _ in done}
             assert all(set(x) <= spoilt for x in named), f"{what}: a good sample named: {named}"
-            if not budget:  # the first bad sample in batch order, however the batch was split
-                assert named[0] == named[1], f"{what}: {got!r} names another sample than {want!r}"
+            # Without a budget: the batch's first bad sample, however the batch was split; under
+            # one: the first bad sample of the batch that exhausts it, in batch order.
+            assert named[0] == named[1], (
+                f"{what}: {got_exc!r} names another sample than {want_exc!r}"
+            )
         else:
-            assert_same_epochs(got, want, what)
             compared += 1
         path.unlink()
     assert compared >= 2  # not every trial ended in an error

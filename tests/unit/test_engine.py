@@ -302,20 +302,57 @@ def test_bad_sample_budget_skips_by_replacing_with_next_good_sample():
     plan = _plan(r, 4, decoder=FakeImageDecoder(fail_on=6))
     with Engine(2) as eng:
         src = BatchSource(engine=eng, plan=plan, batch_size=4, bad_sample_budget=1)
-        img, lab = src.submit(0, 1).result(60)  # ids 4..7, 6 fails -> replaced by 7
+        fut = src.submit(0, 1)
+        img, lab = fut.result(60)  # ids 4..7, 6 fails -> replaced by 7
         np.testing.assert_array_equal(lab[:, 0], np.array([4, 5, 7, 7]) * 1010)
         np.testing.assert_array_equal(img[2], fake_image(7) + 1)
+        # Found on the worker, charged only when the consumer delivers the batch.
+        assert [(f.sample_id, f.op) for f in fut.bad] == [
+            (6, "FakeImageDecoder#0 (pipeline 'image')")
+        ]
+        assert src.bad_samples == []
+        src.charge(0, fut)
         assert src.bad_samples == [(0, 6, "FakeImageDecoder#0 (pipeline 'image')")]
-        # The same batch decoded again (a discarded look-ahead, redone) does not count twice.
-        again = src.submit(0, 1).result(60)
-        np.testing.assert_array_equal(again[1][:, 0], np.array([4, 5, 7, 7]) * 1010)
+        # The same batch decoded and delivered again (a resume) does not count twice.
+        again = src.submit(0, 1)
+        np.testing.assert_array_equal(again.result(60)[1][:, 0], np.array([4, 5, 7, 7]) * 1010)
+        src.charge(0, again)
         assert len(src.bad_samples) == 1
         # The ids the batch holds name the replacement (issue 11 §8), and the budget is per
         # epoch: the next epoch may skip its own bad sample again.
         fut = src.submit(1, 1)
         np.testing.assert_array_equal(fut.result(60)[1][:, 0], np.array([4, 5, 7, 7]) * 1010)
         np.testing.assert_array_equal(fut.sample_ids, [4, 5, 7, 7])
+        src.charge(1, fut)
         assert [(b.epoch, b.sample_id) for b in src.bad_samples] == [(0, 6), (1, 6)]
+        # The cause is kept without the worker's traceback (its frames hold batch buffers).
+        assert fut.bad[0].cause.__traceback__ is None
+
+
+def test_the_budget_is_charged_in_delivery_order_whichever_batch_finished_first():
+    """Budget 1, a bad sample in batch 0 and in batch 1: batch 1 finishes (and skips its
+    sample) first, yet batch 0 is charged first and delivered, and batch 1 exhausts the
+    budget, naming its own sample. Charged as batches finished, batch 1 took the budget and
+    batch 0 raised: which batch failed depended on the workers' timing."""
+    r = FakeReader(n=16)
+    later_failed = threading.Event()
+    plan = compile_pipelines(
+        r,
+        {"image": [FakeImageDecoder(), _SlowFirstFailing(later_failed)], "label": [AddIndex()]},
+        batch_size=4,
+        cache=PlanCache(),
+    )
+    with Engine(2) as eng:
+        src = BatchSource(engine=eng, plan=plan, batch_size=4, bad_sample_budget=1)
+        first, second = src.submit(0, 0), src.submit(0, 1)  # ids 0..3 (bad 1), 4..7 (bad 6)
+        second.result(60)
+        first.result(60)  # held back until batch 1 met its bad sample
+        assert later_failed.is_set()
+        src.charge(0, first)
+        with pytest.raises(PipelineError, match="budget 1 exhausted") as info:
+            src.charge(0, second)
+    assert info.value.sample_index == 6
+    assert [b.sample_id for b in src.bad_samples] == [1]
 
 
 class _SlowFirstFailing(AddOne):
@@ -372,9 +409,10 @@ def test_a_split_batch_names_its_first_bad_sample_whichever_part_fails_first():
 @pytest.mark.parametrize("budget", [1, 2])
 def test_a_split_batch_spends_the_budget_as_the_whole_batch_does(budget):
     """Bad samples 1 and 6 in the two parts of a split batch, the part with 6 failing first.
-    Budget 1: the batch fails naming sample 1 and records none, as the batch run whole does;
-    it was charged part by part, so the part with 6 spent the budget, was recorded, and the
-    part with 1 failed naming it (or the other way round, whichever part came first). Budget 2:
+    Budget 1: the batch fails (when its consumer charges it) naming sample 1 and records none,
+    as the batch run whole does; it was charged part by part, so the part with 6 spent the
+    budget, was recorded, and the part with 1 failed naming it (or the other way round,
+    whichever part came first). Budget 2:
     both are skipped, each replaced by the next good sample of the batch, recorded in batch
     order."""
     r = FakeReader(n=16)
@@ -394,13 +432,15 @@ def test_a_split_batch_spends_the_budget_as_the_whole_batch_does(budget):
                 engine=eng, plan=plan, batch_size=8, slices=slices, bad_sample_budget=budget
             )
             fut = src.submit(0, 0)
+            img, lab = fut.result(60)
+            assert [f.sample_id for f in fut.bad] == [1, 6], slices  # found once, in order
             if budget == 1:
                 with pytest.raises(PipelineError, match="budget 1 exhausted") as info:
-                    fut.result(60)
+                    src.charge(0, fut)
                 assert info.value.sample_index == 1, slices
                 got.append(None)
             else:
-                img, lab = fut.result(60)
+                src.charge(0, fut)
                 np.testing.assert_array_equal(fut.sample_ids, [0, 2, 2, 3, 4, 5, 7, 7])
                 np.testing.assert_array_equal(img[1], fake_image(2) + 1)
                 np.testing.assert_array_equal(img[6], fake_image(7) + 1)

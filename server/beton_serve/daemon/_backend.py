@@ -130,6 +130,11 @@ class BatchSourceLike(Protocol):
         """The samples skipped under the bad-sample budget so far (``BadSample``), oldest first."""
         ...
 
+    def charge(self, epoch: int, fut: Future[Any]) -> None:
+        """Charge what the delivered batch ``fut`` skipped to the bad-sample budget, in batch
+        order (``BatchSource.charge``); raises ``PipelineError`` when it runs out."""
+        ...
+
     def promote(self, fut: Future[Any]) -> None:
         """Move the decode behind ``fut`` ahead of prefetch work (its client waits)."""
         ...

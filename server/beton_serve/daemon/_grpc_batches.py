@@ -14,6 +14,12 @@ for ``(epoch, batch_index)`` pairs with WANT messages. Each WANT is one credit:
 * the encoder copies the slot out in chunks, then releases it (:meth:`OutgoingBatch.release`),
   which returns the slot to the stream (``Stream.release``) and lets the next waiting WANT start.
 
+Decoded batches are booked in the order of their WANTs, not in the order the workers finish
+them: ``Stream.finish`` charges the stream's bad-sample budget (``BatchSource.charge``), and a
+batch that finished early must not spend it before the batches asked for ahead of it. The call's
+handler sends the batches in WANT order anyway, so holding a finished batch until those ahead of
+it are booked delays nothing that the client would read sooner.
+
 WANTs beyond the ring wait in order for a slot, so daemon memory is bounded by the ring and client
 memory by its credits (plus HTTP/2's window). Any ``(epoch, batch)`` may be asked for, in any
 order: this is what lets several daemons share an epoch (``beton_client._transport.multi``).
@@ -63,6 +69,9 @@ class StreamProducer:
         self.stream = stream
         self.loop = loop
         self._waiting: collections.deque[Want] = collections.deque()
+        #: The submitted WANTs in order, each ``[epoch, batch, slot, out, engine future]``; the
+        #: future is ``None`` until the batch is decoded, and the head's are booked first.
+        self._booking: collections.deque[list[Any]] = collections.deque()
         #: The WANT of each slot being published (set in ``_done``, taken by :meth:`publish`).
         self._outs: dict[int, concurrent.futures.Future[OutgoingBatch]] = {}
         self._inflight = 0
@@ -93,6 +102,7 @@ class StreamProducer:
         self._abort_listeners.clear()
         while self._waiting:
             self._waiting.popleft()[2].cancel()
+        self._booking.clear()  # their slots go back as they finish (``_done`` when closed)
         self.table.remove(self.stream)
         log.info(
             "stream %s closed after %d batches (grpc)",
@@ -149,43 +159,58 @@ class StreamProducer:
                 out.set_exception(exc)
                 continue
             self._inflight += 1
-            src.add_done_callback(self._on_engine_done(slot, epoch, b, out))
+            record: list[Any] = [epoch, b, slot, out, None]
+            self._booking.append(record)
+            src.add_done_callback(self._on_engine_done(record))
 
     def _on_engine_done(
-        self, slot: int, epoch: int, b: int, out: concurrent.futures.Future[OutgoingBatch]
+        self, record: list[Any]
     ) -> Callable[[concurrent.futures.Future[list[np.ndarray]]], None]:
         def done(f: concurrent.futures.Future[list[np.ndarray]]) -> None:  # an engine thread
-            self.loop.call_soon_threadsafe(self._done, f, slot, epoch, b, out)
+            self.loop.call_soon_threadsafe(self._done, f, record)
 
         return done
 
-    def _done(
+    def _done(self, f: concurrent.futures.Future[list[np.ndarray]], record: list[Any]) -> None:
+        """Batch ``record`` is decoded: book every decoded batch at the head, in WANT order."""
+        self._inflight -= 1
+        record[4] = f
+        if self._closed:  # nothing is booked any more: the slot goes back
+            self.stream.abandon(record[2])
+            return
+        freed = False
+        while self._booking and self._booking[0][4] is not None:
+            epoch, b, slot, out, fut = self._booking.popleft()
+            freed = self._book(fut, slot, epoch, b, out) or freed
+        if freed:
+            self._pump()
+
+    def _book(
         self,
         f: concurrent.futures.Future[list[np.ndarray]],
         slot: int,
         epoch: int,
         b: int,
         out: concurrent.futures.Future[OutgoingBatch],
-    ) -> None:
-        self._inflight -= 1
+    ) -> bool:
+        """Publish decoded batch ``b`` of ``slot`` or fail its WANT; whether the slot was
+        given back instead of published."""
         s = self.stream
-        if self._closed:
-            s.abandon(slot)
-            return
         exc = s.abort_exc or (f.exception() if not f.cancelled() else None)
         if exc is None and f.cancelled():
             exc = TransportError("the engine stopped before the batch was made")
         if exc is not None:
             s.abandon(slot)
             out.set_exception(exc)
-            self._pump()
-            return
+            return True
         self._outs[slot] = out
         try:
             s.finish(epoch, b, slot, f, f.result(), self)
-        except Exception as exc:  # the ring was closed meanwhile
+        except Exception as exc:  # the budget ran out (slot given back), or the ring closed
             if self._outs.pop(slot, None) is not None:
                 out.set_exception(exc)
+            return True
+        return False
 
     def _release(self, slot: int) -> None:
         if not self._closed:

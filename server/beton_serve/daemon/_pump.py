@@ -34,8 +34,9 @@ epoch is submitted, ``fill`` goes on submitting batches of the *next* epoch into
 prefetch work, within the same credits). They are not published: when the epoch ends they are
 handed to the stream (:class:`Lookahead`), and the next pump adopts them if the client starts
 that epoch at batch 0, which it almost always does; any other start (a resume, a re-opened
-stream) discards them: cancelled, slots returned, references released. A stream with a
-bad-sample budget does not look ahead (the budget is spent in decode order).
+stream) discards them: cancelled, slots returned, references released. A bad-sample budget
+does not stop the look-ahead: ``Stream.finish`` charges it as each batch is published, in batch
+order, so a batch decoded ahead and discarded spends nothing.
 
 Depth: a pump keeps at most :func:`pump_depth` batches submitted and not yet published (this
 epoch's and the next's together): the engine's workers plus :data:`DEPTH_SLACK`, enough to keep

@@ -418,11 +418,21 @@ class Stream:
         concurrently). Every serving path publishes through here, once per batch.
 
         Raises:
+            PipelineError: the batch's bad samples exhaust the stream's bad-sample budget,
+                charged here, in batch order (``BatchSource.charge``); the slot is given back.
             TransportError: the slot was not being filled (the ring was closed meanwhile), or
                 the publisher's client is gone.
         """
         batch = cfut if isinstance(cfut, BatchFuture) else None
         ref = None if batch is None else batch.shared_ref
+        if batch is not None and batch.bad:
+            try:
+                self.source.charge(epoch, cfut)
+            except BaseException:
+                if ref is not None:
+                    ref.release()
+                self.abandon(slot)
+                raise
         if ref is not None:
             self._refs[slot] = ref
         ids, length = self._account(epoch, b, cfut, arrays)
@@ -600,9 +610,9 @@ class Stream:
         pending.clear()
 
     def may_look_ahead(self) -> bool:
-        """Whether batches of the next epoch may be decoded before the client starts it: not
-        under a bad-sample budget, which is spent in decode order (a bad sample of the next
-        epoch decoded ahead could use up the budget before one of the current epoch)."""
+        """Whether batches of the next epoch may be decoded before the client starts it (the
+        source says; a bad-sample budget is charged as batches are delivered, in
+        :meth:`finish`, so a batch decoded ahead spends nothing until then)."""
         return self.source.caps.look_ahead
 
     def by_reference(self) -> bool:

@@ -67,8 +67,7 @@ class SourceCaps:
     Attributes:
         by_reference: ``submit(..., by_reference=True)`` may deliver a batch in a group buffer
             (``BatchFuture.shared_ref``) instead of copying it into the caller's slot.
-        look_ahead: batches of the next epoch may be decoded before the client starts it (not
-            under a bad-sample budget, which is spent in decode order).
+        look_ahead: batches of the next epoch may be decoded before the client starts it.
     """
 
     by_reference: bool = False
@@ -251,6 +250,9 @@ class BatchFuture(LightFuture):
     Attributes:
         sample_ids: the ids the batch holds, when its source knows them (a skipped sample is
             replaced: ``engine._source``); ``None`` means "the order's ids".
+        bad: the failing samples the batch skipped (``engine._source.FoundBad``), in batch
+            order; not yet charged to any bad-sample budget: the in-order consumer charges
+            them when it delivers the batch (``BatchSource.charge``). Empty for most batches.
         tasks: the pool tasks computing it, for ``promote`` and for cancelling what has not
             started (emptied when it completes, which breaks the task -> future -> task cycle).
         group_tasks: the tasks computing the sharing group's batch this one delivers, for
@@ -266,6 +268,7 @@ class BatchFuture(LightFuture):
     def __init__(self) -> None:
         super().__init__()
         self.sample_ids: NDArray[np.uint64] | None = None
+        self.bad: list[Any] = []
         self.tasks: list[Task] = []
         self.group_tasks: list[Task] = []
         self.decoded_here = True

@@ -14,7 +14,15 @@ Bad samples. When a batch fails, each of its samples is re-run alone to find the
 id and the op. Otherwise failing samples are *skipped*: each is replaced, in place, by the next
 good sample of the same batch (cyclically, searched over the whole batch even when it runs as
 slices, so the result does not depend on the split), so the batch keeps its size and layout; it is
-then re-run and the skipped ids are recorded in :attr:`BatchSource.bad_samples`.
+then re-run, and its future carries what it skipped (``BatchFuture.bad``).
+
+The budget is charged in batch order, not in the order batches finish: the worker that skips a
+sample only records it on the batch's future, and the batch's in-order consumer (the in-process
+Loader's feed, the daemon's ``Stream.finish``) charges it with :meth:`BatchSource.charge` when it
+delivers the batch, which records the ids in :attr:`BatchSource.bad_samples` or raises. So the
+batch that exhausts the budget, and the sample its error names, are the same in every run and in
+every Loader, however many batches were decoded at once and whichever finished first; and a
+batch decoded ahead and never delivered (a discarded look-ahead) charges nothing.
 
 The ids always match the data: the future ``submit`` returns carries ``sample_ids``, the ids the
 batch *holds* (the replacement's id where a sample was skipped, so that id appears twice in the
@@ -52,13 +60,18 @@ from beton_serve.errors import PipelineError, SpecError
 from beton_serve.fields.decode_cache import decode_scope
 from beton_serve.pipeline import OpFailure, Plan
 
-__all__ = ["BatchSource", "BadSample", "delivered_ids"]
+__all__ = ["BatchSource", "BadSample", "FoundBad", "delivered_ids"]
 
 
 def delivered_ids(fut: Future[Any], order_ids: NDArray[np.uint64]) -> NDArray[np.uint64]:
     """The sample ids the completed batch ``fut`` holds (see the module docstring): its
     ``sample_ids`` when the source set them (a skipped sample replaced), else ``order_ids``."""
     return ids_or(fut, order_ids)
+
+
+def _bare(exc: BaseException) -> BaseException:
+    """``exc`` without its traceback (``FoundBad.cause``)."""
+    return exc.with_traceback(None)
 
 
 def _forget_tasks(fut: Future[Any]) -> None:
@@ -76,6 +89,15 @@ class BadSample(NamedTuple):
     epoch: int
     sample_id: int
     op: str
+
+
+class FoundBad(NamedTuple):
+    """A failing sample a batch skipped, not yet charged (``BatchFuture.bad``)."""
+
+    sample_id: int
+    op: str
+    #: What the op raised, without its traceback (the worker's frames hold batch buffers).
+    cause: BaseException
 
 
 class BatchSource:
@@ -287,6 +309,7 @@ class BatchSource:
             self.decode_binding.activate()
         # What the batch will hold: the order's ids, patched by _run where a sample is skipped.
         held = ids.copy()
+        found: list[FoundBad] = []  # what the batch skips (BatchFuture.bad), filled by _run
         if out is None:
             out = [np.empty((n, *o.shape), o.dtype) for o in self.plan.outputs]
         if not self._credit.acquire(timeout=timeout):
@@ -298,17 +321,19 @@ class BatchSource:
         parts = want if (want > 1 and self.plan.sliceable and n >= 2 * want) else 1
         if parts == 1:  # the common case: the task's own future is the batch's future
             task = self.engine.submit(
-                self._run, epoch, ids, 0, n, out, keys, held, priority=priority
+                self._run, epoch, ids, 0, n, out, keys, held, found, priority=priority
             )
             task.future.tasks.append(task)
             task.future.add_done_callback(_forget_tasks)
             task.future.sample_ids = held
+            task.future.bad = found
             task.future.add_done_callback(lambda _f: self._credit.release())
             return task.future
         result = BatchFuture()
         result.set_running_or_notify_cancel()
         result.add_done_callback(lambda _f: self._credit.release())
         result.sample_ids = held
+        result.bad = found
         bounds = np.linspace(0, n, parts + 1).astype(int)
         pending = [parts]
         errors: list[tuple[int, BaseException]] = []
@@ -341,6 +366,7 @@ class BatchSource:
                 [o[lo:hi] for o in out],
                 keys,
                 held,
+                found,
                 priority=priority,
             )
             tasks.append(task)
@@ -351,12 +377,43 @@ class BatchSource:
 
     @property
     def caps(self) -> SourceCaps:
-        """Never by reference; looks ahead unless a bad-sample budget is being spent."""
-        return SourceCaps(by_reference=False, look_ahead=self.bad_sample_budget == 0)
+        """Never by reference; looks ahead (the budget is charged at delivery, so a batch
+        decoded ahead charges nothing until it is delivered)."""
+        return SourceCaps(by_reference=False, look_ahead=True)
 
     def skipped(self) -> list[BadSample]:
-        """The samples skipped under the bad-sample budget so far, oldest first."""
+        """The samples skipped and charged to the bad-sample budget so far, oldest first."""
         return self.bad_samples
+
+    def charge(self, epoch: int, fut: Future[Any]) -> None:
+        """Charge the samples that batch ``fut`` of ``epoch`` skipped to the budget; its
+        in-order consumer calls this as it delivers the batch, after it completed (module
+        docstring). A sample already charged in this epoch counts once.
+
+        Raises:
+            PipelineError: the epoch's distinct bad samples now exceed the budget; it names the
+                batch's first bad sample, and nothing is recorded.
+        """
+        found = fut.bad if isinstance(fut, BatchFuture) else None
+        if not found:
+            return
+        with self._lock:
+            seen = {x.sample_id for x in self.bad_samples if x.epoch == epoch}
+            new: dict[int, str] = {}
+            for f in found:
+                if f.sample_id not in seen:
+                    new.setdefault(f.sample_id, f.op)
+            over = len(seen) + len(new) > self.bad_sample_budget
+            if not over:
+                self.bad_samples.extend(BadSample(epoch, i, op) for i, op in new.items())
+        if over:
+            first = found[0]
+            raise PipelineError(
+                f"{type(first.cause).__name__}: {first.cause} "
+                f"(bad-sample budget {self.bad_sample_budget} exhausted)",
+                sample_index=first.sample_id,
+                op=first.op,
+            ) from first.cause
 
     @staticmethod
     def promote(fut: Future[Any]) -> None:
@@ -374,14 +431,15 @@ class BatchSource:
         outs: list[np.ndarray],
         keys: NDArray[np.uint64],
         held: NDArray[np.uint64] | None = None,
+        found: list[FoundBad] | None = None,
     ) -> list[np.ndarray]:
         binding = self.decode_binding
         try:
             if binding is None:
-                out = self._run_plan(epoch, batch, lo, hi, outs, keys, held)
+                out = self._run_plan(batch, lo, hi, outs, keys, held, found)
             else:
                 with decode_scope(binding, epoch):  # issue 16: its decode groups
-                    out = self._run_plan(epoch, batch, lo, hi, outs, keys, held)
+                    out = self._run_plan(batch, lo, hi, outs, keys, held, found)
         except BaseException:
             # Zeros read from a file truncated under its mapping can make a decode fail: then
             # the file is at fault, not a sample (no bad-sample skip can make that batch good).
@@ -399,13 +457,13 @@ class BatchSource:
 
     def _run_plan(
         self,
-        epoch: int,
         batch: NDArray[np.uint64],
         lo: int,
         hi: int,
         outs: list[np.ndarray],
         keys: NDArray[np.uint64],
         held: NDArray[np.uint64] | None,
+        found: list[FoundBad] | None,
     ) -> list[np.ndarray]:
         plan = self.plan
         ids = batch[lo:hi]
@@ -426,7 +484,7 @@ class BatchSource:
                         "function python = True",
                         op=failure.node.name,
                     ) from failure.cause
-                fixed = self._skip_bad(epoch, ws, batch, lo, hi, keys, failure)
+                fixed = self._skip_bad(ws, batch, lo, hi, keys, failure, found)
                 if held is not None:  # the ids the consumer publishes (module docstring)
                     held[lo:hi] = fixed
                 try:
@@ -441,22 +499,25 @@ class BatchSource:
 
     def _skip_bad(
         self,
-        epoch: int,
         ws: Any,
         batch: NDArray[np.uint64],
         lo: int,
         hi: int,
         keys: NDArray[np.uint64],
         failure: OpFailure,
+        found: list[FoundBad] | None,
     ) -> NDArray[np.uint64]:
-        """Sample ids for ``batch[lo:hi]`` with failing samples replaced (module docstring).
+        """Sample ids for ``batch[lo:hi]`` with failing samples replaced (module docstring), the
+        batch's failing samples appended to ``found`` for its consumer to charge.
 
-        The failing samples are looked for in the whole batch, not only in the slice, and the
-        budget is charged with all of them at once, so neither the replacements, nor what is
-        recorded, nor the sample an exhausted budget names depends on how the batch was split
-        or on which part failed first. (Charged part by part, a budget of 1 with a bad sample
-        in each half recorded one of them and named the other, whichever half came first;
-        the batch run whole names the first and records none.)
+        The failing samples are looked for in the whole batch, not only in the slice, and every
+        slice of a split batch finds the same ones (recorded once), so neither the
+        replacements, nor what is charged, nor the sample an error names depends on how the
+        batch was split or on which part failed first.
+
+        Raises:
+            PipelineError: without a budget, naming the batch's first failing sample; or every
+                sample of the batch fails; or only this slice fails as a whole.
         """
         verdict: dict[int, OpFailure | None] = {}
 
@@ -473,35 +534,28 @@ class BatchSource:
         bad = [(i, f) for i in range(n) if (f := check(i)) is not None]
         if not any(lo <= i < hi for i, _ in bad):  # only the slice fails: not a sample's fault
             raise PipelineError(f"{failure.cause!r}", op=failure.node.name) from failure.cause
-        fixed = batch[lo:hi].copy()
         all_bad = len(bad) == n
-        if not all_bad:
-            for i, _ in bad:
-                if lo <= i < hi:
-                    repl = next(j % n for j in range(i + 1, i + n) if check(j % n) is None)
-                    fixed[i - lo] = batch[repl]
-        first_i, first = bad[0]
-        with self._lock:
-            # A sample already skipped in this epoch (its batch was decoded again, e.g. after a
-            # daemon's look-ahead was discarded) does not count twice.
-            seen = {x.sample_id for x in self.bad_samples if x.epoch == epoch}
-            new = [(i, f) for i, f in bad if int(batch[i]) not in seen]
-            # The budget is per epoch (distinct samples of this epoch).
-            over = len(seen) + len(new) > self.bad_sample_budget
-            if not over and not all_bad:
-                self.bad_samples.extend(
-                    BadSample(epoch, int(batch[i]), f.node.name) for i, f in new
-                )
-        if over or all_bad:
-            if all_bad:
-                why = "every sample of the batch failed"
-            elif self.bad_sample_budget:
-                why = f"bad-sample budget {self.bad_sample_budget} exhausted"
-            else:
-                why = "raise bad_sample_budget to skip failing samples"
+        if all_bad or not self.bad_sample_budget:
+            first_i, first = bad[0]
+            why = (
+                "every sample of the batch failed"
+                if all_bad
+                else "raise bad_sample_budget to skip failing samples"
+            )
             raise PipelineError(
                 f"{type(first.cause).__name__}: {first.cause} ({why})",
                 sample_index=int(batch[first_i]),
                 op=first.node.name,
             ) from first.cause
+        fixed = batch[lo:hi].copy()
+        for i, _ in bad:
+            if lo <= i < hi:
+                repl = next(j % n for j in range(i + 1, i + n) if check(j % n) is None)
+                fixed[i - lo] = batch[repl]
+        if found is not None:
+            with self._lock:
+                if not found:  # the first slice of a split batch to get here records them
+                    found.extend(
+                        FoundBad(int(batch[i]), f.node.name, _bare(f.cause)) for i, f in bad
+                    )
         return fixed

@@ -210,6 +210,9 @@ class SharedSource:
             # The ids the group batch holds (a skipped sample replaced), as the producer's
             # source patched them (engine._source.delivered_ids).
             result.sample_ids = group_future.sample_ids
+            # What the group batch skipped, charged to this stream's own budget as this
+            # stream delivers it (``BatchSource.charge``), whichever member decoded it.
+            result.bad = group_future.bad
 
         # One shot: the group future keeps its callbacks, so deliver lets go of what it needs
         # (the stream's slot views, its future, the group batch) once it ran; otherwise they
@@ -280,6 +283,10 @@ class SharedSource:
     def skipped(self) -> Sequence[Any]:
         """The samples the wrapped source skipped (``BatchSource.skipped``)."""
         return self.source.skipped()  # type: ignore[no-any-return]
+
+    def charge(self, epoch: int, fut: Future[Any]) -> None:
+        """Charge what batch ``fut`` skipped to this stream's budget (``BatchSource.charge``)."""
+        self.source.charge(epoch, fut)
 
     def promote(self, fut: Future[Any]) -> None:
         """Move the decode behind ``fut`` ahead of prefetch work (its consumer is waiting)."""

@@ -58,6 +58,7 @@ from beton_wire.loader_state import samples_per_rank
 
 from beton_serve._batchmem import batch_empty
 from beton_serve.engine import (
+    BatchFuture,
     BatchSource,
     Engine,
     OrderOption,
@@ -471,6 +472,13 @@ class EngineEpochFeed:
             self._running.failed = True
             self.close()
             raise
+        if isinstance(fut, BatchFuture) and fut.bad:  # charged in batch order (BatchSource)
+            try:
+                self._source.charge(self.epoch, fut)
+            except BaseException:
+                self._running.failed = True
+                self.close()
+                raise
         b = self.batch
         self.batch = b + 1
         return RawBatch(arrays, delivered_ids(fut, self._source.batch_ids(self.epoch, b)))
