@@ -13,7 +13,9 @@ the data.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from beton_serve.fields import IntField, RGBImageField
 from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
 from beton_serve.format import BetonReader
 from beton_serve.loader import Loader as InProcessLoader
+from beton_serve.loader import OrderOption
 from beton_serve.transforms import ToTensor
 from beton_serve.writer import DatasetWriter
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
@@ -184,3 +187,67 @@ def test_the_budget_runs_out_at_the_same_batch_whichever_batch_finishes_first(
     assert type(info.value).__name__ == "PipelineError"
     assert got == [[0, 2, 2, 3]]  # batch 0, its bad sample replaced by the next good one
     assert "sample 5" in str(info.value)
+
+
+def _read_until_error(make: Any) -> tuple[list[tuple[np.ndarray, np.ndarray]], str | None]:
+    """Three epochs of ``make()``'s Loader, copied, and the error that ended them (its type
+    and message), if any."""
+    got: list[tuple[np.ndarray, np.ndarray]] = []
+    try:
+        with make() as loader:
+            for _epoch in range(3):
+                for image, label in loader:
+                    got.append((np.asarray(image).copy(), np.asarray(label).copy()))
+    except Exception as exc:
+        return got, f"{type(exc).__name__}: {exc}"
+    return got, None
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("budget", [2, 3])
+def test_sharing_streams_charge_the_batches_they_deliver_like_the_in_process_loader(
+    daemon_factory, tmp_path: Path, budget: int
+) -> None:
+    """Three identical served streams (two shm, one grpc) at once share their decodes: a
+    batch one of them decoded reaches the others through the sharing group, with the samples
+    it skipped, and each stream charges them to its own budget as it delivers the batch. Each
+    gets the in-process Loader's batches bit for bit, and its error at the same batch, naming
+    the same sample. (Without the skipped samples passed through the group, the members that
+    did not decode a batch never charged it and read on past the budget.)"""
+    path = tmp_path / "bigsmall.beton"
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(_BigThenSmall())
+    _zero_samples(path, [1, 5, 9, 10])
+    kw = {
+        "pipelines": _pipelines(True),
+        "num_workers": 2,
+        "order": OrderOption.RANDOM,
+        "seed": 3,
+    }
+    want = _read_until_error(lambda: InProcessLoader(str(path), 4, bad_sample_budget=budget, **kw))
+    assert want[1] is not None and "budget" in want[1]  # the budget runs out in these epochs
+    d = daemon_factory([path], args=["--bad-sample-budget", str(budget), "--workers", "2"])
+    got: dict[int, tuple[list[tuple[np.ndarray, np.ndarray]], str | None]] = {}
+
+    def read(i: int, transport: str) -> None:
+        got[i] = _read_until_error(
+            lambda: ServedLoader(
+                str(path), 4, server=d.address, spawn=False, transport=transport, **kw
+            )
+        )
+
+    threads = [
+        threading.Thread(target=read, args=(i, t)) for i, t in enumerate(["shm", "shm", "grpc"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(got) == [0, 1, 2]
+    for i, (batches, error) in got.items():
+        assert len(batches) == len(want[0]), i
+        for (image, label), (w_image, w_label) in zip(batches, want[0], strict=True):
+            np.testing.assert_array_equal(image, w_image)
+            np.testing.assert_array_equal(label, w_label)
+        assert error == want[1], i
