@@ -110,7 +110,8 @@ class BatchSource:
         batch_size, seed, indices, drop_last, distributed, rank, world_size: as in FFCV's Loader
             (``indices=None`` means every sample of the plan's reader).
         batches_ahead: the credit; :meth:`submit` blocks while this many batches are in flight.
-        bad_sample_budget: how many failing samples may be skipped over the source's life.
+        bad_sample_budget: how many distinct failing samples each epoch may skip, charged in
+            batch order as batches are delivered (:meth:`charge`; module docstring).
         slices: split each batch into this many units of work when the plan allows it.
     """
 
