@@ -336,12 +336,7 @@ def test_the_budget_is_charged_in_delivery_order_whichever_batch_finished_first(
     batch 0 raised: which batch failed depended on the workers' timing."""
     r = FakeReader(n=16)
     later_failed = threading.Event()
-    plan = compile_pipelines(
-        r,
-        {"image": [FakeImageDecoder(), _SlowFirstFailing(later_failed)], "label": [AddIndex()]},
-        batch_size=4,
-        cache=PlanCache(),
-    )
+    plan = _slow_first_failing_plan(r, later_failed, 4)
     with Engine(2) as eng:
         src = BatchSource(engine=eng, plan=plan, batch_size=4, bad_sample_budget=1)
         first, second = src.submit(0, 0), src.submit(0, 1)  # ids 0..3 (bad 1), 4..7 (bad 6)
@@ -385,6 +380,16 @@ class _SlowFirstFailing(AddOne):
         return add
 
 
+def _slow_first_failing_plan(r: FakeReader, later_failed: threading.Event, batch_size: int):
+    """Images through :class:`_SlowFirstFailing`, labels their ids."""
+    return compile_pipelines(
+        r,
+        {"image": [FakeImageDecoder(), _SlowFirstFailing(later_failed)], "label": [AddIndex()]},
+        batch_size=batch_size,
+        cache=PlanCache(),
+    )
+
+
 def test_a_split_batch_names_its_first_bad_sample_whichever_part_fails_first():
     """Bad samples in both parts of a split batch: the error names the first in batch order
     (as the whole batch run on one worker does), although the second part failed first. It
@@ -392,12 +397,7 @@ def test_a_split_batch_names_its_first_bad_sample_whichever_part_fails_first():
     name another sample than the in-process Loader (found by the corrupt-JPEG fuzz)."""
     r = FakeReader(n=16)
     later_failed = threading.Event()
-    plan = compile_pipelines(
-        r,
-        {"image": [FakeImageDecoder(), _SlowFirstFailing(later_failed)], "label": [AddIndex()]},
-        batch_size=8,
-        cache=PlanCache(),
-    )
+    plan = _slow_first_failing_plan(r, later_failed, 8)
     with Engine(2) as eng:
         src = BatchSource(engine=eng, plan=plan, batch_size=8, slices=2)
         with pytest.raises(PipelineError) as info:
@@ -421,12 +421,7 @@ def test_a_split_batch_spends_the_budget_as_the_whole_batch_does(budget):
         later_failed = threading.Event()
         if slices == 1:
             later_failed.set()  # one part: nothing to hold back
-        plan = compile_pipelines(
-            r,
-            {"image": [FakeImageDecoder(), _SlowFirstFailing(later_failed)], "label": [AddIndex()]},
-            batch_size=8,
-            cache=PlanCache(),
-        )
+        plan = _slow_first_failing_plan(r, later_failed, 8)
         with Engine(2) as eng:
             src = BatchSource(
                 engine=eng, plan=plan, batch_size=8, slices=slices, bad_sample_budget=budget

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -57,6 +58,18 @@ SAMPLE_IDS = "__sample_ids__"
 Want = tuple[int, int, concurrent.futures.Future[OutgoingBatch]]
 
 
+@dataclasses.dataclass(slots=True)
+class _Submitted:
+    """A WANT whose batch was submitted into ``slot``; ``decoded`` is its engine future once
+    it completed (``None`` until then)."""
+
+    epoch: int
+    b: int
+    slot: int
+    out: concurrent.futures.Future[OutgoingBatch]
+    decoded: concurrent.futures.Future[list[np.ndarray]] | None = None
+
+
 class StreamProducer:
     """Produces one grpc stream's batches for the batch method (see the module docstring).
 
@@ -69,12 +82,11 @@ class StreamProducer:
         self.stream = stream
         self.loop = loop
         self._waiting: collections.deque[Want] = collections.deque()
-        #: The submitted WANTs in order, each ``[epoch, batch, slot, out, engine future]``; the
-        #: future is ``None`` until the batch is decoded, and the head's are booked first.
-        self._booking: collections.deque[list[Any]] = collections.deque()
+        #: The submitted WANTs in order: booked from the head as their batches are decoded
+        #: (empty: nothing is being decoded for this call).
+        self._booking: collections.deque[_Submitted] = collections.deque()
         #: The WANT of each slot being published (set in ``_done``, taken by :meth:`publish`).
         self._outs: dict[int, concurrent.futures.Future[OutgoingBatch]] = {}
-        self._inflight = 0
         self._closed = False
         self._abort_listeners: list[Callable[[BaseException], None]] = []
         stream.begin(0)  # credits: the whole ring (WANTs beyond it wait in order)
@@ -153,49 +165,42 @@ class StreamProducer:
             try:
                 # A remote client waits for every batch it asked for: all are split over the
                 # workers, the first one ahead of prefetch work.
-                src = s.submit(epoch, b, slot, waiting=self._inflight == 0, split_prefetch=True)
+                waiting = not self._booking  # nothing decoding: the client waits for this one
+                src = s.submit(epoch, b, slot, waiting=waiting, split_prefetch=True)
             except Exception as exc:
                 s.abandon(slot)
                 out.set_exception(exc)
                 continue
-            self._inflight += 1
-            record: list[Any] = [epoch, b, slot, out, None]
-            self._booking.append(record)
-            src.add_done_callback(self._on_engine_done(record))
+            sub = _Submitted(epoch, b, slot, out)
+            self._booking.append(sub)
+            src.add_done_callback(self._on_engine_done(sub))
 
     def _on_engine_done(
-        self, record: list[Any]
+        self, sub: _Submitted
     ) -> Callable[[concurrent.futures.Future[list[np.ndarray]]], None]:
         def done(f: concurrent.futures.Future[list[np.ndarray]]) -> None:  # an engine thread
-            self.loop.call_soon_threadsafe(self._done, f, record)
+            self.loop.call_soon_threadsafe(self._done, f, sub)
 
         return done
 
-    def _done(self, f: concurrent.futures.Future[list[np.ndarray]], record: list[Any]) -> None:
-        """Batch ``record`` is decoded: book every decoded batch at the head, in WANT order."""
-        self._inflight -= 1
-        record[4] = f
+    def _done(self, f: concurrent.futures.Future[list[np.ndarray]], sub: _Submitted) -> None:
+        """``sub``'s batch is decoded: book every decoded batch at the head, in WANT order."""
+        sub.decoded = f
         if self._closed:  # nothing is booked any more: the slot goes back
-            self.stream.abandon(record[2])
+            self.stream.abandon(sub.slot)
             return
         freed = False
-        while self._booking and self._booking[0][4] is not None:
-            epoch, b, slot, out, fut = self._booking.popleft()
-            freed = self._book(fut, slot, epoch, b, out) or freed
+        while self._booking and self._booking[0].decoded is not None:
+            freed = self._book(self._booking.popleft()) or freed
         if freed:
             self._pump()
 
-    def _book(
-        self,
-        f: concurrent.futures.Future[list[np.ndarray]],
-        slot: int,
-        epoch: int,
-        b: int,
-        out: concurrent.futures.Future[OutgoingBatch],
-    ) -> bool:
-        """Publish decoded batch ``b`` of ``slot`` or fail its WANT; whether the slot was
-        given back instead of published."""
+    def _book(self, sub: _Submitted) -> bool:
+        """Publish ``sub``'s decoded batch or fail its WANT; whether the slot was given back
+        instead of published."""
         s = self.stream
+        f, slot, out = sub.decoded, sub.slot, sub.out
+        assert f is not None  # booked only once decoded
         exc = s.abort_exc or (f.exception() if not f.cancelled() else None)
         if exc is None and f.cancelled():
             exc = TransportError("the engine stopped before the batch was made")
@@ -205,7 +210,7 @@ class StreamProducer:
             return True
         self._outs[slot] = out
         try:
-            s.finish(epoch, b, slot, f, f.result(), self)
+            s.finish(sub.epoch, sub.b, slot, f, f.result(), self)
         except Exception as exc:  # the budget ran out (slot given back), or the ring closed
             if self._outs.pop(slot, None) is not None:
                 out.set_exception(exc)

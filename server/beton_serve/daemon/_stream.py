@@ -425,14 +425,13 @@ class Stream:
         """
         batch = cfut if isinstance(cfut, BatchFuture) else None
         ref = None if batch is None else batch.shared_ref
-        if batch is not None and batch.bad:
-            try:
-                self.source.charge(epoch, cfut)
-            except BaseException:
-                if ref is not None:
-                    ref.release()
-                self.abandon(slot)
-                raise
+        try:
+            self.source.charge(epoch, cfut)
+        except BaseException:
+            if ref is not None:
+                ref.release()
+            self.abandon(slot)
+            raise
         if ref is not None:
             self._refs[slot] = ref
         ids, length = self._account(epoch, b, cfut, arrays)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures._base import (
     CANCELLED,
@@ -268,7 +268,7 @@ class BatchFuture(LightFuture):
     def __init__(self) -> None:
         super().__init__()
         self.sample_ids: NDArray[np.uint64] | None = None
-        self.bad: list[Any] = []
+        self.bad: Sequence[Any] = ()
         self.tasks: list[Task] = []
         self.group_tasks: list[Task] = []
         self.decoded_here = True

@@ -58,7 +58,6 @@ from beton_wire.loader_state import samples_per_rank
 
 from beton_serve._batchmem import batch_empty
 from beton_serve.engine import (
-    BatchFuture,
     BatchSource,
     Engine,
     OrderOption,
@@ -458,6 +457,7 @@ class EngineEpochFeed:
         self._submit_one()
         try:
             arrays = fut.result(timeout=self._timeout)
+            self._source.charge(self.epoch, fut)  # its bad samples, in batch order
         except FutureTimeout:
             self._running.failed = True
             self.close()
@@ -472,13 +472,6 @@ class EngineEpochFeed:
             self._running.failed = True
             self.close()
             raise
-        if isinstance(fut, BatchFuture) and fut.bad:  # charged in batch order (BatchSource)
-            try:
-                self._source.charge(self.epoch, fut)
-            except BaseException:
-                self._running.failed = True
-                self.close()
-                raise
         b = self.batch
         self.batch = b + 1
         return RawBatch(arrays, delivered_ids(fut, self._source.batch_ids(self.epoch, b)))
