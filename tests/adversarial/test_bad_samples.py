@@ -13,7 +13,9 @@ the data.
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +253,67 @@ def test_sharing_streams_charge_the_batches_they_deliver_like_the_in_process_loa
             np.testing.assert_array_equal(image, w_image)
             np.testing.assert_array_equal(label, w_label)
         assert error == want[1], i
+
+
+@pytest.mark.timeout(180)
+def test_streams_opened_either_side_of_a_budget_reload_keep_their_own_budgets(
+    daemon_factory, tmp_path: Path, short_tmp: Path
+) -> None:
+    """Two identical streams, one opened before and one after SIGHUP raised the daemon's
+    bad-sample budget from 0 to 3, read at once; the one bad sample is in the last batch.
+    Each behaves like the in-process Loader with its own budget, bit for bit, and the
+    budget-0 one fails at the same batch with the same message. (They used to share decodes:
+    when the budget-0 stream decoded that batch it failed in the worker for both, and when the
+    budget-3 stream did, the other got it with the sample replaced and failed with another
+    message.)"""
+    path = tmp_path / "bigsmall.beton"
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(_BigThenSmall())
+    _zero_samples(path, [13])  # batch 3 of 4
+    kw = {"pipelines": _pipelines(True), "num_workers": 2, "seed": 3}  # SEQUENTIAL
+    want = {
+        budget: _read_until_error(
+            lambda b=budget: InProcessLoader(str(path), 4, bad_sample_budget=b, **kw)
+        )
+        for budget in (0, 3)
+    }
+    assert want[0][1] is not None and len(want[0][0]) == 3 and want[3][1] is None
+    cfg = short_tmp / "reload.toml"
+    cfg.write_text(f'files = ["{path}"]\nbad_sample_budget = 0\nworkers = 2\n')
+    d = daemon_factory([], args=["--config", str(cfg)])
+
+    def served(transport: str) -> ServedLoader:
+        return ServedLoader(str(path), 4, server=d.address, spawn=False, transport=transport, **kw)
+
+    before = served("shm")  # its stream is opened (and its budget read) here
+    after: ServedLoader | None = None
+    try:
+        cfg.write_text(f'files = ["{path}"]\nbad_sample_budget = 3\nworkers = 2\n')
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while "config reloaded" not in d.log():
+            assert time.monotonic() < deadline and d.proc.poll() is None, d.log()
+            time.sleep(0.05)
+        after = served("grpc")  # both open before either reads: they would share every batch
+        makers = {0: lambda: before, 3: lambda: after}
+        got: dict[int, tuple[list[tuple[np.ndarray, np.ndarray]], str | None]] = {}
+        threads = [
+            threading.Thread(target=lambda b=b: got.__setitem__(b, _read_until_error(makers[b])))
+            for b in (0, 3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        before.close()
+        if after is not None:
+            after.close()
+    assert sorted(got) == [0, 3]
+    for budget, (batches, error) in got.items():
+        assert error == want[budget][1], budget
+        assert len(batches) == len(want[budget][0]), budget
+        for (image, label), (w_image, w_label) in zip(batches, want[budget][0], strict=True):
+            np.testing.assert_array_equal(image, w_image)
+            np.testing.assert_array_equal(label, w_label)

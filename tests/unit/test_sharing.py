@@ -407,6 +407,8 @@ def test_share_key() -> None:
     assert k1 != ShareKey.build(pipeline={"b": [2], "a": {"x": 1, "y": 2}}, **base)
     assert k1 != ShareKey.build(pipeline=k1.pipeline, **{**base, "seed": 4})
     assert k1 != ShareKey.build(pipeline=k1.pipeline, **{**base, "drop_last": False})
+    # A budget-0 producer fails a batch in the worker for the whole group.
+    assert k1 != ShareKey.build(pipeline=k1.pipeline, bad_sample_budget=3, **base)
     d0 = ShareKey.build(pipeline=k1.pipeline, distributed=True, rank=0, world_size=2, **base)
     d1 = ShareKey.build(pipeline=k1.pipeline, distributed=True, rank=1, world_size=2, **base)
     assert d0 != d1 and d0 != k1

@@ -1,7 +1,8 @@
 """SIGHUP: re-read the daemon's config file and apply the keys that are safe to change live.
 
 Reloadable (:data:`RELOADABLE`): ``log_level``, ``log_format``, ``bad_sample_budget`` and
-``max_ring_bytes`` (streams opened afterwards), ``max_idle_buffer_bytes`` (at once: a
+``max_ring_bytes`` (streams opened afterwards; streams share decodes only with streams of the
+same ``bad_sample_budget``, ``engine.sharing.ShareKey``), ``max_idle_buffer_bytes`` (at once: a
 lower bound frees the kept buffers past it), ``share_max_lag`` and ``share_retain`` (sharing
 groups formed afterwards), ``unattached_timeout`` (the liveness monitor's next tick).
 Every other key (datasets, files, sockets, addresses, workers, plugins, TLS, token, sharing on or

@@ -498,7 +498,15 @@ class Daemon:
             if shm is None
             else self.arenas.maker(shm.namer, layout, slots + ARENA_EXTRA, self._admit_arena)
         )
-        return shared(source, self.sharing, self.plans.spec_key(req, ds), req, ds.key, arena)
+        return shared(
+            source,
+            self.sharing,
+            self.plans.spec_key(req, ds),
+            req,
+            ds.key,
+            arena,
+            bad_sample_budget=params.bad_sample_budget,
+        )
 
     def _offer_notices(self, stream: Stream, setup: TransportSetup) -> TransportSetup:
         """Register an shm stream with the notice channel; ``setup`` then names it."""

@@ -111,9 +111,12 @@ def shared(
     req: StreamRequest,
     dataset: str,
     make_arena: Callable[[], ShmArena] | None = None,
+    *,
+    bad_sample_budget: int = 0,
 ) -> BatchSourceLike:
     """Wrap a stream's source so that identical streams decode each batch once (issue 6);
-    ``make_arena`` (shm streams) makes the sharing zero-copy."""
+    ``make_arena`` (shm streams) makes the sharing zero-copy. Streams share only with streams
+    of the same ``bad_sample_budget`` (``ShareKey``)."""
     from beton_serve.engine.shared_source import SharedSource
     from beton_serve.engine.sharing import ShareKey
 
@@ -128,5 +131,6 @@ def shared(
         rank=req.rank,
         world_size=req.world_size,
         indices=req.indices,
+        bad_sample_budget=bad_sample_budget,
     )
     return SharedSource(source, registry, key, make_arena=make_arena)

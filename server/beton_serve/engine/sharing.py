@@ -103,6 +103,10 @@ class ShareKey:
         rank: the rank (0 when not distributed).
         world_size: the world size (1 when not distributed).
         indices: a SHA-256 hex digest of the index subset as int64, or ``""`` for all samples.
+        bad_sample_budget: the streams' bad-sample budget. A group's batches are decoded under
+            the budget of the member that produces each one, and budget 0 fails a batch with a
+            bad sample in the worker, for every member: streams with different budgets (a
+            daemon's budget reloaded between their opens) must not share.
     """
 
     dataset: str
@@ -115,6 +119,7 @@ class ShareKey:
     rank: int
     world_size: int
     indices: str = ""
+    bad_sample_budget: int = 0
 
     @classmethod
     def build(
@@ -130,6 +135,7 @@ class ShareKey:
         rank: int = 0,
         world_size: int = 1,
         indices: Iterable[int] | np.ndarray | None = None,
+        bad_sample_budget: int = 0,
     ) -> ShareKey:
         """Build a key; equal keys mean bit-identical batch streams.
 
@@ -165,6 +171,7 @@ class ShareKey:
             rank=int(rank),
             world_size=int(world_size),
             indices=digest,
+            bad_sample_budget=int(bad_sample_budget),
         )
 
 
