@@ -204,12 +204,23 @@ def _client_name() -> str:
     return name[:MAX_NAME_CHARS]
 
 
+#: Address forms in which a comma is not a list of daemons: gRPC's own address lists
+#: (``ipv4:a:1,b:2``, one channel balancing over them) and socket paths.
+_COMMA_OK = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "/")
+
+
 def _check_address(address: str) -> None:
     """Refuse an address gRPC cannot parse the way it was meant (``SpecError``)."""
     if not address.strip():
         raise SpecError(
             f"server={address!r} is empty; leave it None for this host's default socket, or "
             "give an address (unix:///path/to.sock, host:port)"
+        )
+    if "," in address and not address.startswith(_COMMA_OK):
+        parts = [p.strip() for p in address.split(",")]
+        raise SpecError(
+            f"server={address!r} is one address with commas in it (gRPC would look it up as a "
+            f"host name); give several daemons as a list: server={parts!r}"
         )
 
 

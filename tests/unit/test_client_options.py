@@ -71,3 +71,19 @@ def test_an_empty_address_is_a_spec_error(server: object) -> None:
     raised it as a ``ServerError``, as if a daemon had failed."""
     with pytest.raises(SpecError, match="is empty; leave it None for this host's default socket"):
         Loader("images_jpg", batch_size=8, serve=ServeOptions(server=server, spawn=False))  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("server", ["127.0.0.1:1,127.0.0.1:2", ["h:1", "a:1, b:2"]])
+def test_a_comma_list_in_one_address_says_to_pass_a_list(server: object) -> None:
+    """``server="a:1,b:2"`` reached gRPC's resolver, which failed after the reconnection
+    retries as ``ServerUnavailable`` ("Misformatted domain name"), as if no daemon answered."""
+    with pytest.raises(SpecError, match=r"give several daemons as a list: server=\['"):
+        Loader("images_jpg", batch_size=8, serve=ServeOptions(server=server, spawn=False))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("server", ["ipv4:127.0.0.1:1,127.0.0.1:2", "unix:///tmp/a,b.sock"])
+def test_gRPC_address_lists_and_socket_paths_may_hold_commas(server: str) -> None:
+    from beton_client._loader import _server_list
+
+    assert _server_list(server, "auto") == ([server], server)
