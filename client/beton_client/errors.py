@@ -10,7 +10,7 @@ class                  when                                        daemon status
 ``SpecError``          the request is wrong: change it             ``INVALID_ARGUMENT``
 ``TransportError``     the transport cannot work here              ``FAILED_PRECONDITION``
 ``ServerUnavailable``  no daemon answers, or it is shutting down   ``UNAVAILABLE``, deadlines
-``DataError``          the dataset file is damaged                 ``DATA_LOSS``
+``FormatError``        the dataset file is damaged (a DataError)   ``DATA_LOSS``
 ``PipelineError``      a batch failed in the daemon                ``INTERNAL``
 ``ResourceExhausted``  the daemon's stream memory budget is full   ``RESOURCE_EXHAUSTED``
 ``AuthError``          missing or wrong token                      ``UNAUTHENTICATED`` ...
@@ -29,6 +29,7 @@ __all__ = [
     "AuthError",
     "BetonClientError",
     "DataError",
+    "FormatError",
     "PipelineError",
     "ResourceExhausted",
     "ServerError",
@@ -70,6 +71,12 @@ class DataError(BetonClientError):
     """The daemon found the dataset file damaged."""
 
 
+class FormatError(DataError):
+    """The dataset file is malformed, truncated or inconsistent: the daemon's ``FormatError``,
+    under the same name as the one the in-process Loader raises
+    (``beton_serve.errors.FormatError``). A :class:`DataError`."""
+
+
 class PipelineError(BetonClientError):
     """A batch failed in the daemon (the message names the sample and the op)."""
 
@@ -105,7 +112,7 @@ _BY_CODE: dict[str, type[BetonClientError]] = {
     "UNAVAILABLE": ServerUnavailable,
     "DEADLINE_EXCEEDED": ServerUnavailable,
     "CANCELLED": ServerUnavailable,
-    "DATA_LOSS": DataError,
+    "DATA_LOSS": FormatError,
     "INTERNAL": PipelineError,
     "RESOURCE_EXHAUSTED": ResourceExhausted,
     "UNAUTHENTICATED": AuthError,

@@ -285,3 +285,33 @@ def test_an_epoch_that_fails_to_start_leaves_no_worker_running(data: Path) -> No
     exc, leaked = _in_process_cuda_attempt(data)
     assert exc is not None
     assert not leaked, f"worker threads left running: {leaked}"
+
+
+def _damage(src: Path, dst: Path, how: str) -> Path:
+    raw = bytearray(src.read_bytes())
+    if how == "truncated":
+        del raw[len(raw) // 2 :]
+    else:  # "bad_magic": not a .beton file at all
+        raw[:16] = b"\0" * 16
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+@pytest.mark.parametrize("how", ["truncated", "bad_magic"])
+@pytest.mark.parametrize("backend", SERVED)
+def test_a_damaged_file_is_refused_alike(
+    data: Path, daemon: DaemonProcess, tmp_path: Path, backend: str, how: str
+) -> None:
+    """The daemon opens the damaged copy on demand and refuses it with the in-process Loader's
+    error: ``FormatError`` by name (the client's used to be ``DataError``; a corrupt-JPEG fuzz
+    trial whose spoilt bytes reached the allocation table found it)."""
+    bad = _damage(data, tmp_path / f"{how}.beton", how)
+
+    def go(b: str) -> None:
+        with make_loader(b, bad, pipes(), address=daemon.address, batch_size=4) as ld:
+            next(iter(ld))
+
+    want, got = attempt(lambda: go("inproc")), attempt(lambda: go(backend))
+    assert_same_error(got, want, r"beton|offset|magic|truncat|short", f"{backend}, {how}")
+    assert type(want).__name__ == "FormatError"
+    assert daemon.proc.poll() is None

@@ -24,7 +24,7 @@ from beton_serve.rpc import status_for
         (ConfigError("bad"), grpc.StatusCode.INVALID_ARGUMENT, ce.SpecError),
         (TransportError("no shm"), grpc.StatusCode.FAILED_PRECONDITION, ce.TransportError),
         (ShuttingDown("bye"), grpc.StatusCode.UNAVAILABLE, ce.ServerUnavailable),
-        (FormatError("/f.beton", 12, "bad pointer"), grpc.StatusCode.DATA_LOSS, ce.DataError),
+        (FormatError("/f.beton", 12, "bad pointer"), grpc.StatusCode.DATA_LOSS, ce.FormatError),
         (PipelineError("boom", sample_index=3, op="X"), grpc.StatusCode.INTERNAL, ce.PipelineError),
         (BetonError("other"), grpc.StatusCode.UNKNOWN, ce.ServerError),
     ],
@@ -47,6 +47,8 @@ def test_round_trip(exc: BaseException, code: grpc.StatusCode, client_cls: type)
 
     err = ce.from_rpc_error(FakeRpcError())
     assert type(err) is client_cls
+    if client_cls is ce.FormatError:  # still a DataError, which client code catches
+        assert isinstance(err, ce.DataError)
     assert str(err) == message and err.code == code.name and err.server_error == name
 
 

@@ -5,8 +5,8 @@ past the new end raises **SIGBUS**, which kills the whole daemon (every dataset,
 :class:`FileWatch` keeps a descriptor of each served file (the inode that is mapped, even if the
 path is later replaced) and, before each batch is submitted, compares its ``fstat`` size with the
 size at open time. A file that shrank makes :meth:`FileWatch.check` raise
-:class:`~beton_serve.errors.FormatError` (``DATA_LOSS`` on the wire, ``DataError`` in the
-client): the affected dataset's streams end with a clear error, and the dataset stays refused
+:class:`~beton_serve.errors.FormatError` (``DATA_LOSS`` on the wire, ``FormatError``, a
+``DataError``, in the client): the affected dataset's streams end with a clear error, and the dataset stays refused
 until the daemon is restarted; other datasets carry on.
 
 What is *not* covered (residual risk, DESIGN.md §8):
