@@ -60,16 +60,17 @@ def daemons(fixtures_dir: Path) -> Iterator[tuple[DaemonProcess, DaemonProcess]]
 
 def _spans(path: Path) -> dict[int, tuple[int, int, int]]:
     """Sample -> (first byte, end, mode) of its image in ``path`` (the next image's start, or the
-    end of the file, bounds each)."""
+    allocation table's, bounds each: spoiling the table past the last image made the file, not
+    a sample, fail, naming a good sample)."""
     r = BetonReader(str(path))
     try:
         md = r.metadata["f0"]
         ptrs = md["data_ptr"].astype(np.int64)
         modes = md["mode"]
+        size = int(r.header.alloc_table_ptr)
     finally:
         r.close()
     order = np.argsort(ptrs)
-    size = path.stat().st_size
     out = {}
     for k, i in enumerate(order):
         end = int(ptrs[order[k + 1]]) if k + 1 < len(order) else size
