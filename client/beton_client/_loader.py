@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import stat
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -66,6 +67,8 @@ from beton_client._transport.cuda_ipc import TransportUnavailable
 from beton_client._transport.cuda_ipc_slots import make_cuda_ipc_receiver
 from beton_client._transport.grpc_receiver import make_grpc_receiver
 from beton_client.errors import (
+    BetonClientError,
+    FormatError,
     ServerError,
     SpecError,
     TransportError,
@@ -224,6 +227,21 @@ def _check_address(address: str) -> None:
         )
 
 
+def _local_file_problem(path: str) -> str | None:
+    """Why ``path`` is no regular file on this host, in the in-process Loader's words (its
+    ``FormatError``), or ``None`` when it is one."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{path}: cannot open or map the file: {exc}"
+    if not stat.S_ISREG(st.st_mode):
+        return (
+            f"{path}: not a regular file (a directory, a FIFO, a socket or a device): a .beton "
+            "file is mapped"
+        )
+    return None
+
+
 def _server_list(server: str | Sequence[str], transport: str) -> tuple[list[str], str]:
     """``(every address, the first one)``; several addresses need the grpc transport.
 
@@ -282,6 +300,7 @@ class DaemonBackend:
         spawn_args: tuple[str, str] | None,
         custom_fields: Sequence[str],
         owner: object,
+        missing_file: str | None = None,
     ) -> None:
         self.dataset = dataset
         self._file = file
@@ -296,6 +315,9 @@ class DaemonBackend:
         #: ``(socket, file)`` when this Loader may (re)spawn its daemon (also on reconnect).
         self._spawn_args = spawn_args
         self._custom_fields = list(custom_fields)
+        #: Why the path the Loader was given is no file here (:func:`_local_file_problem`), or
+        #: ``None``; the daemon is still asked (it may have the file, or a dataset by its stem).
+        self._missing_file = missing_file
         #: The Loader (weakly: it owns this backend, and must be freed by reference counting).
         self._owner = weakref.ref(owner)
         self.transport_rejections: list[tuple[str, str, str]] = []
@@ -382,7 +404,8 @@ class DaemonBackend:
         try:
             reply = self._stub.OpenStream(req, timeout=300.0)
         except grpc.RpcError as err:
-            raise explain_refusal(from_rpc_error(err, target=self.server), self.server) from None
+            refusal = explain_refusal(from_rpc_error(err, target=self.server), self.server)
+            raise self._no_such_file(refusal) from None
         self.transport_rejections = [(r.transport, r.code, r.reason) for r in reply.rejected]
         self.chosen_transport = reply.transport.kind
         key = pipelines_key(plans)
@@ -403,6 +426,22 @@ class DaemonBackend:
         except TransportUnavailable as exc:
             return self._fall_back_to_shm(exc, args, plans)
         return _Stream(self._channel, self._stub, reply, receiver, key, self.server)
+
+    def _no_such_file(self, exc: BetonClientError) -> BetonClientError:
+        """The daemon's "unknown dataset" for a path that is no file here: the in-process
+        Loader's ``FormatError`` (the missing file), naming what the daemon serves too."""
+        if (
+            self._missing_file is None
+            or not isinstance(exc, SpecError)
+            or not str(exc).startswith("unknown dataset")
+        ):
+            return exc
+        return FormatError(
+            f"{self._missing_file}; nor does the daemon at {self.server} serve a dataset of "
+            f"that name ({exc})",
+            code=exc.code,
+            server_error=exc.server_error,
+        )
 
     def close(self) -> None:
         if self._finalizer is not None:
@@ -602,7 +641,8 @@ class Loader(FrontEnd):
         #: The file named, resolved by the daemon by identity, never by stem (issue 11); ``None``
         #: for a dataset name, or a path that does not exist here (a remote daemon's file).
         file: FileIdentity | None = None
-        if is_file and os.path.isfile(text):
+        missing = _local_file_problem(text) if is_file else None
+        if is_file and missing is None:
             try:
                 file = FileIdentity.of(text)
             except OSError as exc:
@@ -631,9 +671,8 @@ class Loader(FrontEnd):
         sock = socket_path_of(first)
         spawn_args = None
         if opts.spawn and sock is not None and is_file:
-            if not os.path.isfile(text):
-                why = "is not a regular file" if os.path.exists(text) else "does not exist"
-                raise SpecError(f"dataset file {text} {why}")
+            if missing is not None:  # the in-process Loader's error
+                raise FormatError(missing)
             spawn_args = (sock, text)
         backend = DaemonBackend(
             dataset=self.dataset,
@@ -648,6 +687,7 @@ class Loader(FrontEnd):
             spawn_args=spawn_args,
             custom_fields=_custom_field_specs(args.custom_fields),
             owner=self,
+            missing_file=missing,
         )
         # no decorator on __init__: the DeprecationWarning above must name the caller's line
         with gc_paused():  # beton_client._gcpause

@@ -288,6 +288,11 @@ def test_an_epoch_that_fails_to_start_leaves_no_worker_running(data: Path) -> No
 
 
 def _damage(src: Path, dst: Path, how: str) -> Path:
+    if how == "missing":
+        return dst
+    if how == "directory":
+        dst.mkdir()
+        return dst
     raw = bytearray(src.read_bytes())
     if how == "truncated":
         del raw[len(raw) // 2 :]
@@ -297,14 +302,15 @@ def _damage(src: Path, dst: Path, how: str) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("how", ["truncated", "bad_magic"])
+@pytest.mark.parametrize("how", ["truncated", "bad_magic", "missing", "directory"])
 @pytest.mark.parametrize("backend", SERVED)
 def test_a_damaged_file_is_refused_alike(
     data: Path, daemon: DaemonProcess, tmp_path: Path, backend: str, how: str
 ) -> None:
     """The daemon opens the damaged copy on demand and refuses it with the in-process Loader's
     error: ``FormatError`` by name (the client's used to be ``DataError``; a corrupt-JPEG fuzz
-    trial whose spoilt bytes reached the allocation table found it)."""
+    trial whose spoilt bytes reached the allocation table found it). A path that is no file
+    was "unknown dataset 'x'" (``SpecError``): the daemon looked the stem up as a name."""
     bad = _damage(data, tmp_path / f"{how}.beton", how)
 
     def go(b: str) -> None:
@@ -312,6 +318,28 @@ def test_a_damaged_file_is_refused_alike(
             next(iter(ld))
 
     want, got = attempt(lambda: go("inproc")), attempt(lambda: go(backend))
-    assert_same_error(got, want, r"beton|offset|magic|truncat|short", f"{backend}, {how}")
+    pattern = r"No such file|not a regular file" if how in ("missing", "directory") else "offset"
+    assert_same_error(got, want, pattern, f"{backend}, {how}")
     assert type(want).__name__ == "FormatError"
     assert daemon.proc.poll() is None
+
+
+@pytest.mark.parametrize("how", ["missing", "directory"])
+def test_a_path_that_is_no_file_is_refused_before_spawning_a_daemon(
+    tmp_path: Path, how: str
+) -> None:
+    """With ``spawn=True`` (the default) the client refuses such a path itself, before any
+    daemon is started, with the in-process Loader's error (it was a ``SpecError``)."""
+    from beton_client import Loader as ClientLoader
+    from beton_client import ServeOptions
+
+    bad = _damage(tmp_path, tmp_path / f"{how}.beton", how)
+    sock = tmp_path / "nobody.sock"
+    want = attempt(lambda: make_loader("inproc", bad, pipes(), batch_size=4))
+    got = attempt(
+        lambda: ClientLoader(
+            str(bad), 4, pipelines=pipes(), serve=ServeOptions(server=f"unix://{sock}")
+        )
+    )
+    assert_same_error(got, want, r"No such file|not a regular file", how)
+    assert not sock.exists()
