@@ -27,7 +27,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import stat
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -42,7 +41,7 @@ from beton_wire.address import (
     socket_path_problem,
     unix_target,
 )
-from beton_wire.file_identity import FileIdentity
+from beton_wire.file_identity import FileIdentity, mapping_problem
 from beton_wire.limits import (
     MAX_INDICES,
     MAX_NAME_CHARS,
@@ -227,21 +226,6 @@ def _check_address(address: str) -> None:
         )
 
 
-def _local_file_problem(path: str) -> str | None:
-    """Why ``path`` is no regular file on this host, in the in-process Loader's words (its
-    ``FormatError``), or ``None`` when it is one."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return f"{path}: cannot open or map the file: {exc}"
-    if not stat.S_ISREG(st.st_mode):
-        return (
-            f"{path}: not a regular file (a directory, a FIFO, a socket or a device): a .beton "
-            "file is mapped"
-        )
-    return None
-
-
 def _server_list(server: str | Sequence[str], transport: str) -> tuple[list[str], str]:
     """``(every address, the first one)``; several addresses need the grpc transport.
 
@@ -315,8 +299,8 @@ class DaemonBackend:
         #: ``(socket, file)`` when this Loader may (re)spawn its daemon (also on reconnect).
         self._spawn_args = spawn_args
         self._custom_fields = list(custom_fields)
-        #: Why the path the Loader was given is no file here (:func:`_local_file_problem`), or
-        #: ``None``; the daemon is still asked (it may have the file, or a dataset by its stem).
+        #: Why the path the Loader was given is no file here (``file_identity.mapping_problem``),
+        #: or ``None``; the daemon is still asked (it may have the file, or a dataset by its stem).
         self._missing_file = missing_file
         #: The Loader (weakly: it owns this backend, and must be freed by reference counting).
         self._owner = weakref.ref(owner)
@@ -641,7 +625,7 @@ class Loader(FrontEnd):
         #: The file named, resolved by the daemon by identity, never by stem (issue 11); ``None``
         #: for a dataset name, or a path that does not exist here (a remote daemon's file).
         file: FileIdentity | None = None
-        missing = _local_file_problem(text) if is_file else None
+        missing = mapping_problem(text) if is_file else None
         if is_file and missing is None:
             try:
                 file = FileIdentity.of(text)

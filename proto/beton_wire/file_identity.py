@@ -20,12 +20,33 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
 
-__all__ = ["FINGERPRINT_SPAN", "FileIdentity"]
+__all__ = ["FINGERPRINT_SPAN", "NOT_REGULAR", "FileIdentity", "mapping_problem", "unmappable"]
 
 #: Bytes hashed at each end of the file.
 FINGERPRINT_SPAN = 64 << 10
+#: Why a path that is not a regular file is refused (the reader's and the client's words).
+NOT_REGULAR = "not a regular file (a directory, a FIFO, a socket or a device)"
+
+
+def unmappable(reason: object) -> str:
+    """Why a ``.beton`` path cannot be read: ``reason`` is the ``OSError`` or :data:`NOT_REGULAR`.
+    The reader's ``FormatError`` and the served Loader's give the same words (conformance)."""
+    if reason == NOT_REGULAR:
+        return f"{NOT_REGULAR}: a .beton file is mapped"
+    return f"cannot open or map the file: {reason}"
+
+
+def mapping_problem(path: str) -> str | None:
+    """``"<path>: <why>"`` (:func:`unmappable`) when ``path`` is no regular file on this host,
+    else ``None`` (one ``stat``)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{path}: {unmappable(exc)}"
+    return None if stat.S_ISREG(st.st_mode) else f"{path}: {unmappable(NOT_REGULAR)}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,10 +6,9 @@ import os
 import stat
 from typing import BinaryIO
 
-__all__ = ["NOT_REGULAR", "NotRegularFile", "open_regular"]
+from beton_wire.file_identity import NOT_REGULAR
 
-#: Why a path that is not a regular file is refused.
-NOT_REGULAR = "not a regular file (a directory, a FIFO, a socket or a device)"
+__all__ = ["NOT_REGULAR", "NotRegularFile", "open_regular"]
 
 
 class NotRegularFile(OSError):

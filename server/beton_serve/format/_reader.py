@@ -40,11 +40,12 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
+from beton_wire.file_identity import unmappable
 from numpy.typing import NDArray
 
 from beton_serve._field_types import FieldTypes, default_field_types
 from beton_serve.errors import FormatError
-from beton_serve.format._files import NotRegularFile, open_regular
+from beton_serve.format._files import NOT_REGULAR, NotRegularFile, open_regular
 from beton_serve.format._guard import Region, guard
 from beton_serve.format._layout import (
     ALLOC_ENTRY_DTYPE,
@@ -140,10 +141,10 @@ class BetonReader:
                         self.path, 0, f"file is {size} bytes, shorter than the 24-byte header"
                     )
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except NotRegularFile as exc:
-            raise FormatError(self.path, None, f"{exc}: a .beton file is mapped") from None
+        except NotRegularFile:
+            raise FormatError(self.path, None, unmappable(NOT_REGULAR)) from None
         except OSError as exc:
-            raise FormatError(self.path, None, f"cannot open or map the file: {exc}") from None
+            raise FormatError(self.path, None, unmappable(exc)) from None
         self.file_size = size
         self._mem: NDArray[np.uint8] = np.frombuffer(self._mm, dtype=np.uint8)
         # A truncation while mapped reads as zeros and is reported by check_mapping (_guard).
