@@ -41,7 +41,7 @@ from beton_wire.address import (
     socket_path_problem,
     unix_target,
 )
-from beton_wire.file_identity import FileIdentity, mapping_problem
+from beton_wire.file_identity import FileIdentity, mapping_problem, unmappable
 from beton_wire.limits import (
     MAX_INDICES,
     MAX_NAME_CHARS,
@@ -564,6 +564,9 @@ class Loader(FrontEnd):
 
     Raises:
         SpecError: invalid arguments or pipelines (also as reported by the daemon).
+        FormatError: the ``.beton`` path is no file this process can read (missing, a
+            directory, no permission), or the daemon found the file damaged: the in-process
+            Loader's error and words.
         ServerUnavailable: no daemon answers and none could be spawned (also while iterating,
             once the reconnection budget is spent).
         TransportError: the transport cannot work.
@@ -629,8 +632,8 @@ class Loader(FrontEnd):
         if is_file and missing is None:
             try:
                 file = FileIdentity.of(text)
-            except OSError as exc:
-                raise SpecError(f"dataset file {text} cannot be read: {exc}") from None
+            except OSError as exc:  # e.g. no permission: the in-process Loader's words
+                raise FormatError(f"{text}: {unmappable(exc)}") from None
         self.os_cache = os_cache
         #: The sample ids given (``None``: every sample).
         self.indices = None if args.indices is None else args.indices.tolist()

@@ -4,6 +4,11 @@ the Loader is built or at its first batch (issue 12 §3: "identical errors")."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +32,8 @@ from conformance._backends import (
 )
 
 pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).resolve().parents[1]
 
 N = 20
 
@@ -343,3 +350,83 @@ def test_a_path_that_is_no_file_is_refused_before_spawning_a_daemon(
     )
     assert_same_error(got, want, r"No such file|not a regular file", how)
     assert not sock.exists()
+
+
+#: Run in a child that cannot read a mode-000 file: each backend's error for it, as JSON.
+_UNREADABLE = """
+import json, os, sys
+from pathlib import Path
+from beton_serve.fields.decoders import IntDecoder, NDArrayDecoder
+from beton_serve.transforms import ToTensor
+from conformance._backends import SERVED, attempt, make_loader
+
+path, address = Path(sys.argv[1]), sys.argv[2]
+try:
+    path.read_bytes()
+except PermissionError:
+    pass
+else:
+    print(json.dumps({"readable": True}))
+    raise SystemExit(0)
+
+
+def go(backend):
+    pipes = {"vec": [NDArrayDecoder(), ToTensor()], "label": [IntDecoder(), ToTensor()]}
+    with make_loader(backend, path, pipes, address=address, batch_size=4) as ld:
+        next(iter(ld))
+
+
+out = {}
+for backend in ["inproc", *(b for b in SERVED if isinstance(b, str))]:
+    exc = attempt(lambda: go(backend))
+    out[backend] = None if exc is None else [type(exc).__name__, str(exc)]
+print(json.dumps(out))
+"""
+
+
+def _without_root_reads() -> list[str]:
+    """The command prefix under which this process's children cannot read a mode-000 file: none
+    for another user than root; for root, ``setpriv`` dropping the capabilities that let root
+    read any file (skips when that cannot be done here)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: a mode-000 file stays readable")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def test_a_file_this_process_may_not_read_is_refused_alike(
+    data: Path, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """A ``.beton`` the trainer has no permission to read: every backend raises the in-process
+    ``FormatError`` ("cannot open or map the file: [Errno 13] Permission denied"). The served
+    Loader raised ``SpecError`` ("dataset file ... cannot be read"), and it must refuse before
+    asking the daemon, which may be allowed to read the file (here it is: the daemon runs with
+    every capability of root)."""
+    bad = tmp_path / "noperm.beton"
+    shutil.copyfile(data, bad)
+    os.chmod(bad, 0)
+    os.chmod(tmp_path, 0o755)  # the child may reach the file, not read it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    run = subprocess.run(
+        [*_without_root_reads(), sys.executable, "-c", _UNREADABLE, str(bad), daemon.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    if got.get("readable"):
+        pytest.skip("this process's children can read a mode-000 file")
+    for backend, err in got.items():
+        assert err is not None, f"{backend}: an unreadable file was served"
+        name, message = err
+        assert name == "FormatError", f"{backend}: {name}: {message}"
+        assert "cannot open or map the file" in message, f"{backend}: {message}"
+        assert "Permission denied" in message, f"{backend}: {message}"
+        assert str(bad) in message, f"{backend}: {message}"
+    assert set(got) >= {"inproc", "shm", "grpc"}
+    assert daemon.proc.poll() is None
