@@ -206,6 +206,9 @@ def _client_name() -> str:
     return name[:MAX_NAME_CHARS]
 
 
+#: The ``beton-error`` name of the daemon's refusal of a dataset it does not serve
+#: (``beton_serve.errors.UnknownDataset``; a unit test checks they agree).
+UNKNOWN_DATASET = "UnknownDataset"
 #: Address forms in which a comma is not a list of daemons: gRPC's own address lists
 #: (``ipv4:a:1,b:2``, one channel balancing over them) and socket paths.
 _COMMA_OK = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "/")
@@ -413,11 +416,14 @@ class DaemonBackend:
 
     def _no_such_file(self, exc: BetonClientError) -> BetonClientError:
         """The daemon's "unknown dataset" for a path that is no file here: the in-process
-        Loader's ``FormatError`` (the missing file), naming what the daemon serves too."""
+        Loader's ``FormatError`` (the missing file), naming what the daemon serves too.
+
+        The refusal is known by its class name in the ``beton-error`` trailing metadata
+        (``UnknownDataset``, a ``SpecError``), never by its words."""
         if (
             self._missing_file is None
             or not isinstance(exc, SpecError)
-            or not str(exc).startswith("unknown dataset")
+            or exc.server_error != UNKNOWN_DATASET
         ):
             return exc
         return FormatError(

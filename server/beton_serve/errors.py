@@ -21,6 +21,7 @@ __all__ = [
     "ShuttingDown",
     "SpecError",
     "TransportError",
+    "UnknownDataset",
     "WriterError",
     "drop_frame_locals",
     "without_traceback",
@@ -69,6 +70,15 @@ class SpecError(BetonError, ValueError):
 
     Raised when the thing is built, never while it runs. The message says what to change.
     """
+
+
+class UnknownDataset(SpecError):
+    """A stream named a dataset the daemon does not serve (and no file it may open).
+
+    Its own class so that a client tells it from other ``SpecError`` by the ``beton-error``
+    trailing metadata (``"UnknownDataset"``), not by the message: the served Loader turns it
+    into the in-process Loader's ``FormatError`` when the name was a path that is no file on
+    the client's host."""
 
 
 class PipelineError(BetonError):

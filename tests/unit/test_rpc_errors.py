@@ -13,6 +13,7 @@ from beton_serve.errors import (
     PipelineError,
     SpecError,
     TransportError,
+    UnknownDataset,
 )
 from beton_serve.rpc import status_for
 
@@ -20,7 +21,8 @@ from beton_serve.rpc import status_for
 @pytest.mark.parametrize(
     ("exc", "code", "client_cls"),
     [
-        (SpecError("unknown dataset 'x'"), grpc.StatusCode.INVALID_ARGUMENT, ce.SpecError),
+        (SpecError("bad op"), grpc.StatusCode.INVALID_ARGUMENT, ce.SpecError),
+        (UnknownDataset("unknown dataset 'x'"), grpc.StatusCode.INVALID_ARGUMENT, ce.SpecError),
         (ConfigError("bad"), grpc.StatusCode.INVALID_ARGUMENT, ce.SpecError),
         (TransportError("no shm"), grpc.StatusCode.FAILED_PRECONDITION, ce.TransportError),
         (ShuttingDown("bye"), grpc.StatusCode.UNAVAILABLE, ce.ServerUnavailable),
@@ -71,3 +73,12 @@ def test_unreachable_daemon_message_names_the_address() -> None:
 
     err = ce.from_rpc_error(Down(), target="unix:///tmp/x.sock")
     assert isinstance(err, ce.ServerUnavailable) and "unix:///tmp/x.sock" in str(err)
+
+
+def test_the_client_knows_the_unknown_dataset_refusal_by_its_class_name() -> None:
+    """The served Loader tells "unknown dataset" from other ``SpecError`` by the ``beton-error``
+    name (``beton_client._loader.UNKNOWN_DATASET``), not by the message."""
+    from beton_client._loader import UNKNOWN_DATASET
+
+    assert status_for(UnknownDataset("x"))[2] == UNKNOWN_DATASET
+    assert issubclass(UnknownDataset, SpecError)

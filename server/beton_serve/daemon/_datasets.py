@@ -30,7 +30,7 @@ from beton_wire.limits import short_repr
 
 from beton_serve.daemon._backend import Backend
 from beton_serve.daemon._health import FileWatch
-from beton_serve.errors import ConfigError, SpecError
+from beton_serve.errors import ConfigError, SpecError, UnknownDataset
 
 __all__ = ["Dataset", "DatasetTable", "expand_dataset_args"]
 
@@ -343,11 +343,12 @@ class DatasetTable:
         _close_dataset(ds)
 
     def get(self, name: str) -> Dataset:
-        """The dataset called ``name``; raises ``SpecError`` listing the served names."""
+        """The dataset called ``name``; raises ``UnknownDataset`` (a ``SpecError``) listing the
+        served names."""
         try:
             return self._by_name[name]
         except KeyError:
-            raise SpecError(
+            raise UnknownDataset(
                 f"unknown dataset {short_repr(name)}; this daemon serves {sorted(self._by_name)}"
             ) from None
 
