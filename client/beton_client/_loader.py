@@ -37,6 +37,7 @@ import grpc
 from beton_wire.address import (
     ENV_ADDRESS,
     default_socket_path,
+    joined_addresses,
     socket_path_of,
     socket_path_problem,
     unix_target,
@@ -209,9 +210,6 @@ def _client_name() -> str:
 #: The ``beton-error`` name of the daemon's refusal of a dataset it does not serve
 #: (``beton_serve.errors.UnknownDataset``; a unit test checks they agree).
 UNKNOWN_DATASET = "UnknownDataset"
-#: Address forms in which a comma is not a list of daemons: gRPC's own address lists
-#: (``ipv4:a:1,b:2``, one channel balancing over them) and socket paths.
-_COMMA_OK = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "/")
 
 
 def _check_address(address: str) -> None:
@@ -221,8 +219,8 @@ def _check_address(address: str) -> None:
             f"server={address!r} is empty; leave it None for this host's default socket, or "
             "give an address (unix:///path/to.sock, host:port)"
         )
-    if "," in address and not address.startswith(_COMMA_OK):
-        parts = [p.strip() for p in address.split(",")]
+    parts = joined_addresses(address)
+    if parts is not None:
         raise SpecError(
             f"server={address!r} is one address with commas in it (gRPC would look it up as a "
             f"host name); give several daemons as a list: server={parts!r}"

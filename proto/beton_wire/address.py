@@ -21,6 +21,7 @@ __all__ = [
     "ADDRESS_IN_USE_STATUS",
     "ENV_ADDRESS",
     "default_socket_path",
+    "joined_addresses",
     "socket_path_of",
     "unix_target",
 ]
@@ -30,6 +31,9 @@ ENV_ADDRESS = "BETON_SERVE_ADDRESS"
 #: ``beton-serve serve``'s exit status when another daemon already holds the address's lock
 #: (EX_TEMPFAIL): a client that spawned it then waits for that other daemon instead.
 ADDRESS_IN_USE_STATUS = 75
+#: Address forms in which a comma is not a list of daemons: gRPC's own address lists
+#: (``ipv4:a:1,b:2``, one channel balancing over them) and socket paths.
+_COMMA_OK = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "/")
 
 
 def default_socket_path(environ: Mapping[str, str], uid: int | None = None) -> str:
@@ -72,3 +76,12 @@ def socket_path_of(target: str) -> str | None:
     if target.startswith("unix:"):
         return target[len("unix:") :]
     return None
+
+
+def joined_addresses(address: str) -> list[str] | None:
+    """The daemons' addresses when ``address`` is several joined by commas (``"a:1,b:2"``, which
+    gRPC would look up whole as one host name), else ``None``. A comma inside gRPC's own
+    address lists (``ipv4:``, ``ipv6:``) or a socket path is not a list of daemons."""
+    if "," not in address or address.startswith(_COMMA_OK):
+        return None
+    return [p.strip() for p in address.split(",")]

@@ -87,6 +87,28 @@ def test_empty_server_is_a_config_error() -> None:
         _health.resolve_target("  ", {})
 
 
+@pytest.mark.parametrize(
+    ("explicit", "environ", "where"),
+    [
+        ("localhost:7700,localhost:7701", {}, "--server"),
+        (None, {"BETON_SERVE_ADDRESS": "a:1, b:2"}, "BETON_SERVE_ADDRESS"),
+    ],
+)
+def test_a_comma_joined_address_is_a_config_error(
+    explicit: str | None, environ: dict[str, str], where: str
+) -> None:
+    """health and stats ask one daemon; gRPC would look the whole string up as a host name and
+    report it unreachable after the timeout."""
+    with pytest.raises(ConfigError, match=f"{where}.*one of") as info:
+        _health.resolve_target(explicit, environ)
+    assert "commas" in str(info.value)
+
+
+@pytest.mark.parametrize("target", ["ipv4:127.0.0.1:1,127.0.0.1:2", "unix:///tmp/a,b.sock"])
+def test_grpc_address_lists_and_socket_paths_keep_their_commas(target: str) -> None:
+    assert _health.resolve_target(target, {}) == target
+
+
 def test_registered_in_the_cli(health_server) -> None:
     from beton_serve.cli import build_parser, main
 

@@ -164,18 +164,26 @@ def resolve_target(explicit: str | None, environ: Mapping[str, str]) -> str:
     """Pick the address: ``--server``, else ``BETON_SERVE_ADDRESS``, else the per-user default.
 
     Raises:
-        ConfigError: ``--server`` was given but is empty.
+        ConfigError: ``--server`` was given but is empty, or the address is several joined by
+            commas (these commands ask one daemon).
     """
-    from beton_wire.address import ENV_ADDRESS, default_socket_path, unix_target
+    from beton_wire.address import ENV_ADDRESS, default_socket_path, joined_addresses, unix_target
 
     if explicit is not None:
         if not explicit.strip():
             raise ConfigError("--server is empty: pass unix:///path/to.sock or host:port")
-        return explicit
-    env = environ.get(ENV_ADDRESS, "")
-    if env:
-        return env
-    return unix_target(default_socket_path(environ))
+        target, where = explicit, "--server"
+    else:
+        target, where = environ.get(ENV_ADDRESS, ""), ENV_ADDRESS
+        if not target:
+            return unix_target(default_socket_path(environ))
+    parts = joined_addresses(target)
+    if parts is not None:
+        raise ConfigError(
+            f"{where} {target!r} is several addresses joined by commas (gRPC would look it up "
+            f"as one host name); this command asks one daemon: pass one of {parts}"
+        )
+    return target
 
 
 def tls_credentials(ca: str | None, cert: str | None, key: str | None) -> Any | None:
