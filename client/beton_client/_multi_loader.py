@@ -14,6 +14,13 @@ Every daemon must serve the same dataset under the same name: the batches of an 
 function of (seed, epoch, batch index), so any daemon can make any batch. A daemon whose stream has
 another length is refused (:class:`~beton_client.errors.SpecError`).
 
+Bad samples: a daemon under a bad-sample budget skips a failing sample and charges it to its own
+stream, but with several daemons each sees only its share of the epoch. Each grpc batch names
+the samples it skipped (``beton_wire.skipped``), and :class:`RemoteStream` charges them against
+the smallest budget the daemons announced (``OpenStreamResponse.bad_sample_budget``), in batch
+order, with the in-process Loader's rule and error: the same batch fails, naming the same
+sample, however the epoch is spread (a daemon's own count never runs ahead of this one).
+
 Memory: at most ``credits_per_daemon`` batches are requested or buffered per daemon, each in a
 buffer of that daemon's :class:`~beton_client._transport.grpc_codec.BufferPool`, plus the batch the
 user holds. With ``copy=False`` a yielded batch's arrays are views of such a buffer, valid until the
@@ -42,6 +49,9 @@ from typing import Any
 import grpc
 import numpy as np
 from beton_wire.framing import ALIGN, Compression, DecodedBatch, OpenRequest
+from beton_wire.skipped import SKIPPED, Skipped
+from beton_wire.skipped import decode as decode_skipped
+from beton_wire.skipped import max_bytes as max_skipped_bytes
 from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
@@ -51,7 +61,13 @@ from beton_client._tail import OutputInfo
 from beton_client._transport.grpc_codec import BatchStream, BufferPool
 from beton_client._transport.grpc_receiver import SAMPLE_IDS, GrpcSetupInfo
 from beton_client._transport.multi import AllDaemonsLostError, MultiDaemonReader, StreamLink
-from beton_client.errors import ServerError, ServerUnavailable, SpecError, from_rpc_error
+from beton_client.errors import (
+    PipelineError,
+    ServerError,
+    ServerUnavailable,
+    SpecError,
+    from_rpc_error,
+)
 from beton_client.frontend import RawBatch, pipelines_key
 
 __all__ = ["RemoteEpochFeed", "RemoteStream", "open_remote"]
@@ -69,6 +85,7 @@ def max_batch_bytes(reply: Any) -> int:
     before anything is allocated."""
     batch = max(1, int(reply.batch_size))
     total = 8 * batch + ALIGN  # the sample ids
+    total += max_skipped_bytes(batch) + ALIGN  # the samples it skipped, if any
     for o in reply.outputs:
         itemsize = np.dtype(DTYPE_NAMES[o.dtype]).itemsize
         total += batch * int(np.prod(list(o.shape), dtype=np.int64)) * itemsize + ALIGN
@@ -130,6 +147,10 @@ class RemoteStream:
         self.num_samples = int(self.reply.num_samples)
         self.names = [o.name for o in self.reply.outputs]
         self._outputs = tuple(OutputInfo.from_wire(o) for o in self.reply.outputs)
+        #: Distinct failing samples an epoch may skip: the smallest budget of the daemons.
+        self.bad_sample_budget = min(int(d.reply.bad_sample_budget) for d in self.daemons)
+        #: The distinct samples skipped so far, per epoch (at most the budget per epoch).
+        self._skipped: dict[int, set[int]] = {}
         #: False while an epoch was started and neither ended nor drained.
         self.complete = True
         self.closed = False
@@ -165,6 +186,26 @@ class RemoteStream:
     def epoch(self, epoch: int, start: int = 0) -> RemoteEpochFeed:
         """``epoch`` from batch ``start``."""
         return RemoteEpochFeed(self, epoch, start)
+
+    def charge(self, epoch: int, skipped: Sequence[Skipped]) -> None:
+        """Charge the samples a batch of ``epoch`` skipped, as it is delivered (in batch order):
+        the in-process rule (``BatchSource.charge``): a sample counts once per epoch, and the
+        batch whose samples take the epoch past the budget fails, naming its first one.
+
+        Raises:
+            PipelineError: the budget is exhausted (nothing is recorded).
+        """
+        if not skipped:
+            return
+        seen = self._skipped.setdefault(epoch, set())
+        new = {s.sample_id for s in skipped} - seen
+        if len(seen) + len(new) > self.bad_sample_budget:
+            first = skipped[0]
+            raise PipelineError(
+                f"[op {first.op}, sample {first.sample_id}] {first.describe()} "
+                f"(bad-sample budget {self.bad_sample_budget} exhausted)"
+            )
+        seen |= new
 
     def close(self) -> None:
         """End every batch call and close the channels this stream opened (idempotent); an epoch
@@ -239,13 +280,27 @@ class RemoteEpochFeed:
                 code="UNAVAILABLE",
                 server_error=why.pop() if len(why) == 1 else "",
             ) from exc
+        self._held[0] = batch  # given back by the next release, delivered or not
         arrays_by_name = batch.arrays
         ids = arrays_by_name.get(SAMPLE_IDS)
         try:
             arrays = [arrays_by_name[n] for n in self.stream.names]
         except KeyError as exc:
             raise ServerError(f"the daemon sent a batch without output {exc}") from None
-        self._held[0] = batch
+        skipped = arrays_by_name.get(SKIPPED)
+        if skipped is not None:
+            try:
+                records = decode_skipped(skipped)
+            except ValueError as exc:
+                raise ServerError(f"batch {self.index} has a bad {SKIPPED} array: {exc}") from None
+            try:
+                self.stream.charge(self.epoch, records)
+            except PipelineError:
+                # The epoch ends here, as in process; the batches still owed are not drained
+                # (a daemon may fail one of them on its own budget), the stream re-opens.
+                self.done = True
+                self.stream.reader.abandon()
+                raise
         self.index += 1
         if self.index == self.stream.num_batches:
             self._finish()

@@ -317,3 +317,49 @@ def test_streams_opened_either_side_of_a_budget_reload_keep_their_own_budgets(
         for (image, label), (w_image, w_label) in zip(batches, want[budget][0], strict=True):
             np.testing.assert_array_equal(image, w_image)
             np.testing.assert_array_equal(label, w_label)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("budget", [2, 3])
+def test_a_client_reading_from_two_daemons_has_one_budget_per_epoch(
+    daemon_factory, tmp_path: Path, short_tmp: Path, budget: int
+) -> None:
+    """Bad samples 1, 5 and 9 sit in batches 0, 1 and 2 (SEQUENTIAL, batch 4), so with
+    ``server=[a, b]`` daemon a skips 1 and 9 and daemon b skips 5. With a budget of 2 each
+    daemon stays within it, and the epoch read past it: the client now charges what every
+    batch skipped (the grpc batch names its skipped samples) against one budget, and fails at
+    batch 2 naming sample 9, with the in-process Loader's message. With a budget of 3 all three
+    epochs are read, bit for bit the in-process Loader's, replacements included."""
+    path = tmp_path / "bigsmall.beton"
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(_BigThenSmall())
+    _zero_samples(path, [1, 5, 9])
+    kw = {"pipelines": _pipelines(True), "num_workers": 2}
+    want = _read_until_error(lambda: InProcessLoader(str(path), 4, bad_sample_budget=budget, **kw))
+    if budget == 2:
+        assert want[1] is not None and "sample 9" in want[1] and len(want[0]) == 2
+    else:
+        assert want[1] is None and len(want[0]) == 12
+    args = ["--bad-sample-budget", str(budget), "--workers", "1"]
+    daemons = [
+        daemon_factory([path], args=args, socket=str(short_tmp / f"{i}.sock")) for i in (0, 1)
+    ]
+    got = _read_until_error(
+        lambda: ServedLoader(
+            str(path),
+            4,
+            server=[d.address for d in daemons],
+            spawn=False,
+            transport="grpc",
+            **kw,
+        )
+    )
+    assert len(got[0]) == len(want[0])
+    for (image, label), (w_image, w_label) in zip(got[0], want[0], strict=True):
+        np.testing.assert_array_equal(image, w_image)
+        np.testing.assert_array_equal(label, w_label)
+    assert got[1] == want[1]
+    for d in daemons:  # both decoded batches: the epoch was spread over them
+        assert d.proc.poll() is None
+        assert [x.batches_decoded > 0 for x in d.stats().datasets] == [True]

@@ -193,8 +193,15 @@ class MultiDaemonReader(Generic[T]):
         ``SystemExit``). It may have landed between a link's send or receive and the reader's
         bookkeeping of it (a batch received and not yet counted), so the answers the links still
         owe are unknown: nothing is drained (a drain could wait for an answer that never comes),
-        and the links must be closed, not used for another epoch."""
+        and the links must be closed, not used for another epoch. Also after :meth:`abandon`."""
         return self._out_of_step
+
+    def abandon(self) -> None:
+        """Give up the epoch being read without draining it: the consumer failed it itself
+        (a batch's skipped samples exhausted the bad-sample budget), and what the links still
+        owe may include answers that fail too. The reader is then :attr:`out_of_step`, so its
+        owner re-opens the stream for the next epoch."""
+        self._out_of_step = True
 
     @property
     def closed(self) -> bool:

@@ -444,6 +444,7 @@ class TransportSetup(_message.Message):
 
 class OpenStreamResponse(_message.Message):
     __slots__ = (
+        "bad_sample_budget",
         "batch_size",
         "max_credits",
         "num_batches",
@@ -463,6 +464,7 @@ class OpenStreamResponse(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PLAN_CACHED_FIELD_NUMBER: _ClassVar[int]
     MAX_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    BAD_SAMPLE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[OutputSpec]
     transport: TransportSetup
@@ -472,6 +474,7 @@ class OpenStreamResponse(_message.Message):
     num_samples: int
     plan_cached: bool
     max_credits: int
+    bad_sample_budget: int
     def __init__(
         self,
         stream_id: str | None = ...,
@@ -483,6 +486,7 @@ class OpenStreamResponse(_message.Message):
         num_samples: int | None = ...,
         plan_cached: bool | None = ...,
         max_credits: int | None = ...,
+        bad_sample_budget: int | None = ...,
     ) -> None: ...
 
 class Start(_message.Message):

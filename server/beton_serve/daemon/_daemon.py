@@ -370,6 +370,7 @@ class Daemon:
             num_samples=_samples_per_epoch(req, ds),
             plan_cached=cached,
             max_credits=stream.ring.slot_count,
+            bad_sample_budget=self.bad_sample_budget,  # what _new_stream gave the source
         )
 
     def _new_stream(

@@ -10,7 +10,9 @@ for ``(epoch, batch_index)`` pairs with WANT messages. Each WANT is one credit:
 * :class:`StreamProducer` takes a free slot from the stream (``Stream.acquire``), submits the
   batch into it (``Stream.submit``), and when it is decoded the stream books it
   (``Stream.finish``) and calls the producer as its ``daemon._publish.Publisher``, which hands the
-  slot's views to the encoder (plus the sample ids as one more array, :data:`SAMPLE_IDS`);
+  slot's views to the encoder (plus the sample ids as one more array, :data:`SAMPLE_IDS`, and,
+  when the batch skipped bad samples, those samples as ``beton_wire.skipped.SKIPPED``, which a
+  client reading from several daemons charges to its one budget);
 * the encoder copies the slot out in chunks, then releases it (:meth:`OutgoingBatch.release`),
   which returns the slot to the stream (``Stream.release``) and lets the next waiting WANT start.
 
@@ -41,6 +43,8 @@ from typing import Any
 
 import numpy as np
 from beton_wire.framing import Codec, OpenRequest
+from beton_wire.skipped import SKIPPED
+from beton_wire.skipped import encode as encode_skipped
 
 from beton_serve.daemon._publish import Finished
 from beton_serve.daemon._stream import Stream
@@ -141,6 +145,8 @@ class StreamProducer:
         n = batch.length
         named = [(o.name, a[:n]) for o, a in zip(self.stream.outputs, batch.arrays, strict=True)]
         named.append((SAMPLE_IDS, batch.sample_ids))
+        if batch.skipped:  # for a client that charges the budget itself (beton_wire.skipped)
+            named.append((SKIPPED, encode_skipped(batch.skipped)))
         slot = batch.slot
         out.set_result(OutgoingBatch(named, release=lambda: self._release(slot)))
 

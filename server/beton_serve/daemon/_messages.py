@@ -91,6 +91,7 @@ class StreamOpened:
     num_samples: int
     plan_cached: bool
     max_credits: int
+    bad_sample_budget: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -66,6 +66,9 @@ class Finished:
         published: what the ring's ``publish`` returned (transport-specific, e.g. a CUDA event).
         at: ``(segment, offset)`` when the data lives in a sharing group's buffer, not in
             ``slot`` (zero-copy sharing, shm with the notice channel only); ``None`` otherwise.
+        skipped: ``(sample_id, op, cause)`` of each failing sample the batch skipped (under a
+            bad-sample budget), as charged; the grpc publisher sends them
+            (``beton_wire.skipped``).
     """
 
     epoch: int
@@ -76,6 +79,7 @@ class Finished:
     arrays: Sequence[np.ndarray]
     published: Published
     at: tuple[str, int] | None = None
+    skipped: Sequence[tuple[int, str, BaseException]] = ()
 
 
 class Publisher(Protocol):

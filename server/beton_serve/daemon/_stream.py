@@ -443,7 +443,8 @@ class Stream:
             extras.arm(slot, lease_token(epoch, b, self.num_batches))
         self._published += 1
         at = None if ref is None else (ref.segment, ref.offset)
-        publisher.publish(Finished(epoch, b, slot, length, ids, arrays, published, at))
+        skipped = () if batch is None or not batch.bad else tuple(batch.bad)
+        publisher.publish(Finished(epoch, b, slot, length, ids, arrays, published, at, skipped))
 
     def end_epoch(self, epoch: int, publisher: Publisher) -> None:
         """Tell the client through ``publisher`` that ``epoch`` ended.

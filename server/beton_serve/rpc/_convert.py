@@ -385,6 +385,7 @@ def opened_message(o: StreamOpened) -> pb.OpenStreamResponse:
         num_samples=o.num_samples,
         plan_cached=o.plan_cached,
         max_credits=o.max_credits,
+        bad_sample_budget=o.bad_sample_budget,
     )
 
 
