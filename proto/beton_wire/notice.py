@@ -18,7 +18,8 @@ exactly when the ring's segment is, mode 0600), and the per-batch traffic moves 
   (``ShmSetup.release_offset``: ``[starved, wait_us, word per slot]``, uint64 each) it stores the
   batch's lease token (:func:`lease_token`) in the slot's word and its total wait in ``wait_us``,
   which costs no system call: the daemon collects released slots whenever a batch completes.
-  Only when the daemon has nothing in flight and is waiting for a slot does it set ``starved``;
+  The daemon zeroes a slot's word before it announces a batch in it, so that a word left from
+  the slot's last lease never reads as this one's release. Only when the daemon has nothing in flight and is waiting for a slot does it set ``starved``;
   a client that sees it sends ``WAKE``. (If both sides miss each other's store, the daemon's
   back-off timer collects the release a few milliseconds later.) Without release words the
   client sends ``RELEASE`` (slot, batch index, microseconds it waited) instead.
@@ -152,9 +153,14 @@ def wake() -> bytes:
 
 def lease_token(epoch: int, index: int, batches_per_epoch: int) -> int:
     """The token that releases batch ``index`` of ``epoch``: its position in the stream plus one
-    (never 0, which a fresh word holds, and never the same for two leases of a stream), kept in
-    a release word's 64 bits below the daemon's "no lease" value (``2**64 - 1``): it wraps only
-    past ``2**64 - 2`` batches, far beyond any two leases that are live at once."""
+    (never 0, which a fresh word holds), kept in a release word's 64 bits below the daemon's
+    "no lease" value (``2**64 - 1``): it wraps only past ``2**64 - 2`` batches, far beyond any
+    two leases that are live at once.
+
+    It names a batch, not a lease: the same batch of the same epoch read again (``next_epoch``
+    set back, a resume) has the same token, so a slot's word may still hold it from the slot's
+    last lease. The daemon therefore clears the word when it arms the slot, before it announces
+    the batch (``ShmRing.arm``)."""
     return (epoch * batches_per_epoch + index) % _TOKENS + 1
 
 

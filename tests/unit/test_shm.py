@@ -137,6 +137,40 @@ def test_id_table_and_release_words_are_seen_by_the_client() -> None:
         ring.close()
 
 
+def test_a_word_left_from_the_slots_last_lease_is_not_a_release_of_the_same_batch_again() -> None:
+    """A token names a batch of an epoch, not a lease: when the client reads the same epoch
+    again, batch 1 may come back in the slot it had last time, with the same token. Arming
+    clears the word, so the store left from last time is not taken for a release (it was:
+    the daemon then decoded the next batch into the slot the client was about to read)."""
+    from beton_client._transport.shm import ShmReceiver
+    from beton_wire import notice
+
+    ring = ShmFactory(ShmNamer()).create(_layout(), 2)
+    setup = ring.setup()
+    rx = ShmReceiver(
+        setup.segment,
+        setup.segment_bytes,
+        2,
+        setup.slot_bytes,
+        ids_offset=setup.ids_offset,
+        release_offset=setup.release_offset,
+    )
+    try:
+        token = notice.lease_token(3, 1, 10)
+        for _pass in range(2):  # epoch 3's batch 1 in the same slot, twice
+            slot = ring.acquire()
+            assert slot == 0
+            ring.publish(slot, 5)
+            ring.arm(slot, token)
+            assert ring.reap() == []  # not released yet, whatever the word held before
+            rx.release_word(slot, token, 0)
+            assert ring.reap() == [slot]
+            assert ring.release(slot)
+    finally:
+        rx.close()
+        ring.close()
+
+
 def test_a_vanished_shared_batch_segment_is_segment_gone_and_ends_the_stream() -> None:
     """A SIGTERM drain frees a stream's segments while a notice for a batch in a sharing arena may
     still be unread. The client must report the stream's end (the Batches call's status, e.g.

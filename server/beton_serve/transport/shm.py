@@ -231,7 +231,17 @@ class ShmRing(HostSlotRing):
         return self
 
     def arm(self, slot: int, token: int) -> None:
-        """Expect ``token`` in ``slot``'s release word: the client stores it when it is done."""
+        """Expect ``token`` in ``slot``'s release word: the client stores it when it is done.
+
+        The word is cleared first (before the batch is announced, so no store of the client's
+        can be lost): it may still hold the token of the slot's last lease, and a token names
+        a batch of an epoch, not a lease. When the client reads the same epoch again (``next_epoch``
+        set back, a resume, an epoch re-opened after Ctrl-C), the same batch can come back in
+        the same slot with the same token, and the stale word read as a release: the daemon
+        then decoded the next batch into the slot the client was about to read (found by
+        ``tests/conformance/test_loader_data.py``). No store of the client's for the slot is
+        pending here: the slot was released, by that store, before it was taken again."""
+        self._words[slot] = 0
         self._expected[slot] = token
 
     def reap(self) -> list[int]:
