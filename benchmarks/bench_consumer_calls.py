@@ -7,7 +7,7 @@ one in-process ``beton_serve.loader.Loader``: after one untimed epoch, ``--epoch
 read, and the thread that iterates (the training loop's) is timed with ``time.thread_time_ns``,
 as a whole and inside a few calls (each wrapper adds ~1 us): ``EngineEpochFeed.next`` (take the
 next batch: submit the one ``batches_ahead`` later, wait, charge), ``EngineEpochFeed._submit_one``
-and ``BatchSource.submit`` within it, ``BatchSource.charge`` and ``delivered_ids``. What the
+and ``BatchSource.submit`` within it, and ``BatchSource.charge``. What the
 thread spends outside ``EngineEpochFeed.next`` is the front end's (tensors, bookkeeping).
 
 Issue 15 §4: with 2 workers on 2 vCPUs this thread's CPU per batch, C, is taken from the
@@ -62,7 +62,6 @@ def main() -> None:
     wrap(loader_module.EngineEpochFeed, "_submit_one", "EngineEpochFeed._submit_one")
     wrap(BatchSource, "submit", "BatchSource.submit")
     wrap(BatchSource, "charge", "BatchSource.charge")
-    wrap(loader_module, "delivered_ids", "delivered_ids")
 
     path = build("cifar", args.cifar_n)
     loader = Loader(
