@@ -12,7 +12,9 @@ transport; some of the others read two identical served Loaders in lock step (th
 sharing groups), and some resize their crops before the second epoch (progressive resizing).
 A third of the trials go to a second daemon with a tight stream memory budget and sharing
 groups that detach a member one batch behind (:data:`TIGHT`); a stream it refuses with
-``ResourceExhausted`` is skipped.
+``ResourceExhausted`` is skipped. A fifth of the plain trials instead follow a random epoch
+schedule on one Loader (:func:`_schedule`): epochs read again, out of order and back in time
+through ``next_epoch``, some left after a few batches.
 
 The first version of this fuzz found that two compile-cache entries compiled in different
 processes could share Numba symbol names (a flip of another probability failed with
@@ -277,6 +279,42 @@ def _pair(
         return exc
 
 
+def _schedule(r: random.Random) -> list[tuple[int | None, int | None]]:
+    """Steps ``(next_epoch or None, batches to read or None for the whole epoch)``: epochs read
+    again, out of order and back in time, some left early. The same batch of the same epoch
+    read again in the same slot once served another batch's rows (a release word's stale
+    token: session 34); nothing else in the fuzz read an epoch twice on one Loader."""
+    steps: list[tuple[int | None, int | None]] = []
+    for _ in range(r.randint(3, 7)):
+        epoch_no = r.choice([None, None, r.randrange(4), r.randrange(4)])
+        stop = r.choice([None, None, None, r.randint(0, 3)])
+        steps.append((epoch_no, stop))
+    return steps
+
+
+def _run_schedule(
+    make: _Factory, steps: list[tuple[int | None, int | None]]
+) -> list | BaseException:
+    """Follow ``steps`` on one Loader; the batches of every step, in order."""
+    try:
+        with make() as ld:
+            out = []
+            for epoch_no, stop in steps:
+                if epoch_no is not None:
+                    ld.next_epoch = epoch_no
+                it = iter(ld)
+                got = []
+                for x in it:
+                    got.append(snap(x))
+                    if stop is not None and len(got) >= stop:
+                        break
+                it.close()
+                out.append(got)
+            return out
+    except Exception as exc:
+        return exc
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_loaders_served_equal_in_process(
     daemon: DaemonProcess,
@@ -311,8 +349,24 @@ def test_random_loaders_served_equal_in_process(
 
         if size is not None:
             what += f", epoch 1 resized to {size}"
-        want = _run(loader("inproc"), 2 if resume_at is None else 3, size)
+        # Drawn apart from ``r``, so that the other draws of a seed stay what they were.
+        rs = random.Random(f"schedule {seed} {trial}")
+        steps = _schedule(rs) if resume_at is None and not pair and rs.random() < 0.2 else None
         got: Any
+        if steps is not None:
+            what += f", schedule {steps}"
+            want = _run_schedule(loader("inproc"), steps)
+            got = _run_schedule(loader(transport), steps)
+            if d is tight and type(got).__name__ == "ResourceExhausted":
+                continue
+            if isinstance(want, BaseException) or isinstance(got, BaseException):
+                assert type(got).__name__ == type(want).__name__, f"{what}: {got!r} != {want!r}"
+                continue
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert_same_batches(g, w, f"{what}, step {i}")
+            checked += 1
+            continue
+        want = _run(loader("inproc"), 2 if resume_at is None else 3, size)
         if pair:
             what += ", two identical Loaders in lock step"
             got = _pair(loader(transport), 2, size)
