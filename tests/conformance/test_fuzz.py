@@ -347,11 +347,11 @@ def test_random_loaders_served_equal_in_process(
             _Factory, path=path, pseed=pseed, kw=kw, served=served, address=d.address
         )
 
-        if size is not None:
-            what += f", epoch 1 resized to {size}"
         # Drawn apart from ``r``, so that the other draws of a seed stay what they were.
         rs = random.Random(f"schedule {seed} {trial}")
         steps = _schedule(rs) if resume_at is None and not pair and rs.random() < 0.2 else None
+        if size is not None and steps is None:
+            what += f", epoch 1 resized to {size}"
         got: Any
         if steps is not None:
             what += f", schedule {steps}"
