@@ -157,8 +157,8 @@ def lease_token(epoch: int, index: int, batches_per_epoch: int) -> int:
     "no lease" value (``2**64 - 1``): it wraps only past ``2**64 - 2`` batches, far beyond any
     two leases that are live at once.
 
-    It names a batch, not a lease: the same batch of the same epoch read again (``next_epoch``
-    set back, a resume) has the same token, so a slot's word may still hold it from the slot's
+    It names a batch, not a lease: the same batch of the same epoch read again on one stream
+    (``next_epoch`` set back, ``load_state_dict`` to an epoch already read) has the same token, so a slot's word may still hold it from the slot's
     last lease. The daemon therefore clears the word when it arms the slot, before it announces
     the batch (``ShmRing.arm``)."""
     return (epoch * batches_per_epoch + index) % _TOKENS + 1

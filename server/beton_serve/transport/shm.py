@@ -235,12 +235,13 @@ class ShmRing(HostSlotRing):
 
         The word is cleared first (before the batch is announced, so no store of the client's
         can be lost): it may still hold the token of the slot's last lease, and a token names
-        a batch of an epoch, not a lease. When the client reads the same epoch again (``next_epoch``
-        set back, a resume, an epoch re-opened after Ctrl-C), the same batch can come back in
-        the same slot with the same token, and the stale word read as a release: the daemon
-        then decoded the next batch into the slot the client was about to read (found by
-        ``tests/conformance/test_loader_data.py``). No store of the client's for the slot is
-        pending here: the slot was released, by that store, before it was taken again."""
+        a batch of an epoch, not a lease. When the client reads an epoch again on the same
+        stream (``next_epoch`` set back, ``load_state_dict`` to an epoch already read), the same
+        batch can come back in the same slot with the same token, and the stale word read as a
+        release: the daemon then decoded the next batch into the slot the client was about to
+        read (found by ``tests/conformance/test_loader_data.py``). No store of the client's for
+        the slot is pending here: the slot was released, by that store, before it was taken
+        again."""
         self._words[slot] = 0
         self._expected[slot] = token
 
