@@ -16,6 +16,7 @@ so equality is bit equality: ``-0.0 != 0.0`` and NaNs compare by payload.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import tempfile
@@ -278,3 +279,42 @@ def assert_same_error(
         assert re.search(pattern, str(exc), re.I | re.S), (
             f"{what}: {type(exc).__name__} message {str(exc)!r} does not match {pattern!r}"
         )
+
+
+#: One step of an epoch schedule: ``(next_epoch or None, batches to read or None: all)``.
+Step = tuple[int | None, int | None]
+
+
+def epoch_schedule(r: random.Random) -> list[Step]:
+    """3 to 7 steps for :func:`run_schedule`: epochs read again, out of order and back in
+    time (``next_epoch``), some left after 0 to 3 batches. The same batch of the same epoch read
+    again in the same slot once served another batch's rows (a release word's stale token,
+    session 34); the fuzzes read epochs 0 and 1 in order otherwise."""
+    steps: list[Step] = []
+    for _ in range(r.randint(3, 7)):
+        epoch_no = r.choice([None, None, r.randrange(4), r.randrange(4)])
+        stop = r.choice([None, None, None, r.randint(0, 3)])
+        steps.append((epoch_no, stop))
+    return steps
+
+
+def run_schedule(make: Callable[[], Any], steps: list[Step]) -> list | BaseException:
+    """Follow ``steps`` on one Loader from ``make()``: the batches of every step, in order, or
+    the exception that stopped it (compared by type with the other backend's)."""
+    try:
+        with make() as ld:
+            out = []
+            for epoch_no, stop in steps:
+                if epoch_no is not None:
+                    ld.next_epoch = epoch_no
+                it = iter(ld)
+                got = []
+                for x in it:
+                    got.append(snap(x))
+                    if stop is not None and len(got) >= stop:
+                        break
+                it.close()
+                out.append(got)
+            return out
+    except Exception as exc:
+        return exc

@@ -13,7 +13,7 @@ sharing groups), and some resize their crops before the second epoch (progressiv
 A third of the trials go to a second daemon with a tight stream memory budget and sharing
 groups that detach a member one batch behind (:data:`TIGHT`); a stream it refuses with
 ``ResourceExhausted`` is skipped. A fifth of the plain trials instead follow a random epoch
-schedule on one Loader (:func:`_schedule`): epochs read again, out of order and back in time
+schedule on one Loader (``conformance._backends.epoch_schedule``): epochs read again, out of order and back in time
 through ``next_epoch``, some left after a few batches.
 
 The first version of this fuzz found that two compile-cache entries compiled in different
@@ -63,9 +63,11 @@ from helpers.daemon import DaemonProcess
 from conformance._backends import (
     assert_same_batches,
     epoch,
+    epoch_schedule,
     make_loader,
     module_daemon,
     resumed,
+    run_schedule,
     snap,
 )
 
@@ -279,42 +281,6 @@ def _pair(
         return exc
 
 
-def _schedule(r: random.Random) -> list[tuple[int | None, int | None]]:
-    """Steps ``(next_epoch or None, batches to read or None for the whole epoch)``: epochs read
-    again, out of order and back in time, some left early. The same batch of the same epoch
-    read again in the same slot once served another batch's rows (a release word's stale
-    token: session 34); nothing else in the fuzz read an epoch twice on one Loader."""
-    steps: list[tuple[int | None, int | None]] = []
-    for _ in range(r.randint(3, 7)):
-        epoch_no = r.choice([None, None, r.randrange(4), r.randrange(4)])
-        stop = r.choice([None, None, None, r.randint(0, 3)])
-        steps.append((epoch_no, stop))
-    return steps
-
-
-def _run_schedule(
-    make: _Factory, steps: list[tuple[int | None, int | None]]
-) -> list | BaseException:
-    """Follow ``steps`` on one Loader; the batches of every step, in order."""
-    try:
-        with make() as ld:
-            out = []
-            for epoch_no, stop in steps:
-                if epoch_no is not None:
-                    ld.next_epoch = epoch_no
-                it = iter(ld)
-                got = []
-                for x in it:
-                    got.append(snap(x))
-                    if stop is not None and len(got) >= stop:
-                        break
-                it.close()
-                out.append(got)
-            return out
-    except Exception as exc:
-        return exc
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_loaders_served_equal_in_process(
     daemon: DaemonProcess,
@@ -349,14 +315,14 @@ def test_random_loaders_served_equal_in_process(
 
         # Drawn apart from ``r``, so that the other draws of a seed stay what they were.
         rs = random.Random(f"schedule {seed} {trial}")
-        steps = _schedule(rs) if resume_at is None and not pair and rs.random() < 0.2 else None
+        steps = epoch_schedule(rs) if resume_at is None and not pair and rs.random() < 0.2 else None
         if size is not None and steps is None:
             what += f", epoch 1 resized to {size}"
         got: Any
         if steps is not None:
             what += f", schedule {steps}"
-            want = _run_schedule(loader("inproc"), steps)
-            got = _run_schedule(loader(transport), steps)
+            want = run_schedule(loader("inproc"), steps)
+            got = run_schedule(loader(transport), steps)
             if d is tight and type(got).__name__ == "ResourceExhausted":
                 continue
             if isinstance(want, BaseException) or isinstance(got, BaseException):

@@ -17,7 +17,9 @@ that crop decoders pick every DCT scale, 1/8 to 8/8, and output sizes up to 200 
 
 Each trial reads two epochs from the daemon and from the in-process Loader and compares every
 output's bits, or, when one side refuses, requires the same error type from the other; a
-quarter of them also checkpoint part-way and resume on a new Loader of a random backend.
+quarter of them also checkpoint part-way and resume on a new Loader of a random backend, and a
+fifth of the others follow a random epoch schedule on one Loader instead (epochs read again, out
+of order, some left early: ``conformance._backends.epoch_schedule``).
 ``BETON_FUZZ_OPS_TRIALS`` sets the trials per seed (default 20), ``BETON_FUZZ_OPS_SEEDS`` the
 seeds (default ``0,1,2``).
 """
@@ -65,7 +67,14 @@ from beton_serve.writer import DatasetWriter
 from helpers.daemon import DaemonProcess, start_daemon
 from helpers.user_ops import write_ops_module
 
-from conformance._backends import assert_same_batches, epoch, make_loader, resumed
+from conformance._backends import (
+    assert_same_batches,
+    epoch,
+    epoch_schedule,
+    make_loader,
+    resumed,
+    run_schedule,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -324,8 +333,22 @@ def test_random_loaders_with_rare_ops_served_equal_in_process(world, seed: int) 
         loader = functools.partial(
             _loader, path=paths[file], pseed=pseed, kw=kw, mods=mods, address=d.address
         )
-        want = _run(functools.partial(loader, "inproc"), 2 if resume_at is None else 3)
+        # Drawn apart from ``r``, so that the other draws of a seed stay what they were.
+        rs = random.Random(f"schedule ops {seed} {trial}")
+        steps = epoch_schedule(rs) if resume_at is None and rs.random() < 0.2 else None
         got: Any
+        if steps is not None:
+            what += f", schedule {steps}"
+            want = run_schedule(functools.partial(loader, "inproc"), steps)
+            got = run_schedule(functools.partial(loader, transport), steps)
+            if isinstance(want, BaseException) or isinstance(got, BaseException):
+                assert type(got).__name__ == type(want).__name__, f"{what}: {got!r} != {want!r}"
+                continue
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert_same_batches(g, w, f"{what}, step {i}")
+            checked += 1
+            continue
+        want = _run(functools.partial(loader, "inproc"), 2 if resume_at is None else 3)
         if resume_at is None:
             got = _run(functools.partial(loader, transport), 2)
         else:

@@ -322,6 +322,44 @@ def test_an_epoch_read_again_on_the_same_stream_is_the_in_process_one(
             assert_same_batches(epoch(ld), want, f"{backend}, epoch 3 again")
 
 
+def test_identical_loaders_reading_epochs_again_at_once_get_the_in_process_batches(
+    data: Path, daemon: DaemonProcess
+) -> None:
+    """Three identical served Loaders at once (two shm, one grpc: one sharing group on the
+    daemon), each reading epochs 3 and 4 again and again in its own order, every batch bit for
+    bit the in-process Loader's: epochs read again meet sharing groups and the rings' release
+    words together."""
+    import threading
+
+    case = Case(data, daemon, order="RANDOM", seed=5, batch_size=4)
+    want = {}
+    with case.loader("inproc") as ref:
+        for e in (3, 4):
+            ref.next_epoch = e
+            want[e] = epoch(ref)
+    errors: list[BaseException] = []
+
+    def read(i: int, backend: str) -> None:
+        try:
+            with case.loader(backend) as ld:
+                for r in range(10):
+                    e = 3 if (r + i) % 3 else 4
+                    ld.next_epoch = e
+                    assert_same_batches(epoch(ld), want[e], f"{backend} #{i}, round {r}, epoch {e}")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=read, args=(i, b)) for i, b in enumerate(["shm", "shm", "grpc"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[0]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_loader_and_its_iterator_refuse_pickle_and_copy(
     data: Path, daemon: DaemonProcess, backend: str
