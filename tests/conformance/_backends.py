@@ -318,3 +318,14 @@ def run_schedule(make: Callable[[], Any], steps: list[Step]) -> list | BaseExcep
             return out
     except Exception as exc:
         return exc
+
+
+def assert_same_schedules(got: list | BaseException, want: list | BaseException, what: str) -> bool:
+    """Two :func:`run_schedule` results agree: the same error type on both sides, or every
+    step's batches bit for bit. Returns whether batches were compared (not only errors)."""
+    if isinstance(want, BaseException) or isinstance(got, BaseException):
+        assert type(got).__name__ == type(want).__name__, f"{what}: {got!r} != {want!r}"
+        return False
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_same_batches(g, w, f"{what}, step {i}")
+    return True

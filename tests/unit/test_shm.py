@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -94,8 +95,22 @@ def test_sweep_removes_only_dead_pids(tmp_path: Path) -> None:
     assert not stale.exists() and live.exists() and other.exists()
 
 
-def test_id_table_and_release_words_are_seen_by_the_client() -> None:
+def _receiver_of(ring: ShmRing) -> Any:
+    """The client's mapping of ``ring`` (id table and release words included)."""
     from beton_client._transport.shm import ShmReceiver
+
+    setup = ring.setup()
+    return ShmReceiver(
+        setup.segment,
+        setup.segment_bytes,
+        ring.slot_count,
+        setup.slot_bytes,
+        ids_offset=setup.ids_offset,
+        release_offset=setup.release_offset,
+    )
+
+
+def test_id_table_and_release_words_are_seen_by_the_client() -> None:
     from beton_wire import notice
 
     ring = ShmFactory(ShmNamer()).create(_layout(), 3)
@@ -104,14 +119,7 @@ def test_id_table_and_release_words_are_seen_by_the_client() -> None:
         setup = ring.setup()
         assert setup.ids_offset == 3 * ring.layout.slot_bytes
         assert setup.release_offset == setup.ids_offset + 8 * 8 * 3
-        rx = ShmReceiver(
-            setup.segment,
-            setup.segment_bytes,
-            3,
-            setup.slot_bytes,
-            ids_offset=setup.ids_offset,
-            release_offset=setup.release_offset,
-        )
+        rx = _receiver_of(ring)
         assert rx.has_release_words
         slots = [ring.acquire(), ring.acquire()]
         for s in slots:
@@ -142,19 +150,10 @@ def test_a_word_left_from_the_slots_last_lease_is_not_a_release_of_the_same_batc
     again, batch 1 may come back in the slot it had last time, with the same token. Arming
     clears the word, so the store left from last time is not taken for a release (it was:
     the daemon then decoded the next batch into the slot the client was about to read)."""
-    from beton_client._transport.shm import ShmReceiver
     from beton_wire import notice
 
     ring = ShmFactory(ShmNamer()).create(_layout(), 2)
-    setup = ring.setup()
-    rx = ShmReceiver(
-        setup.segment,
-        setup.segment_bytes,
-        2,
-        setup.slot_bytes,
-        ids_offset=setup.ids_offset,
-        release_offset=setup.release_offset,
-    )
+    rx = _receiver_of(ring)
     try:
         token = notice.lease_token(3, 1, 10)
         for _pass in range(2):  # epoch 3's batch 1 in the same slot, twice
