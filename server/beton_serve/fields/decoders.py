@@ -392,6 +392,53 @@ class SimpleRGBImageDecoder(Operation):
                         row[j] = 0
                 return dst
 
+            def copy_raw_mirrored(
+                batch_indices, dst, metadata, storage_state, mirror
+            ):  # pragma: no cover - compiled
+                # copy_raw followed by RandomHorizontalFlip in one pass (the plan fuses the two,
+                # ``Plan._mirror_fusions``): the images drawn for a flip are copied with each
+                # row's pixels in reverse order, so that the batch is written once and never
+                # read back (issue 15 §3: the flip's second pass over a cold ring slot was most
+                # of the served CIFAR path's extra cost). Unsigned offsets, as in the flip's
+                # row loop, let LLVM drop the negative-index checks.
+                n = batch_indices.shape[0]
+                h, w = dst.shape[1], dst.shape[2]
+                flat = dst.reshape(n, -1)
+                size = flat.shape[1]
+                one = np.uint64(1)
+                two = np.uint64(2)
+                for i in range(n):
+                    data = mem_read(metadata[batch_indices[i]]["data_ptr"], storage_state)
+                    row = flat[i]
+                    src = data[:size]
+                    m = src.shape[0]
+                    if mirror[i] and m == size:
+                        for y in range(h):
+                            base = y * w * 3
+                            for x in range(w):
+                                a = np.uint64(base + (w - 1 - x) * 3)
+                                b = np.uint64(base + x * 3)
+                                row[b] = src[a]
+                                row[b + one] = src[a + one]
+                                row[b + two] = src[a + two]
+                        continue
+                    for j in range(m):
+                        row[j] = src[j]
+                    for j in range(m, size):
+                        row[j] = 0
+                    if mirror[i]:  # a short sample: mirrored after its zero tail, as the flip
+                        for y in range(h):
+                            base = y * w * 3
+                            for x in range(w // 2):
+                                a = np.uint64(base + (w - 1 - x) * 3)
+                                b = np.uint64(base + x * 3)
+                                for k in range(3):
+                                    t = row[b + np.uint64(k)]
+                                    row[b + np.uint64(k)] = row[a + np.uint64(k)]
+                                    row[a + np.uint64(k)] = t
+                return dst
+
+            copy_raw.mirrored = copy_raw_mirrored  # type: ignore[attr-defined]
             return copy_raw
 
         mem_read_py = self.memory_read

@@ -46,6 +46,7 @@ the op as its last argument.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -85,6 +86,13 @@ __all__ = [
 #: The default bound on the free workspaces a process keeps (:func:`idle_workspace_limit`): this
 #: share of its memory (the host's, or its cgroup's limit when lower).
 IDLE_WORKSPACE_SHARE_OF_MEMORY = 8
+
+
+#: Whether a decoder may take the place of the flip after it (:meth:`Plan._mirror_fusions`);
+#: ``BETON_SERVE_FUSE_MIRROR=0`` turns it off (for comparisons; the pixels are the same).
+FUSE_MIRROR = os.environ.get("BETON_SERVE_FUSE_MIRROR", "1").strip() != "0"
+#: The step mark of a flip whose decoder wrote its result.
+_ABSORBED = ("absorbed",)
 
 
 @dataclass(frozen=True)
@@ -490,6 +498,9 @@ class Plan:
         #: its dtype, the position of the op given the destination)``, fixed between two
         #: declarations (:meth:`_static_outputs`).
         self._outputs_static: list[tuple[int, bool, tuple[int, ...], np.dtype[Any], int]] = []
+        #: Whether decoders may take the place of the flips after them (:data:`FUSE_MIRROR`
+        #: when the plan was made).
+        self._fuse_mirror = FUSE_MIRROR
         #: The jit ops as :meth:`run` calls them (:meth:`_build_steps`).
         self._steps: list[tuple[Any, ...]] = []
         self.sample_check: Callable[[NDArray[np.uint64]], None] | None = None
@@ -641,7 +652,7 @@ class Plan:
             if self._jit[pos] and not getattr(fn, "python", False):
                 flags = {
                     k: getattr(fn, k)
-                    for k in ("with_indices", "with_seed", "python")
+                    for k in ("with_indices", "with_seed", "python", "mirrored")
                     if hasattr(fn, k)
                 }
                 try:
@@ -838,7 +849,12 @@ class Plan:
         timed: list[tuple[str, float]] = []
         clock = time.perf_counter
         storage_state = self._storage_state
-        for node, pos, fn, parent, metadata, with_indices, with_seed, name, over in self._steps:
+        for step in self._steps:
+            node, pos, fn, parent, metadata, with_indices, with_seed, name, over, mirror = step
+            if mirror is _ABSORBED:  # its decoder wrote its result (see _mirror_fusions)
+                results[pos] = passed[pos] = results[over]
+                timed.append((name, 0.0))
+                continue
             buf = direct.get(pos)
             if buf is not None:
                 dst = buf[:n]
@@ -848,6 +864,13 @@ class Plan:
                 dst = _slice(ws.buffer(pos), n)
             passed[pos] = dst
             try:
+                if mirror is not None:
+                    mirrored, mask_of, flip_pos = mirror
+                    mask = mask_of(batch_indices, seed_keys[flip_pos])
+                    t0 = clock()
+                    results[pos] = mirrored(batch_indices, dst, metadata, storage_state, mask)
+                    timed.append((name, clock() - t0))
+                    continue
                 if parent is None:
                     args: list[Any] = [batch_indices, dst, metadata, storage_state]
                 else:
@@ -896,6 +919,8 @@ class Plan:
         decoder, fn.with_indices, fn.with_seed, the op's name, the position of the op whose
         buffer it may work on in place or None)`` (read once here, not per batch: those lookups
         were a measurable share of a small batch's time)."""
+        fusions = self._mirror_fusions()
+        absorbed = {flip_pos for _, _, flip_pos in fusions.values()}
         steps = []
         for node in self.jit_nodes:
             fn = self._fns[node.position]
@@ -911,9 +936,45 @@ class Plan:
                     bool(getattr(fn, "with_seed", False)),
                     type(node.op).__name__,
                     None if over is None else over.position,
+                    _ABSORBED if node.position in absorbed else fusions.get(node.position),
                 )
             )
         return steps
+
+    def _mirror_fusions(self) -> dict[int, tuple[Callable[..., Any], Callable[..., Any], int]]:
+        """Decoders that take the place of the flip after them: ``{decoder position: (its
+        mirrored function, the flip's mask function, the flip's position)}``.
+
+        A decoder whose function offers a ``mirrored`` variant (``f(batch_indices, dst,
+        metadata, storage_state, mask)``: the images of ``mask`` written mirrored along W; the
+        raw ``SimpleRGBImageDecoder``), followed by a flip whose function offers its draws
+        (``mirror_mask(batch_indices, seed_key)``: ``RandomHorizontalFlip``) and that works in
+        place over the decoder's buffer (:meth:`_inplace_parent`: nothing else reads the
+        unflipped images). The two then run as one pass that writes each image once, flipped
+        or not: the flip's own pass re-read and re-wrote every image it flipped, the largest
+        share of a CIFAR-sized batch's cost, and more in the daemon, whose ring slots are cold
+        (issue 15 §3). The pixels are the same (``tests/unit/test_mirror_fusion.py``); the
+        flip's time is counted in the decoder's (:meth:`op_times`).
+        """
+        fusions: dict[int, tuple[Callable[..., Any], Callable[..., Any], int]] = {}
+        if not self._fuse_mirror:
+            return fusions
+        for node in self.jit_nodes:
+            parent = self._inplace_parent(node)
+            if parent is None or parent.parent is not None:
+                continue
+            mirrored = getattr(self._fns[parent.position], "mirrored", None)
+            mask_of = getattr(self._fns[node.position], "mirror_mask", None)
+            if mirrored is None or mask_of is None:
+                continue
+            decoder = self._fns[parent.position]
+            compiled = getattr(decoder, "mirrored_jit", None)  # once, not at every refresh
+            if compiled is None:
+                compiled = Compiler.compile(mirrored)
+                with contextlib.suppress(AttributeError):
+                    decoder.mirrored_jit = compiled
+            fusions[parent.position] = (compiled, mask_of, node.position)
+        return fusions
 
     def _static_outputs(self) -> list[tuple[int, bool, tuple[int, ...], np.dtype[Any], int]]:
         """What :meth:`run` needs of each output that only a declaration changes: its leaf,

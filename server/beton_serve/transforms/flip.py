@@ -186,6 +186,12 @@ class RandomHorizontalFlip(Operation):
                     np.copyto(dst[i], images[i])
             return dst
 
+        def mirror_mask(batch_indices, seed_key):
+            """Which of the samples this op flips: a decoder that writes them mirrored itself
+            (``Plan._mirror_fusions``) takes the op's place, with the same draws."""
+            return mask_fn(np.asarray(batch_indices), np.uint64(seed_key), p)
+
+        flip.mirror_mask = mirror_mask  # type: ignore[attr-defined]
         return mark(flip, indices=True, seed=True, python=True)
 
     def spec_params(self) -> dict[str, Any]:
