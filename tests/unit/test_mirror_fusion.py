@@ -147,29 +147,27 @@ def test_a_flip_after_another_op_is_not_fused(raw_file, monkeypatch) -> None:
         assert not plan._mirror_fusions()
 
 
-def test_a_short_allocation_is_mirrored_after_its_zero_tail(raw_file, monkeypatch) -> None:
-    """A raw allocation shorter than the image (the decoder leaves the rest zero) is flipped
-    as the flip op would flip it, zero rows included."""
+def test_a_file_with_a_short_allocation_keeps_the_looked_up_copy(raw_file, monkeypatch) -> None:
+    """A raw allocation shorter than the image (a damaged or foreign file): the decoder leaves
+    the rest of the image zero, so it keeps the copy that looks each allocation up, and the
+    flip runs after it as its own op."""
     path, images = raw_file
     ids = list(range(12))
     with BetonReader(path) as reader:
-        got = {}
-        for fuse in (True, False):
-            flip = RandomHorizontalFlip(1.0)
-            plan = _plan(
-                reader,
-                {"image": [SimpleRGBImageDecoder(), flip], "label": None},
-                12,
-                fuse=fuse,
-                monkeypatch=monkeypatch,
-            )
-            mem, ptrs, sizes = plan._storage_state
-            short = sizes.copy()
-            short[:] = np.minimum(short, H * W * 3 - 7)  # every image loses its last 7 bytes
-            plan._storage_state = (mem, ptrs, short)
-            (img,) = _run(plan, ids)
-            got[fuse] = img
-        np.testing.assert_array_equal(got[True], got[False])
+        dec, flip = SimpleRGBImageDecoder(), RandomHorizontalFlip(1.0)
+        plan = _plan(
+            reader, {"image": [dec, flip], "label": None}, 12, fuse=True, monkeypatch=monkeypatch
+        )
+        assert dec._raw_whole is True and plan._mirror_fusions()
+        mem, ptrs, sizes = reader.storage_state
+        short = np.minimum(sizes, H * W * 3 - 7)  # every image loses its last 7 bytes
+        monkeypatch.setattr(reader, "storage_state", (mem, ptrs, short))
+        dec, flip = SimpleRGBImageDecoder(), RandomHorizontalFlip(1.0)
+        plan = _plan(
+            reader, {"image": [dec, flip], "label": None}, 12, fuse=True, monkeypatch=monkeypatch
+        )
+        assert dec._raw_whole is False and not plan._mirror_fusions()
+        (img,) = _run(plan, ids)
         want = images[ids].copy().reshape(len(ids), -1)
         want[:, -7:] = 0
-        np.testing.assert_array_equal(got[True], want.reshape(-1, H, W, 3)[:, :, ::-1])
+        np.testing.assert_array_equal(img, want.reshape(-1, H, W, 3)[:, :, ::-1])

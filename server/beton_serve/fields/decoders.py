@@ -336,6 +336,68 @@ def _odd_size(height: int, width: int, h: int, w: int) -> str:
     )
 
 
+def _copy_whole(batch_indices, dst, metadata, storage_state):  # type: ignore[no-untyped-def] # pragma: no cover - compiled
+    mem = storage_state[0]
+    n = batch_indices.shape[0]
+    flat = dst.reshape(n, -1)
+    size = flat.shape[1]
+    for i in range(n):
+        start = np.uint64(metadata[batch_indices[i]]["data_ptr"])
+        src = mem[start : start + np.uint64(size)]
+        row = flat[i]
+        # an explicit loop over row views vectorises; slice assignment does not.
+        for j in range(size):
+            row[j] = src[j]
+    return dst
+
+
+def _copy_whole_mirrored(batch_indices, dst, metadata, storage_state, mirror):  # type: ignore[no-untyped-def] # pragma: no cover - compiled
+    mem = storage_state[0]
+    n = batch_indices.shape[0]
+    h, w = dst.shape[1], dst.shape[2]
+    flat = dst.reshape(n, -1)
+    size = flat.shape[1]
+    one = np.uint64(1)
+    two = np.uint64(2)
+    for i in range(n):
+        start = np.uint64(metadata[batch_indices[i]]["data_ptr"])
+        src = mem[start : start + np.uint64(size)]
+        row = flat[i]
+        if not mirror[i]:
+            for j in range(size):
+                row[j] = src[j]
+            continue
+        for y in range(h):
+            base = y * w * 3
+            for x in range(w):
+                a = np.uint64(base + (w - 1 - x) * 3)
+                b = np.uint64(base + x * 3)
+                row[b] = src[a]
+                row[b + one] = src[a + one]
+                row[b + two] = src[a + two]
+    return dst
+
+
+#: The compiled :func:`_whole_raw_copy` (made on first use: Numba is never imported at import).
+_WHOLE_RAW_COPY: list[Any] = []
+
+
+def _whole_raw_copy() -> Callable[..., Any]:
+    """``SimpleRGBImageDecoder``'s raw copy for a file whose every allocation holds its whole
+    image (``accept_storage``): each image is read at its pointer, with no lookup of its
+    allocation. Its ``mirrored`` attribute is the variant ``Plan._mirror_fusions`` calls in
+    place of a flip after the decoder: the images of ``mirror`` are written with each row's
+    pixels in reverse order, so that the flip costs no second pass over the batch (issue 15 §3:
+    that pass, over a cold ring slot, was most of the served CIFAR path's extra cost).
+    Unsigned offsets, as in the flip's row loop, let LLVM drop the negative-index checks. Both
+    are module-level kernels: compiled once per process, cached on disk like the others."""
+    if not _WHOLE_RAW_COPY:
+        copy = Compiler.kernel(_copy_whole)
+        copy.mirrored = Compiler.kernel(_copy_whole_mirrored)
+        _WHOLE_RAW_COPY.append(copy)
+    return _WHOLE_RAW_COPY[0]
+
+
 class SimpleRGBImageDecoder(Operation):
     """An ``RGBImageField`` whose images all have one size, as ``(B, H, W, 3)`` uint8.
 
@@ -351,12 +413,45 @@ class SimpleRGBImageDecoder(Operation):
     #: The output shape of the file whose columns ``_cols`` holds.
     _shape: tuple[int, int, int] | None = None
 
+    #: Whether every raw image's allocation holds the whole image, for the file whose columns
+    #: ``_cols`` holds (``None``: not known; see :meth:`accept_storage`).
+    _raw_whole: bool | None = None
+
     def accept_globals(self, metadata: Any, memory_read: Callable[..., Any]) -> None:
         """Receive the metadata column; drops columns cached from another file's (the plan
         hands the same column over again before every epoch)."""
         if metadata is not getattr(self, "metadata", None):
             self._cols = self._shape = None
+            self._raw_whole = None
         super().accept_globals(metadata, memory_read)
+
+    def accept_storage(self, storage_state: Any) -> None:
+        """Learn, once per file, whether every raw image's allocation holds the whole image
+        (a beton-serve extension the plan calls after :meth:`accept_globals`). When it does,
+        the raw copy reads each image at its pointer without looking its allocation up: the
+        per-sample binary search over the file's allocation table (``memory_read``) was ~95 us
+        of a 512-image CIFAR batch's ~330 us copy (issue 15 §3). Only for the format's own
+        ``memory_read`` and storage state; anything else keeps the looked-up reads."""
+        from beton_serve.format import memory_read as format_read
+
+        if self._raw_whole is not None:
+            return
+        whole = False
+        md = getattr(self, "metadata", None)
+        if self.memory_read is format_read and md is not None and len(md):
+            try:
+                _, ptrs, sizes = storage_state
+                cols = _ImageColumns(_require_metadata(self, _RGB_MEMBERS))
+                raw = cols.modes != 0
+                if raw.all() and len(ptrs):
+                    ix = np.searchsorted(ptrs, cols.ptrs)
+                    found = (ix < len(ptrs)) & (ptrs[np.minimum(ix, len(ptrs) - 1)] == cols.ptrs)
+                    need = (cols.heights * cols.widths * 3).astype(np.uint64)
+                    got = sizes[np.minimum(ix, len(ptrs) - 1)]
+                    whole = bool(found.all() and (got >= need).all())
+            except (TypeError, ValueError):
+                whole = False
+        self._raw_whole = whole
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         shape = self._shape
@@ -372,6 +467,8 @@ class SimpleRGBImageDecoder(Operation):
         cols = self._cols
         if cols is None:
             cols = self._cols = _ImageColumns(_require_metadata(self, _RGB_MEMBERS))
+        if self._raw_whole and (cols.modes != 0).all():
+            return _whole_raw_copy()
         if not (cols.modes == 0).any():
             mem_read = Compiler.compile(self.memory_read)  # type: ignore[arg-type]
 
@@ -392,53 +489,6 @@ class SimpleRGBImageDecoder(Operation):
                         row[j] = 0
                 return dst
 
-            def copy_raw_mirrored(
-                batch_indices, dst, metadata, storage_state, mirror
-            ):  # pragma: no cover - compiled
-                # copy_raw followed by RandomHorizontalFlip in one pass (the plan fuses the two,
-                # ``Plan._mirror_fusions``): the images drawn for a flip are copied with each
-                # row's pixels in reverse order, so that the batch is written once and never
-                # read back (issue 15 §3: the flip's second pass over a cold ring slot was most
-                # of the served CIFAR path's extra cost). Unsigned offsets, as in the flip's
-                # row loop, let LLVM drop the negative-index checks.
-                n = batch_indices.shape[0]
-                h, w = dst.shape[1], dst.shape[2]
-                flat = dst.reshape(n, -1)
-                size = flat.shape[1]
-                one = np.uint64(1)
-                two = np.uint64(2)
-                for i in range(n):
-                    data = mem_read(metadata[batch_indices[i]]["data_ptr"], storage_state)
-                    row = flat[i]
-                    src = data[:size]
-                    m = src.shape[0]
-                    if mirror[i] and m == size:
-                        for y in range(h):
-                            base = y * w * 3
-                            for x in range(w):
-                                a = np.uint64(base + (w - 1 - x) * 3)
-                                b = np.uint64(base + x * 3)
-                                row[b] = src[a]
-                                row[b + one] = src[a + one]
-                                row[b + two] = src[a + two]
-                        continue
-                    for j in range(m):
-                        row[j] = src[j]
-                    for j in range(m, size):
-                        row[j] = 0
-                    if mirror[i]:  # a short sample: mirrored after its zero tail, as the flip
-                        for y in range(h):
-                            base = y * w * 3
-                            for x in range(w // 2):
-                                a = np.uint64(base + (w - 1 - x) * 3)
-                                b = np.uint64(base + x * 3)
-                                for k in range(3):
-                                    t = row[b + np.uint64(k)]
-                                    row[b + np.uint64(k)] = row[a + np.uint64(k)]
-                                    row[a + np.uint64(k)] = t
-                return dst
-
-            copy_raw.mirrored = copy_raw_mirrored  # type: ignore[attr-defined]
             return copy_raw
 
         mem_read_py = self.memory_read

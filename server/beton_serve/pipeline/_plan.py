@@ -46,7 +46,6 @@ the op as its last argument.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -527,6 +526,9 @@ class Plan:
                 prev = State(jit_mode=True, device="cpu", shape=None, dtype=np.dtype(np.uint8))
                 op.accept_field(self.reader.handlers[node.field_name])
                 op.accept_globals(self._metadata[node.field_name], memory_read)
+                accept_storage = getattr(op, "accept_storage", None)
+                if accept_storage is not None:  # a beton-serve extension (SimpleRGBImageDecoder)
+                    accept_storage(self._storage_state)
             else:
                 prev = states[node.parent.position]
             # A trait of the op class (Operation.torch_op), set by the torch-only transforms.
@@ -652,7 +654,7 @@ class Plan:
             if self._jit[pos] and not getattr(fn, "python", False):
                 flags = {
                     k: getattr(fn, k)
-                    for k in ("with_indices", "with_seed", "python", "mirrored")
+                    for k in ("with_indices", "with_seed", "python")
                     if hasattr(fn, k)
                 }
                 try:
@@ -947,7 +949,7 @@ class Plan:
 
         A decoder whose function offers a ``mirrored`` variant (``f(batch_indices, dst,
         metadata, storage_state, mask)``: the images of ``mask`` written mirrored along W; the
-        raw ``SimpleRGBImageDecoder``), followed by a flip whose function offers its draws
+        raw ``SimpleRGBImageDecoder`` of a file whose allocations hold whole images), followed by a flip whose function offers its draws
         (``mirror_mask(batch_indices, seed_key)``: ``RandomHorizontalFlip``) and that works in
         place over the decoder's buffer (:meth:`_inplace_parent`: nothing else reads the
         unflipped images). The two then run as one pass that writes each image once, flipped
@@ -967,13 +969,7 @@ class Plan:
             mask_of = getattr(self._fns[node.position], "mirror_mask", None)
             if mirrored is None or mask_of is None:
                 continue
-            decoder = self._fns[parent.position]
-            compiled = getattr(decoder, "mirrored_jit", None)  # once, not at every refresh
-            if compiled is None:
-                compiled = Compiler.compile(mirrored)
-                with contextlib.suppress(AttributeError):
-                    decoder.mirrored_jit = compiled
-            fusions[parent.position] = (compiled, mask_of, node.position)
+            fusions[parent.position] = (Compiler.compile(mirrored), mask_of, node.position)
         return fusions
 
     def _static_outputs(self) -> list[tuple[int, bool, tuple[int, ...], np.dtype[Any], int]]:
