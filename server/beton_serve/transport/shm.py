@@ -59,8 +59,6 @@ SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^beton-(\d+)-")
 #: What ``publish`` returns: the client reads the slot through its own mapping.
 _PUBLISHED = Published()
-#: The expected token of a slot that is not leased (a client never stores it).
-_NO_LEASE = np.uint64(2**64 - 1)
 
 
 class ShmNamer:
@@ -209,7 +207,11 @@ class ShmRing(HostSlotRing):
         )
         self._ctl = self._base[self.release_offset :].view("<u8")
         self._words = self._ctl[notice.RELEASE_WORDS :]
-        self._expected = np.full(slot_count, _NO_LEASE, dtype=np.uint64)
+        #: The release words as a memoryview, and the armed slots' tokens: :meth:`reap` runs
+        #: after every batch, and a Python scan of the few armed slots costs ~1 us where the
+        #: numpy compare over every word cost 3.5 us warm and ~17 us in the daemon.
+        self._word_view: memoryview | None = memoryview(self._words)
+        self._armed: dict[int, int] = {}
         self._init_slots()
 
     # -- SlotTransport -----------------------------------------------------------------------
@@ -242,19 +244,26 @@ class ShmRing(HostSlotRing):
         read (found by ``tests/conformance/test_loader_data.py``). No store of the client's for
         the slot is pending here: the slot was released, by that store, before it was taken
         again."""
-        self._words[slot] = 0
-        self._expected[slot] = token
+        words = self._word_view
+        if words is None:
+            return
+        words[slot] = 0
+        self._armed[slot] = int(token)
 
     def reap(self) -> list[int]:
         """The slots whose release word holds the armed token (disarmed; release them)."""
-        hits = np.flatnonzero(self._words == self._expected)
-        if len(hits):
-            self._expected[hits] = _NO_LEASE
-        return hits.tolist()  # type: ignore[no-any-return]
+        words = self._word_view
+        if words is None:
+            return []
+        armed = self._armed
+        hits = [slot for slot, token in armed.items() if words[slot] == token]
+        for slot in hits:
+            del armed[slot]
+        return hits
 
     def disarm(self, slot: int) -> None:
         """Stop expecting a token in ``slot``'s word (it was released another way)."""
-        self._expected[slot] = _NO_LEASE
+        self._armed.pop(slot, None)
 
     @property
     def starved(self) -> bool:
@@ -299,6 +308,10 @@ class ShmRing(HostSlotRing):
             self._reset_slots()
             self._ids = np.empty((0, 0), "<u8")
             self._ctl = self._words = np.empty(0, "<u8")
+            view, self._word_view = self._word_view, None
+            if view is not None:
+                view.release()
+            self._armed.clear()
             m, self._mmap = self._mmap, None
             release_mapping(m, self.name)
 
