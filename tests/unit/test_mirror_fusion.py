@@ -25,9 +25,9 @@ H, W, N = 6, 5, 37  # an odd width: the middle column stays in place
 
 
 class _Images:
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, h: int = H, w: int = W) -> None:
         rng = np.random.default_rng(7)
-        self.images = rng.integers(0, 256, (n, H, W, 3), dtype=np.uint8)
+        self.images = rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -171,3 +171,48 @@ def test_a_file_with_a_short_allocation_keeps_the_looked_up_copy(raw_file, monke
         want = images[ids].copy().reshape(len(ids), -1)
         want[:, -7:] = 0
         np.testing.assert_array_equal(img, want.reshape(-1, H, W, 3)[:, :, ::-1])
+
+
+@pytest.mark.parametrize(("h", "w"), [(32, 32), (4, 7), (3, 8), (1, 4), (5, 1), (2, 13), (7, 6)])
+def test_every_image_size_is_mirrored_as_the_flip_does(tmp_path: Path, monkeypatch, h, w) -> None:
+    """Every width and height (one row, one column, odd and even), a whole batch of images:
+    the flip's pixels, and nothing written outside each image's bytes (the batch's last image
+    included)."""
+    path = tmp_path / "raw.beton"
+    data = _Images(21, h, w)
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="raw"), "label": IntField()}
+    ).from_indexed_dataset(data)
+    ids = [20, 3, 0, 19, 7, 11, 2, 5, 13, 17, 1]
+    with BetonReader(path) as reader:
+        got = {}
+        for fuse in (True, False):
+            flip = RandomHorizontalFlip(0.5)
+            plan = _plan(
+                reader,
+                {"image": [SimpleRGBImageDecoder(), flip], "label": None},
+                16,
+                fuse=fuse,
+                monkeypatch=monkeypatch,
+            )
+            assert bool(plan._mirror_fusions()) is fuse
+            out = np.full((16, h, w, 3), 201, np.uint8)
+            (img,) = _run(plan, ids, [out])
+            assert (out[len(ids) :] == 201).all()
+            key = plan.seed_keys(11, 2)[_flip_position(plan, flip)]
+            np.testing.assert_array_equal(img, _expected(data.images, ids, key, 0.5))
+            got[fuse] = img
+        np.testing.assert_array_equal(got[True], got[False])
+        # every image drawn for a flip, and a batch ending with one
+        for fuse in (True, False):
+            plan = _plan(
+                reader,
+                {"image": [SimpleRGBImageDecoder(), RandomHorizontalFlip(1.0)], "label": None},
+                16,
+                fuse=fuse,
+                monkeypatch=monkeypatch,
+            )
+            out = np.full((16, h, w, 3), 201, np.uint8)
+            (img,) = _run(plan, ids[:5], [out[:5]])
+            assert (out[5:] == 201).all()
+            np.testing.assert_array_equal(img, data.images[ids[:5]][:, :, ::-1])

@@ -336,66 +336,16 @@ def _odd_size(height: int, width: int, h: int, w: int) -> str:
     )
 
 
-def _copy_whole(batch_indices, dst, metadata, storage_state):  # type: ignore[no-untyped-def] # pragma: no cover - compiled
-    mem = storage_state[0]
-    n = batch_indices.shape[0]
-    flat = dst.reshape(n, -1)
-    size = flat.shape[1]
-    for i in range(n):
-        start = np.uint64(metadata[batch_indices[i]]["data_ptr"])
-        src = mem[start : start + np.uint64(size)]
-        row = flat[i]
-        # an explicit loop over row views vectorises; slice assignment does not.
-        for j in range(size):
-            row[j] = src[j]
-    return dst
-
-
-def _copy_whole_mirrored(batch_indices, dst, metadata, storage_state, mirror):  # type: ignore[no-untyped-def] # pragma: no cover - compiled
-    mem = storage_state[0]
-    n = batch_indices.shape[0]
-    h, w = dst.shape[1], dst.shape[2]
-    flat = dst.reshape(n, -1)
-    size = flat.shape[1]
-    one = np.uint64(1)
-    two = np.uint64(2)
-    for i in range(n):
-        start = np.uint64(metadata[batch_indices[i]]["data_ptr"])
-        src = mem[start : start + np.uint64(size)]
-        row = flat[i]
-        if not mirror[i]:
-            for j in range(size):
-                row[j] = src[j]
-            continue
-        for y in range(h):
-            base = y * w * 3
-            for x in range(w):
-                a = np.uint64(base + (w - 1 - x) * 3)
-                b = np.uint64(base + x * 3)
-                row[b] = src[a]
-                row[b + one] = src[a + one]
-                row[b + two] = src[a + two]
-    return dst
-
-
-#: The compiled :func:`_whole_raw_copy` (made on first use: Numba is never imported at import).
-_WHOLE_RAW_COPY: list[Any] = []
-
-
 def _whole_raw_copy() -> Callable[..., Any]:
     """``SimpleRGBImageDecoder``'s raw copy for a file whose every allocation holds its whole
-    image (``accept_storage``): each image is read at its pointer, with no lookup of its
-    allocation. Its ``mirrored`` attribute is the variant ``Plan._mirror_fusions`` calls in
-    place of a flip after the decoder: the images of ``mirror`` are written with each row's
-    pixels in reverse order, so that the flip costs no second pass over the batch (issue 15 §3:
-    that pass, over a cold ring slot, was most of the served CIFAR path's extra cost).
-    Unsigned offsets, as in the flip's row loop, let LLVM drop the negative-index checks. Both
-    are module-level kernels: compiled once per process, cached on disk like the others."""
-    if not _WHOLE_RAW_COPY:
-        copy = Compiler.kernel(_copy_whole)
-        copy.mirrored = Compiler.kernel(_copy_whole_mirrored)
-        _WHOLE_RAW_COPY.append(copy)
-    return _WHOLE_RAW_COPY[0]
+    image (``accept_storage``), with its ``mirrored`` variant for ``Plan._mirror_fusions``
+    (``beton_serve._kernels.raw``, imported on first use: it imports Numba)."""
+    from beton_serve._kernels import raw
+
+    copy = raw.copy_whole
+    if getattr(copy, "mirrored", None) is None:
+        copy.mirrored = raw.copy_whole_mirrored
+    return copy
 
 
 class SimpleRGBImageDecoder(Operation):
