@@ -32,6 +32,7 @@ from conformance._backends import (
     make_loader,
     module_daemon,
     serving,
+    snap,
 )
 
 pytestmark = pytest.mark.slow
@@ -397,7 +398,13 @@ def test_one_loader_iterated_from_two_threads_errors_and_never_mixes_batches(
     ``iter()`` or ``next()`` at a time: the other thread's call raises ``RuntimeError``, and the
     epoch that one thread stopped raises it there too. What was yielded is the right data. On
     shm the losing thread had got ``TransportError('no sample ids for slot 0 ...')`` or a
-    silently short epoch."""
+    silently short epoch.
+
+    The Loader copies each batch inside ``next()`` (``copy=True``): a zero-copy batch is valid
+    until the Loader's next ``iter()``, from whichever thread, and the other thread's ``iter()``
+    could come while this one still read its epoch's last batch, which the new epoch then
+    overwrote (a CI run of session 35 failed so, on shm: 1 run in many; what ``copy=False``
+    promises is in ``test_a_batch_is_overwritten_only_after_the_loaders_next_iter``)."""
     import threading
 
     case = Case(data, daemon, order="RANDOM", seed=8, drop_last=False)
@@ -405,7 +412,7 @@ def test_one_loader_iterated_from_two_threads_errors_and_never_mixes_batches(
         want = epochs(ref, 2 * 20)
     errors: list[BaseException] = []
     got: dict[int, list] = {}
-    with case.loader(backend) as ld:
+    with case.loader(backend, copy=True) as ld:
         for _round in range(20):
             out: dict[int, Any] = {}
 
@@ -434,6 +441,35 @@ def test_one_loader_iterated_from_two_threads_errors_and_never_mixes_batches(
     assert got  # and some epochs were read whole
     for e, batches in got.items():
         assert_same_batches(batches, want[e], f"{backend}, epoch {e} read by one of two threads")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_is_overwritten_only_after_the_loaders_next_iter(
+    data: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """A zero-copy batch stays as yielded until the Loader is asked for more: its iterator's
+    next ``next()``, or the Loader's next ``iter()``, whichever thread calls it. The last batch
+    of an epoch, not asked past, keeps its data while the backend prepares ahead; once the next
+    epoch starts, its buffers may be reused. With ``copy=True`` a batch is the caller's for
+    good, the next epoch read whole included."""
+    import time
+
+    case = Case(data, daemon, order="RANDOM", seed=8, drop_last=False)
+    with case.loader("inproc") as ref:
+        want = epochs(ref, 2)
+    for copy in (False, True):
+        with case.loader(backend, copy=copy) as ld:
+            it = iter(ld)
+            held = [next(it) for _ in range(len(ld))]
+            time.sleep(0.2)  # the daemon decodes ahead meanwhile (the next epoch's batches)
+            what = f"{backend}, copy={copy}"
+            assert_same_batches([snap(held[-1])], [want[0][-1]], f"{what}: the last batch, held")
+            assert_same_epochs([epoch(iter(ld))], [want[1]], f"{what}: the next epoch")
+            if copy:
+                assert_same_batches(
+                    [snap(b) for b in held], want[0], f"{what}: the held epoch, after the next"
+                )
 
 
 # -- resume -------------------------------------------------------------------------------------
