@@ -949,9 +949,9 @@ class Plan:
 
         A decoder whose function offers a ``mirrored`` variant (``f(batch_indices, dst,
         metadata, storage_state, mask)``: the images of ``mask`` written mirrored along W; the
-        raw ``SimpleRGBImageDecoder`` of a file whose allocations hold whole images), followed by a flip whose function offers its draws
-        (``mirror_mask(batch_indices, seed_key)``: ``RandomHorizontalFlip``) and that works in
-        place over the decoder's buffer (:meth:`_inplace_parent`: nothing else reads the
+        raw ``SimpleRGBImageDecoder`` of a file whose allocations hold whole images), followed
+        by a flip whose function offers its draws (``mirror_mask(batch_indices, seed_key)``:
+        ``RandomHorizontalFlip``) and that works in place over the decoder's buffer (:meth:`_inplace_parent`: nothing else reads the
         unflipped images). The two then run as one pass that writes each image once, flipped
         or not: the flip's own pass re-read and re-wrote every image it flipped, the largest
         share of a CIFAR-sized batch's cost, and more in the daemon, whose ring slots are cold
