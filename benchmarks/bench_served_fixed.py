@@ -14,7 +14,6 @@ pipeline: the image copied and flipped). The two loaders take turns, a warm-up e
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -26,13 +25,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 
-def proc_cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid``."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kind", choices=["labels", "noflip", "full"])
@@ -41,6 +33,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench_loader import build, pipelines
+    from bench_served import proc_cpu
     from beton_client import Loader as ServedLoader
     from beton_client import OrderOption as ServedOrder
     from beton_client import ServeOptions

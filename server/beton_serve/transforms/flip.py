@@ -153,8 +153,13 @@ class RandomHorizontalFlip(Operation):
         rows_fn = Compiler.compile(flip_rows)
         rows_inplace_fn = Compiler.compile(flip_rows_inplace)
 
+        def mirror_mask(batch_indices, seed_key):
+            """Which of the samples this op flips: the op's own draws, and those of a decoder
+            that writes them mirrored itself in the op's place (``Plan._mirror_fusions``)."""
+            return mask_fn(np.asarray(batch_indices), np.uint64(seed_key), p)
+
         def flip(images, dst, batch_indices, seed_key):
-            mask = mask_fn(np.asarray(batch_indices), np.uint64(seed_key), p)
+            mask = mirror_mask(batch_indices, seed_key)
             n = images.shape[0]
             same = same_array(images, dst)
             contiguous = images.ndim == 4 and images.flags.c_contiguous
@@ -185,11 +190,6 @@ class RandomHorizontalFlip(Operation):
                 else:
                     np.copyto(dst[i], images[i])
             return dst
-
-        def mirror_mask(batch_indices, seed_key):
-            """Which of the samples this op flips: a decoder that writes them mirrored itself
-            (``Plan._mirror_fusions``) takes the op's place, with the same draws."""
-            return mask_fn(np.asarray(batch_indices), np.uint64(seed_key), p)
 
         flip.mirror_mask = mirror_mask  # type: ignore[attr-defined]
         return mark(flip, indices=True, seed=True, python=True)
