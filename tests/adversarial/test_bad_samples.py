@@ -248,7 +248,7 @@ def test_sharing_streams_charge_the_batches_they_deliver_like_the_in_process_loa
         t.join(120)
     assert sorted(got) == [0, 1, 2]
     for i, (batches, error) in got.items():
-        assert len(batches) == len(want[0]), i
+        assert len(batches) == len(want[0]), (i, error)
         for (image, label), (w_image, w_label) in zip(batches, want[0], strict=True):
             np.testing.assert_array_equal(image, w_image)
             np.testing.assert_array_equal(label, w_label)
