@@ -81,6 +81,8 @@ class FakeField:
 class FakeReader:
     def __init__(self, n: int = 40, hw: tuple[int, int] = (4, 5), per_page: int = 8) -> None:
         self.path = f"/fake/{n}"
+        # What PlanCache keys by (BetonReader.identity): the same contents, the same identity.
+        self.identity = ("fake", n, tuple(hw), per_page)
         self.num_samples = n
         self.field_names = ["image", "label"]
         self.handlers = {

@@ -135,7 +135,16 @@ class BetonReader:
         self._guard: Region | None = None
         try:
             with open_regular(self.path) as f:
-                size = os.fstat(f.fileno()).st_size
+                st = os.fstat(f.fileno())
+                size = st.st_size
+                #: Which file this is (device, inode, size, modification time): two files at
+                #: one path, or one rewritten, differ here (``PlanCache`` keys by it).
+                self.identity: tuple[int, int, int, int] = (
+                    st.st_dev,
+                    st.st_ino,
+                    st.st_size,
+                    st.st_mtime_ns,
+                )
                 if size < HEADER_SIZE:
                     raise FormatError(
                         self.path, 0, f"file is {size} bytes, shorter than the 24-byte header"

@@ -516,7 +516,8 @@ class Loader(FrontEnd):
         order_kwargs: extra arguments of a custom order class.
         copy: copy every batch out of its slot (then it stays valid after the next batch).
         engine: a shared :class:`Engine` to run on instead of private workers.
-        plan_cache: share compiled pipelines with other Loaders.
+        plan_cache: share compiled pipelines with other Loaders over the same file (the
+            file itself: another file at the same path, or the file rewritten, compiles anew).
         bad_sample_budget: failing samples that may be skipped (see ``BatchSource``).
         batch_timeout: seconds ``next()`` waits for one batch before raising
             ``PipelineError`` (``None``: forever). The first batch includes Numba compilation.

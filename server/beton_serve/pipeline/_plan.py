@@ -165,6 +165,9 @@ def _slice(buf: Any, n: int) -> Any:
 class PlanCache:
     """Compiled op functions shared between plans of the same (file, schema, pipelines).
 
+    The file is the reader's ``identity`` (device, inode, size, modification time), not its
+    path: functions compiled for one file are never handed to a plan over another.
+
     Thread-safe. The daemon keeps one for its lifetime; a Loader may be given one so that a
     second Loader over the same file and pipelines starts without compiling. Only pipelines
     whose ops all have a wire description (``spec_params``) are cached.
@@ -1082,8 +1085,14 @@ def compile_pipelines(
     key = None
     if cache is not None:
         spec = _spec_key(paths)
-        if spec is not None:
-            key = (str(getattr(reader, "path", "")), reader.schema_key(), spec)
+        # The file itself, not its path: the generated functions close over the file's columns
+        # (a JPEG decoder reads each sample at the pointer its metadata gave), so the functions
+        # of another file at the same path (a relative path from another directory, a file
+        # rewritten) read this one's bytes at that file's offsets. A reader that cannot say
+        # which file it is gets nothing cached.
+        identity = getattr(reader, "identity", None)
+        if spec is not None and identity is not None:
+            key = (identity, reader.schema_key(), spec)
     plan = Plan(reader, paths, nodes, batch_size=batch_size, cache=cache, cache_key=key)
     plan.sample_check = sample_check
     return plan
