@@ -1,8 +1,13 @@
 """A PlanCache hands compiled functions only to plans over the same file (not the same path).
 
-The generated decoders close over their file's columns (each sample's pointer, size, mode), so
-functions compiled for one file and reused for another at the same path decoded the second
-file's bytes at the first file's offsets: a corrupt-JPEG error, or another image's pixels.
+The generated JPEG decoder closes over its file's columns (each sample's pointer, size, mode),
+so functions compiled for one file and reused for another at the same path decoded the second
+file's bytes at the first file's offsets: a corrupt-JPEG error where those offsets start no
+image in it, and where one starts an image of the expected size (the same images written in
+another order), that image instead of the sample's (reasoned from the code, not reproduced).
+The raw copy reads its pointers per call, but its choice to copy each image at its pointer
+(``SimpleRGBImageDecoder.accept_storage``) was made for the first file. On the old key the JPEG
+cases below fail with that corrupt-JPEG error, the raw one on the cache's size (one entry for two files).
 """
 
 from __future__ import annotations
