@@ -83,9 +83,6 @@ class ShardedReader:
         self.page_size = int(first.page_size)
         self.num_samples = sum(int(r.num_samples) for r in self.readers)
         self._schema_key = str(first.schema_key())
-        #: The shards' files (``BetonReader.identity``), or ``None`` when one cannot say.
-        ids = [getattr(r, "identity", None) for r in self.readers]
-        self.identity: tuple[Any, ...] | None = None if None in ids else tuple(ids)
         align = max(self.page_size, mmap.PAGESIZE)
         sizes = [len(r.storage_state[0]) for r in self.readers]
         offsets, pos = [], 0
