@@ -40,18 +40,22 @@ def main() -> None:
     from helpers.daemon import start_daemon
 
     path = build("cifar", 50000)
-    common = {"batch_size": 512, "seed": 0, "pipelines": None}
+    common = {"batch_size": 512, "seed": 0}
     with tempfile.TemporaryDirectory(prefix="bs-", dir="/tmp") as tmp:
         d = start_daemon([path], Path(tmp), args=["--workers", str(args.workers)])
         try:
-            common["pipelines"] = pipelines("cifar")
+            # Each Loader gets its own op objects (a Loader takes the ops it is given).
             local = LocalLoader(
-                str(path), order=LocalOrder.RANDOM, num_workers=args.workers, **common
+                str(path),
+                order=LocalOrder.RANDOM,
+                pipelines=pipelines("cifar"),
+                num_workers=args.workers,
+                **common,
             )
-            common["pipelines"] = pipelines("cifar")
             served = ServedLoader(
                 str(path),
                 order=ServedOrder.RANDOM,
+                pipelines=pipelines("cifar"),
                 serve=ServeOptions(server=d.address),
                 **common,
             )
