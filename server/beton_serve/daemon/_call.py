@@ -101,6 +101,11 @@ async def serve_call(
                     yield item
     except ClientHungUp:
         return
+    except Exception:
+        # The client reads what was published before the error, then the error: batches it
+        # was sent by reference stay readable until it released them (or hung up).
+        await stream.hold_shared_until_released(hung_up)
+        raise
     finally:
         reader.cancel()
         with contextlib.suppress(BaseException):
