@@ -29,6 +29,7 @@ from beton_serve.loader import Loader as InProcessLoader
 from beton_serve.loader import OrderOption
 from beton_serve.transforms import ToTensor
 from beton_serve.writer import DatasetWriter
+from helpers.bad_samples import BigThenSmall, SlowFirstRead, zero_samples
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -134,30 +135,6 @@ def test_served_ids_name_the_samples_the_batch_holds(
             loader.close()
 
 
-class _BigThenSmall:
-    """Samples 0..3 are 800x800 noise (slow to decode), the rest small; labels are ids."""
-
-    def __len__(self) -> int:
-        return 16
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        rng = np.random.default_rng(i)
-        shape = (800, 800, 3) if i < 4 else (24, 32, 3)
-        return rng.integers(0, 255, shape, dtype=np.uint8), i
-
-
-def _zero_samples(path: Path, ids: list[int]) -> None:
-    r = BetonReader(str(path))
-    try:
-        ptrs = [int(r.metadata["f0"]["data_ptr"][i]) for i in ids]
-    finally:
-        r.close()
-    with open(path, "r+b") as f:
-        for ptr in ptrs:
-            f.seek(ptr)
-            f.write(b"\0" * 64)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["inproc", "shm", "grpc"])
 def test_the_budget_runs_out_at_the_same_batch_whichever_batch_finishes_first(
@@ -171,8 +148,8 @@ def test_the_budget_runs_out_at_the_same_batch_whichever_batch_finishes_first(
     path = tmp_path / "bigsmall.beton"
     DatasetWriter(
         str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(_BigThenSmall())
-    _zero_samples(path, [1, 5])
+    ).from_indexed_dataset(BigThenSmall())
+    zero_samples(path, [1, 5])
     kw = {"pipelines": _pipelines(True), "num_workers": 2, "batches_ahead": 3}
     if backend == "inproc":
         loader: object = InProcessLoader(str(path), 4, bad_sample_budget=1, **kw)
@@ -219,8 +196,8 @@ def test_sharing_streams_charge_the_batches_they_deliver_like_the_in_process_loa
     path = tmp_path / "bigsmall.beton"
     DatasetWriter(
         str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(_BigThenSmall())
-    _zero_samples(path, [1, 5, 9, 10])
+    ).from_indexed_dataset(BigThenSmall())
+    zero_samples(path, [1, 5, 9, 10])
     kw = {
         "pipelines": _pipelines(True),
         "num_workers": 2,
@@ -255,32 +232,6 @@ def test_sharing_streams_charge_the_batches_they_deliver_like_the_in_process_loa
         assert error == want[1], i
 
 
-class _SlowFirstRead:
-    """Makes each shm stream's first look at its notice channel come ``delay_s`` late (then
-    read, or raise :class:`_Gone` when ``then_fail``): a client descheduled after it sent its
-    epoch's ``Start``, as on a loaded CI machine, by which time the daemon has published the
-    epoch's first batch and hit the error at the next one."""
-
-    class _Gone(Exception):
-        pass
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay_s: float, then_fail: bool) -> None:
-        import beton_client._stream as client_stream
-
-        real = client_stream._Stream.next_ready
-        seen: set[int] = set()
-
-        def next_ready(stream: Any, *args: Any, **kwargs: Any) -> Any:
-            if id(stream) not in seen:
-                seen.add(id(stream))
-                time.sleep(delay_s)
-                if then_fail:
-                    raise self._Gone("the client stopped before reading")
-            return real(stream, *args, **kwargs)
-
-        monkeypatch.setattr(client_stream._Stream, "next_ready", next_ready)
-
-
 @pytest.mark.timeout(120)
 def test_a_slow_sharing_client_gets_the_batches_published_before_the_error(
     daemon_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -295,8 +246,8 @@ def test_a_slow_sharing_client_gets_the_batches_published_before_the_error(
     path = tmp_path / "bigsmall.beton"
     DatasetWriter(
         str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(_BigThenSmall())
-    _zero_samples(path, [1, 5, 9, 10])
+    ).from_indexed_dataset(BigThenSmall())
+    zero_samples(path, [1, 5, 9, 10])
     kw = {"pipelines": _pipelines(True), "num_workers": 2, "order": OrderOption.RANDOM, "seed": 3}
     want = _read_until_error(lambda: InProcessLoader(str(path), 4, bad_sample_budget=2, **kw))
     assert len(want[0]) == 1 and want[1] is not None and "budget 2" in want[1]
@@ -305,7 +256,7 @@ def test_a_slow_sharing_client_gets_the_batches_published_before_the_error(
         ServedLoader(str(path), 4, server=d.address, spawn=False, transport="shm", **kw)
         for _ in range(2)
     ]
-    _SlowFirstRead(monkeypatch, 1.5, then_fail=False)
+    SlowFirstRead(monkeypatch, 1.5, then_fail=False)
     try:
         for i, loader in enumerate(loaders):
             got: list[tuple[np.ndarray, np.ndarray]] = []
@@ -335,8 +286,8 @@ def test_a_sharing_client_that_closes_without_reading_frees_what_the_daemon_held
     path = tmp_path / "bigsmall.beton"
     DatasetWriter(
         str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(_BigThenSmall())
-    _zero_samples(path, [1, 5, 9, 10])
+    ).from_indexed_dataset(BigThenSmall())
+    zero_samples(path, [1, 5, 9, 10])
     kw = {"pipelines": _pipelines(True), "num_workers": 2, "order": OrderOption.RANDOM, "seed": 3}
     want = _read_until_error(lambda: InProcessLoader(str(path), 4, bad_sample_budget=2, **kw))
     d = daemon_factory([path], args=["--bad-sample-budget", "2", "--workers", "2"])
@@ -346,10 +297,10 @@ def test_a_sharing_client_that_closes_without_reading_frees_what_the_daemon_held
         for _ in range(2)
     ]
     with monkeypatch.context() as patch:
-        _SlowFirstRead(patch, 1.5, then_fail=True)
+        SlowFirstRead(patch, 1.5, then_fail=True)
         for loader in loaders:
             try:
-                with pytest.raises(_SlowFirstRead._Gone):
+                with pytest.raises(SlowFirstRead.Gone):
                     next(iter(loader))  # type: ignore[call-overload]
             finally:
                 loader.close()  # type: ignore[attr-defined]
@@ -379,8 +330,8 @@ def test_streams_opened_either_side_of_a_budget_reload_keep_their_own_budgets(
     path = tmp_path / "bigsmall.beton"
     DatasetWriter(
         str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(_BigThenSmall())
-    _zero_samples(path, [13])  # batch 3 of 4
+    ).from_indexed_dataset(BigThenSmall())
+    zero_samples(path, [13])  # batch 3 of 4
     kw = {"pipelines": _pipelines(True), "num_workers": 2, "seed": 3}  # SEQUENTIAL
     want = {
         budget: _read_until_error(
@@ -443,8 +394,8 @@ def test_a_client_reading_from_two_daemons_has_one_budget_per_epoch(
     path = tmp_path / "bigsmall.beton"
     DatasetWriter(
         str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(_BigThenSmall())
-    _zero_samples(path, [1, 5, 9])
+    ).from_indexed_dataset(BigThenSmall())
+    zero_samples(path, [1, 5, 9])
     kw = {"pipelines": _pipelines(True), "num_workers": 2}
     want = _read_until_error(lambda: InProcessLoader(str(path), 4, bad_sample_budget=budget, **kw))
     if budget == 2:

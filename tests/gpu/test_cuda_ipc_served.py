@@ -68,3 +68,63 @@ def test_served_cuda_ipc_equals_shm(torch, daemon_factory, fixtures_dir: Path) -
         with open(path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
     assert "transport cuda_ipc" in d.log()
+
+
+def test_a_slow_cuda_ipc_client_gets_the_batch_published_before_the_error(
+    torch, daemon_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cuda_ipc client opens a slot's slab the first time it reads that slot. When it
+    looks for its first batch only after the daemon published batch 0 and the bad-sample budget
+    ran out at batch 1, the daemon must not have freed the ring yet: the client gets batch 0,
+    equal to the in-process Loader's, then the same error (``Stream.hold_until_released``)."""
+    import numpy as np
+    from beton_client import Loader
+    from beton_serve.fields import IntField, RGBImageField
+    from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
+    from beton_serve.loader import Loader as InProcessLoader
+    from beton_serve.loader import OrderOption
+    from beton_serve.transforms import ToDevice, ToTensor
+    from beton_serve.writer import DatasetWriter
+    from helpers.bad_samples import BigThenSmall, SlowFirstRead, zero_samples
+
+    path = tmp_path / "bigsmall.beton"
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(BigThenSmall())
+    zero_samples(path, [1, 5, 9, 10])
+
+    def pipes(device: bool) -> dict:
+        tail = [ToDevice("cuda:0")] if device else []
+        return {
+            "image": [CenterCropRGBImageDecoder((16, 16), 1.0), ToTensor(), *tail],
+            "label": [IntDecoder(), ToTensor()],
+        }
+
+    kw: dict = dict(num_workers=2, order=OrderOption.RANDOM, seed=3)
+    want: list = []
+    want_error = None
+    try:
+        for image, label in InProcessLoader(
+            str(path), 4, pipelines=pipes(False), bad_sample_budget=2, **kw
+        ):
+            want.append((np.asarray(image).copy(), np.asarray(label).copy()))
+    except Exception as exc:
+        want_error = f"{type(exc).__name__}: {exc}"
+    assert len(want) == 1 and want_error is not None
+    d = daemon_factory([path], args=["--bad-sample-budget", "2", "--workers", "2"])
+    got: list = []
+    error = None
+    with Loader(str(path), 4, pipelines=pipes(True), server=d.address, spawn=False, **kw) as ld:
+        if ld.chosen_transport != "cuda_ipc":
+            pytest.skip(f"cuda_ipc not chosen: {ld.transport_rejections}")
+        SlowFirstRead(monkeypatch, 1.5, then_fail=False)
+        try:
+            for image, label in ld:
+                got.append((image.cpu().numpy().copy(), np.asarray(label).copy()))
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    assert len(got) == len(want), error
+    for (image, label), (w_image, w_label) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(image, w_image)
+        np.testing.assert_array_equal(label, w_label)
+    assert error == want_error

@@ -102,9 +102,9 @@ async def serve_call(
     except ClientHungUp:
         return
     except Exception:
-        # The client reads what was published before the error, then the error: batches it
-        # was sent by reference stay readable until it released them (or hung up).
-        await stream.hold_shared_until_released(hung_up)
+        # The client reads what was published before the error, then the error: what it was
+        # sent stays readable until it released it (or hung up).
+        await stream.hold_until_released(hung_up)
         raise
     finally:
         reader.cancel()

@@ -96,7 +96,7 @@ log = logging.getLogger("beton_serve.daemon")
 
 #: Seconds a client that asked for notices has to connect its notice channel.
 NOTICE_ATTACH_TIMEOUT_S = 10.0
-#: :meth:`Stream.hold_shared_until_released` looks at the release words after this long
+#: :meth:`Stream.hold_until_released` looks at the release words after this long
 #: without a wake-up, doubling up to the second figure (the notice pump's back-off).
 _HOLD_POLL_FIRST_S = 0.001
 _HOLD_POLL_MAX_S = 0.016
@@ -285,7 +285,7 @@ class Stream:
         self.starts.put_nowait(StartEpoch(self.stream_id, epoch, next_batch, credits, True))
 
     def _notice_wake(self) -> None:
-        self._wake.set()  # :meth:`hold_shared_until_released` waits for it too
+        self._wake.set()  # :meth:`hold_until_released` waits for it too
         if self.pump is not None:
             self.pump.fill()
 
@@ -499,23 +499,26 @@ class Stream:
         if self.pump is not None:
             self.pump.fill()
 
-    async def hold_shared_until_released(self, hung_up: asyncio.Event) -> None:
+    async def hold_until_released(self, hung_up: asyncio.Event) -> None:
         """After an error ended the stream (``daemon._call``), before it closes: wait until
-        the client has released every batch it was sent by reference, or it hung up, or an
-        abort (a drain, the client's notice channel closing) came.
+        the client has released every batch published to it, or it hung up, or an abort (a
+        drain, the client's notice channel closing) came.
 
-        Why: such a batch lives in its sharing group's buffer, not in this stream's ring. The
-        client reads the batches published before the error, then the error, in that order,
-        but a slow one may not have mapped them yet. Released at once by :meth:`close`, the
-        group could unlink the buffer's segment (the client then lost a batch that the
-        in-process Loader delivers before the same error) or reuse the buffer for another
-        batch (wrong pixels under the right sample ids). A batch in the stream's own ring needs
-        no wait: the client maps the ring when the stream opens, and nothing writes into it
-        after the error. The wait is bounded as any held batch is: by the client's next
-        ``next()`` (its release), its hang-up (the notice channel's end-of-file, the liveness
-        monitor), or the daemon's drain. The release comes as a release word (the starved
-        word makes the client send ``WAKE``; a back-off timer covers a missed one) or a
-        ``RELEASE`` record.
+        Why: the client reads the batches published before the error, then the error, in that
+        order, as the in-process Loader delivers them, but a slow client may not have mapped
+        them yet, and :meth:`close` frees what they live in. A batch sent by reference lives in
+        its sharing group's buffer: released at once, the group unlinked the buffer's segment
+        (the client then lost a batch the in-process Loader delivers before the same error: a
+        CI flake) or could reuse the buffer for another batch (wrong pixels under the right
+        sample ids). A cuda_ipc client opens each slot's slab the first time it reads that slot,
+        which it cannot do once the ring is freed. (An shm client maps its whole ring when the
+        stream opens, so its own slots would survive; it waits alike, which keeps one rule.)
+
+        The wait is bounded as any held batch is: by the client's next ``next()`` (its
+        release), its hang-up (the Batches call or the notice channel ending, the liveness
+        monitor), or the daemon's drain. A release comes as a release word (the starved word
+        makes the client send ``WAKE``; a back-off timer covers a missed one) or a ``RELEASE``
+        record.
         """
         delay = _HOLD_POLL_FIRST_S
         extras = self.ring.notice_extras
@@ -528,7 +531,7 @@ class Stream:
                         extras.starved = True  # set before looking: a release after it WAKEs
                     self._wake.clear()
                     self.reap()
-                    if not self._refs:
+                    if self._published == 0:
                         return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), delay)
