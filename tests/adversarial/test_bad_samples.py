@@ -29,7 +29,7 @@ from beton_serve.loader import Loader as InProcessLoader
 from beton_serve.loader import OrderOption
 from beton_serve.transforms import ToTensor
 from beton_serve.writer import DatasetWriter
-from helpers.bad_samples import BigThenSmall, SlowFirstRead, zero_samples
+from helpers.bad_samples import SlowFirstRead, write_big_then_small
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -146,10 +146,7 @@ def test_the_budget_runs_out_at_the_same_batch_whichever_batch_finishes_first(
     budget, naming sample 5, in every Loader. It was charged in the order batches finished,
     so batch 1 took the budget and the Loader failed at batch 0, naming sample 1."""
     path = tmp_path / "bigsmall.beton"
-    DatasetWriter(
-        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(BigThenSmall())
-    zero_samples(path, [1, 5])
+    write_big_then_small(path, [1, 5])
     kw = {"pipelines": _pipelines(True), "num_workers": 2, "batches_ahead": 3}
     if backend == "inproc":
         loader: object = InProcessLoader(str(path), 4, bad_sample_budget=1, **kw)
@@ -194,10 +191,7 @@ def test_sharing_streams_charge_the_batches_they_deliver_like_the_in_process_loa
     the same sample. (Without the skipped samples passed through the group, the members that
     did not decode a batch never charged it and read on past the budget.)"""
     path = tmp_path / "bigsmall.beton"
-    DatasetWriter(
-        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(BigThenSmall())
-    zero_samples(path, [1, 5, 9, 10])
+    write_big_then_small(path, [1, 5, 9, 10])
     kw = {
         "pipelines": _pipelines(True),
         "num_workers": 2,
@@ -244,10 +238,7 @@ def test_a_slow_sharing_client_gets_the_batches_published_before_the_error(
     the segment and the client lost batch 0, ending with the error and 0 batches: the CI flake
     of the three-stream test above, reproduced 2 times in 25 with both cores busy.)"""
     path = tmp_path / "bigsmall.beton"
-    DatasetWriter(
-        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(BigThenSmall())
-    zero_samples(path, [1, 5, 9, 10])
+    write_big_then_small(path, [1, 5, 9, 10])
     kw = {"pipelines": _pipelines(True), "num_workers": 2, "order": OrderOption.RANDOM, "seed": 3}
     want = _read_until_error(lambda: InProcessLoader(str(path), 4, bad_sample_budget=2, **kw))
     assert len(want[0]) == 1 and want[1] is not None and "budget 2" in want[1]
@@ -284,10 +275,7 @@ def test_a_sharing_client_that_closes_without_reading_frees_what_the_daemon_held
     them, or until the client goes: two slow clients that close instead of reading leave no
     segment behind, and the daemon serves the next Loader its first batch as in process."""
     path = tmp_path / "bigsmall.beton"
-    DatasetWriter(
-        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(BigThenSmall())
-    zero_samples(path, [1, 5, 9, 10])
+    write_big_then_small(path, [1, 5, 9, 10])
     kw = {"pipelines": _pipelines(True), "num_workers": 2, "order": OrderOption.RANDOM, "seed": 3}
     want = _read_until_error(lambda: InProcessLoader(str(path), 4, bad_sample_budget=2, **kw))
     d = daemon_factory([path], args=["--bad-sample-budget", "2", "--workers", "2"])
@@ -328,10 +316,7 @@ def test_streams_opened_either_side_of_a_budget_reload_keep_their_own_budgets(
     budget-3 stream did, the other got it with the sample replaced and failed with another
     message.)"""
     path = tmp_path / "bigsmall.beton"
-    DatasetWriter(
-        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(BigThenSmall())
-    zero_samples(path, [13])  # batch 3 of 4
+    write_big_then_small(path, [13])  # batch 3 of 4
     kw = {"pipelines": _pipelines(True), "num_workers": 2, "seed": 3}  # SEQUENTIAL
     want = {
         budget: _read_until_error(
@@ -392,10 +377,7 @@ def test_a_client_reading_from_two_daemons_has_one_budget_per_epoch(
     batch 2 naming sample 9, with the in-process Loader's message. With a budget of 3 all three
     epochs are read, bit for bit the in-process Loader's, replacements included."""
     path = tmp_path / "bigsmall.beton"
-    DatasetWriter(
-        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(BigThenSmall())
-    zero_samples(path, [1, 5, 9])
+    write_big_then_small(path, [1, 5, 9])
     kw = {"pipelines": _pipelines(True), "num_workers": 2}
     want = _read_until_error(lambda: InProcessLoader(str(path), 4, bad_sample_budget=budget, **kw))
     if budget == 2:

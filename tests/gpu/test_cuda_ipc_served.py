@@ -79,19 +79,14 @@ def test_a_slow_cuda_ipc_client_gets_the_batch_published_before_the_error(
     equal to the in-process Loader's, then the same error (``Stream.hold_until_released``)."""
     import numpy as np
     from beton_client import Loader
-    from beton_serve.fields import IntField, RGBImageField
     from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
     from beton_serve.loader import Loader as InProcessLoader
     from beton_serve.loader import OrderOption
     from beton_serve.transforms import ToDevice, ToTensor
-    from beton_serve.writer import DatasetWriter
-    from helpers.bad_samples import BigThenSmall, SlowFirstRead, zero_samples
+    from helpers.bad_samples import SlowFirstRead, write_big_then_small
 
     path = tmp_path / "bigsmall.beton"
-    DatasetWriter(
-        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
-    ).from_indexed_dataset(BigThenSmall())
-    zero_samples(path, [1, 5, 9, 10])
+    write_big_then_small(path, [1, 5, 9, 10])
 
     def pipes(device: bool) -> dict:
         tail = [ToDevice("cuda:0")] if device else []

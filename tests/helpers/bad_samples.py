@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from beton_serve.format import BetonReader
 
-__all__ = ["BigThenSmall", "SlowFirstRead", "zero_samples"]
+__all__ = ["BigThenSmall", "SlowFirstRead", "write_big_then_small", "zero_samples"]
 
 
 class BigThenSmall:
@@ -39,6 +39,19 @@ def zero_samples(path: Path, ids: list[int]) -> None:
         for ptr in ptrs:
             f.seek(ptr)
             f.write(b"\0" * 64)
+
+
+def write_big_then_small(path: Path, bad: list[int]) -> Path:
+    """Write :class:`BigThenSmall` to ``path`` (images as JPEG, labels as ints), then spoil the
+    images of the samples in ``bad`` (:func:`zero_samples`); returns ``path``."""
+    from beton_serve.fields import IntField, RGBImageField
+    from beton_serve.writer import DatasetWriter
+
+    DatasetWriter(
+        str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()}
+    ).from_indexed_dataset(BigThenSmall())
+    zero_samples(path, bad)
+    return path
 
 
 class SlowFirstRead:
