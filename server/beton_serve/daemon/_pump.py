@@ -73,15 +73,11 @@ from typing import Any
 
 from beton_serve.daemon._events import StartEpoch
 from beton_serve.daemon._publish import Publisher
-from beton_serve.daemon._stream import Lookahead, Pending, Stream
+from beton_serve.daemon._stream import TIMER_FIRST_S, TIMER_MAX_S, Lookahead, Pending, Stream
 from beton_serve.errors import BetonError, SpecError, without_traceback
 
 __all__ = ["Lookahead", "NoticePump"]
 
-#: First and longest delay of the starvation timer (seconds): it only runs while the stream
-#: waits for its client with nothing in flight, and only matters when a WAKE was missed.
-TIMER_FIRST_S = 0.001
-TIMER_MAX_S = 0.016
 
 #: Batches submitted and not yet published, beyond one per engine worker (see the module
 #: docstring): one finishing while the workers start the others, and one to spare.

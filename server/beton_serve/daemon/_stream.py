@@ -96,10 +96,12 @@ log = logging.getLogger("beton_serve.daemon")
 
 #: Seconds a client that asked for notices has to connect its notice channel.
 NOTICE_ATTACH_TIMEOUT_S = 10.0
-#: :meth:`Stream.hold_until_released` looks at the release words after this long
-#: without a wake-up, doubling up to the second figure (the notice pump's back-off).
-_HOLD_POLL_FIRST_S = 0.001
-_HOLD_POLL_MAX_S = 0.016
+#: First and longest delay of the starvation timer (seconds), doubling from one to the other:
+#: while the daemon waits for a client's release with nothing in flight (the notice pump, and
+#: :meth:`Stream.hold_until_released`), it looks at the release words this often too. It
+#: only matters when a ``WAKE`` was missed.
+TIMER_FIRST_S = 0.001
+TIMER_MAX_S = 0.016
 
 
 #: Batches submitted and not yet published, oldest first: ``(batch index, slot, future)``.
@@ -520,7 +522,7 @@ class Stream:
         makes the client send ``WAKE``; a back-off timer covers a missed one) or a ``RELEASE``
         record.
         """
-        delay = _HOLD_POLL_FIRST_S
+        delay = TIMER_FIRST_S
         extras = self.ring.notice_extras
         try:
             while True:
@@ -531,11 +533,11 @@ class Stream:
                         extras.starved = True  # set before looking: a release after it WAKEs
                     self._wake.clear()
                     self.reap()
-                    if self._published == 0:
+                    if self.client_idle:
                         return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), delay)
-                delay = min(_HOLD_POLL_MAX_S, delay * 2)
+                delay = min(TIMER_MAX_S, delay * 2)
         finally:
             if extras is not None and not self.closed:
                 with self.lock, contextlib.suppress(Exception):
