@@ -99,10 +99,11 @@ def test_a_slow_cuda_ipc_client_gets_the_batch_published_before_the_error(
     want: list = []
     want_error = None
     try:
-        for image, label in InProcessLoader(
+        with InProcessLoader(
             str(path), 4, pipelines=pipes(False), bad_sample_budget=2, **kw
-        ):
-            want.append((np.asarray(image).copy(), np.asarray(label).copy()))
+        ) as in_process:
+            for image, label in in_process:
+                want.append((np.asarray(image).copy(), np.asarray(label).copy()))
     except Exception as exc:
         want_error = f"{type(exc).__name__}: {exc}"
     assert len(want) == 1 and want_error is not None
