@@ -289,7 +289,7 @@ def epoch_schedule(r: random.Random) -> list[Step]:
     """3 to 7 steps for :func:`run_schedule`: epochs read again, out of order and back in
     time (``next_epoch``), some left after 0 to 3 batches. The same batch of the same epoch read
     again in the same slot once served another batch's rows (a release word's stale token,
-    session 34); the fuzzes read epochs 0 and 1 in order otherwise."""
+    session 34). ``test_fuzz.py`` also gives each member of a sharing group its own schedule."""
     steps: list[Step] = []
     for _ in range(r.randint(3, 7)):
         epoch_no = r.choice([None, None, r.randrange(4), r.randrange(4)])

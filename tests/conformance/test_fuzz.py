@@ -14,7 +14,10 @@ A third of the trials go to a second daemon with a tight stream memory budget an
 groups that detach a member one batch behind (:data:`TIGHT`); a stream it refuses with
 ``ResourceExhausted`` is skipped. A fifth of the plain trials instead follow a random epoch
 schedule on one Loader (``conformance._backends.epoch_schedule``): epochs read again, out of order and back in time
-through ``next_epoch``, some left after a few batches.
+through ``next_epoch``, some left after a few batches. A last test reads two or three identical
+served Loaders (a sharing group), each on its own random epoch schedule, in a random interleaving:
+each must read what the in-process Loader reads on its schedule, and a member's batch must not
+change while the others read on.
 
 The first version of this fuzz found that two compile-cache entries compiled in different
 processes could share Numba symbol names (a flip of another probability failed with
@@ -353,4 +356,113 @@ def test_random_loaders_served_equal_in_process(
             assert_same_batches(g, w, f"{what}, epoch {e}")
         checked += 1
     assert checked >= TRIALS // 2  # most trials compared batches, not only errors
+    assert daemon.proc.poll() is None and tight.proc.poll() is None
+
+
+def _member(ld: Any, steps: list, held: dict, me: int) -> Iterator[None]:
+    """Follow ``steps`` on ``ld`` (as :func:`run_schedule` does), yielding after each batch so
+    that another member can be stepped in between. The member's newest batch, as yielded, and
+    its snapshot are left in ``held[me]`` while its iterator is open (the batch must stay as it
+    was until this member asks for the next one); the steps' snapshots are ``held["out", me]``."""
+    out: list[list] = []
+    held["out", me] = out
+    for epoch_no, stop in steps:
+        if epoch_no is not None:
+            ld.next_epoch = epoch_no
+        it = iter(ld)
+        got: list = []
+        out.append(got)
+        for x in it:
+            got.append(snap(x))
+            held[me] = (x, got[-1], len(out) - 1, len(got) - 1)
+            yield
+            if stop is not None and len(got) >= stop:
+                break
+        held.pop(me, None)
+        it.close()
+        yield
+
+
+def _interleaved(make: _Factory, schedules: list[list], r: random.Random) -> list | BaseException:
+    """Identical served Loaders (one sharing group on the daemon), each on its own epoch
+    schedule, stepped one batch at a time in a random interleaving. After every step, each other
+    member's newest batch must still hold what it held when it was yielded: a group buffer is
+    never reused for another batch while a member may still read it. Returns every member's
+    steps (batch snapshots), or the first exception."""
+    loaders: list[Any] = []
+    held: dict[Any, Any] = {}
+    try:
+        for _ in schedules:
+            loaders.append(make())
+        live = {
+            m: _member(ld, s, held, m)
+            for m, (ld, s) in enumerate(zip(loaders, schedules, strict=True))
+        }
+        while live:
+            m = r.choice(sorted(live))
+            try:
+                next(live[m])
+            except StopIteration:
+                del live[m]
+            for other, (x, was, step, b) in [(k, v) for k, v in held.items() if k in live]:
+                if other != m:
+                    assert snap(x) == was, (
+                        f"member {other}'s batch {b} of step {step} changed while member {m} read"
+                    )
+        return [held["out", m] for m in range(len(schedules))]
+    except AssertionError:
+        raise
+    except Exception as exc:
+        return exc
+    finally:
+        for ld in loaders:
+            ld.close()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sharing_members_on_their_own_schedules_read_what_they_would_alone(
+    daemon: DaemonProcess,
+    tight: DaemonProcess,
+    fixtures_dir: Path,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two or three identical served Loaders share their decodes on the daemon, but each follows
+    its own epoch schedule (epochs read again, out of order, left early) and they are read in a
+    random interleaving. Each must read, bit for bit, what the in-process Loader reads on the
+    same schedule, and a batch one member holds must not change while the others read on."""
+    r = random.Random(f"sharing schedules {seed}")
+    checked = 0
+    trials = max(1, TRIALS // 3)
+    for trial in range(trials):
+        file, pseed, kw, transport, served, env = _draw(r)
+        for name in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        d = tight if r.random() < 0.3 else daemon
+        schedules = [epoch_schedule(r) for _ in range(r.choice([2, 2, 3]))]
+        for s in schedules[1:]:  # often the same first steps: more batches decoded once, shared
+            if r.random() < 0.6:
+                s[: r.randint(1, 2)] = schedules[0][:2]
+        what = (
+            f"seed {seed} trial {trial}: {file} {transport} {kw} {served} {env} p={pseed}, "
+            f"schedules {schedules}" + (", on the tight daemon" if d is tight else "")
+        )
+        loader = functools.partial(
+            _Factory,
+            path=fixtures_dir / f"{file}.beton",
+            pseed=pseed,
+            kw=kw,
+            served=served,
+            address=d.address,
+        )
+        got = _interleaved(loader(transport), schedules, random.Random(f"{what} order"))
+        if d is tight and type(got).__name__ == "ResourceExhausted":
+            continue  # rings the tight budget cannot hold: refused, as they should be
+        for m, steps in enumerate(schedules):
+            want = run_schedule(loader("inproc"), steps)
+            mine = got if isinstance(got, BaseException) else got[m]
+            checked += assert_same_schedules(mine, want, f"{what}, member {m}")
+    assert checked >= trials // 2  # most trials compared batches, not only errors
     assert daemon.proc.poll() is None and tight.proc.poll() is None
