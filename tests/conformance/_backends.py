@@ -320,6 +320,82 @@ def run_schedule(make: Callable[[], Any], steps: list[Step]) -> list | BaseExcep
         return exc
 
 
+def _member(ld: Any, steps: list[Step], held: dict[int, Any], out: list[list]) -> Iterator[None]:
+    """Follow ``steps`` on ``ld`` (as :func:`run_schedule` does, each step's snapshots appended
+    to ``out``), yielding after each batch so that other Loaders can be stepped in between.
+    While its iterator is open, the newest batch as yielded and its snapshot are in
+    ``held[id(out)]``: the batch must stay as it was until this Loader is asked for the next."""
+    me = id(out)
+    for epoch_no, stop in steps:
+        if epoch_no is not None:
+            ld.next_epoch = epoch_no
+        it = iter(ld)
+        got: list = []
+        out.append(got)
+        for x in it:
+            got.append(snap(x))
+            held[me] = (x, got[-1], len(out) - 1, len(got) - 1)
+            yield
+            if stop is not None and len(got) >= stop:
+                break
+        held.pop(me, None)
+        it.close()
+        yield
+
+
+def run_interleaved(
+    makes: Sequence[Callable[[], Any]],
+    schedules: Sequence[list[Step]],
+    r: random.Random,
+    before_close: Callable[[], None] | None = None,
+) -> list | BaseException:
+    """Loaders from ``makes`` (identical served ones form one sharing group on the daemon), each
+    on its own epoch schedule (:func:`epoch_schedule`), stepped one batch at a time in a random
+    interleaving; ``before_close`` runs once every schedule is done, before the Loaders close.
+
+    After every step, each other Loader's newest batch must still hold what it held when it was
+    yielded (``AssertionError`` otherwise): a shared buffer is never reused for another batch
+    while a member may still read it.
+
+    Returns:
+        Every Loader's steps (batch snapshots, as :func:`run_schedule` returns them), or the
+        first exception a Loader raised (compared by type with the other backend's).
+    """
+    loaders: list[Any] = []
+    held: dict[int, Any] = {}
+    outs: list[list[list]] = [[] for _ in makes]
+    try:
+        for make in makes:
+            loaders.append(make())
+        live = {
+            m: _member(ld, s, held, out)
+            for m, (ld, s, out) in enumerate(zip(loaders, schedules, outs, strict=True))
+        }
+        while live:
+            m = r.choice(sorted(live))
+            try:
+                next(live[m])
+            except StopIteration:
+                del live[m]
+            for other in live:
+                got = held.get(id(outs[other])) if other != m else None
+                if got is not None:
+                    x, was, step, b = got
+                    assert snap(x) == was, (
+                        f"Loader {other}'s batch {b} of step {step} changed while {m} read"
+                    )
+        if before_close is not None:
+            before_close()
+        return outs
+    except AssertionError:
+        raise
+    except Exception as exc:
+        return exc
+    finally:
+        for ld in loaders:
+            ld.close()
+
+
 def assert_same_schedules(got: list | BaseException, want: list | BaseException, what: str) -> bool:
     """Two :func:`run_schedule` results agree: the same error type on both sides, or every
     step's batches bit for bit. Returns whether batches were compared (not only errors)."""

@@ -71,6 +71,7 @@ from conformance._backends import (
     make_loader,
     module_daemon,
     resumed,
+    run_interleaved,
     run_schedule,
     snap,
 )
@@ -212,6 +213,14 @@ def _draw(r: random.Random) -> tuple[str, int, dict[str, Any], str, dict[str, An
     return file, r.randrange(1 << 30), kw, transport, served, env
 
 
+def _distributed_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """Set a trial's ``RANK`` and ``WORLD_SIZE`` (both Loaders read them), or clear them."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 class _Factory:
     """Makes one trial's Loader of one backend; keeps the pipelines of the last one made (a
     Loader owns its ops: progressive resizing sets its decoders' ``output_size``)."""
@@ -297,10 +306,7 @@ def test_random_loaders_served_equal_in_process(
     checked = 0
     for trial in range(TRIALS):
         file, pseed, kw, transport, served, env = _draw(r)
-        for name in ("RANK", "WORLD_SIZE"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
+        _distributed_env(monkeypatch, env)
         resume_at = r.randint(0, 3) if r.random() < 0.33 else None
         pair = resume_at is None and r.random() < 0.3
         size = (
@@ -359,66 +365,6 @@ def test_random_loaders_served_equal_in_process(
     assert daemon.proc.poll() is None and tight.proc.poll() is None
 
 
-def _member(ld: Any, steps: list, held: dict, me: int) -> Iterator[None]:
-    """Follow ``steps`` on ``ld`` (as :func:`run_schedule` does), yielding after each batch so
-    that another member can be stepped in between. The member's newest batch, as yielded, and
-    its snapshot are left in ``held[me]`` while its iterator is open (the batch must stay as it
-    was until this member asks for the next one); the steps' snapshots are ``held["out", me]``."""
-    out: list[list] = []
-    held["out", me] = out
-    for epoch_no, stop in steps:
-        if epoch_no is not None:
-            ld.next_epoch = epoch_no
-        it = iter(ld)
-        got: list = []
-        out.append(got)
-        for x in it:
-            got.append(snap(x))
-            held[me] = (x, got[-1], len(out) - 1, len(got) - 1)
-            yield
-            if stop is not None and len(got) >= stop:
-                break
-        held.pop(me, None)
-        it.close()
-        yield
-
-
-def _interleaved(make: _Factory, schedules: list[list], r: random.Random) -> list | BaseException:
-    """Identical served Loaders (one sharing group on the daemon), each on its own epoch
-    schedule, stepped one batch at a time in a random interleaving. After every step, each other
-    member's newest batch must still hold what it held when it was yielded: a group buffer is
-    never reused for another batch while a member may still read it. Returns every member's
-    steps (batch snapshots), or the first exception."""
-    loaders: list[Any] = []
-    held: dict[Any, Any] = {}
-    try:
-        for _ in schedules:
-            loaders.append(make())
-        live = {
-            m: _member(ld, s, held, m)
-            for m, (ld, s) in enumerate(zip(loaders, schedules, strict=True))
-        }
-        while live:
-            m = r.choice(sorted(live))
-            try:
-                next(live[m])
-            except StopIteration:
-                del live[m]
-            for other, (x, was, step, b) in [(k, v) for k, v in held.items() if k in live]:
-                if other != m:
-                    assert snap(x) == was, (
-                        f"member {other}'s batch {b} of step {step} changed while member {m} read"
-                    )
-        return [held["out", m] for m in range(len(schedules))]
-    except AssertionError:
-        raise
-    except Exception as exc:
-        return exc
-    finally:
-        for ld in loaders:
-            ld.close()
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_sharing_members_on_their_own_schedules_read_what_they_would_alone(
     daemon: DaemonProcess,
@@ -436,10 +382,7 @@ def test_sharing_members_on_their_own_schedules_read_what_they_would_alone(
     trials = max(1, TRIALS // 3)
     for trial in range(trials):
         file, pseed, kw, transport, served, env = _draw(r)
-        for name in ("RANK", "WORLD_SIZE"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
+        _distributed_env(monkeypatch, env)
         d = tight if r.random() < 0.3 else daemon
         schedules = [epoch_schedule(r) for _ in range(r.choice([2, 2, 3]))]
         for s in schedules[1:]:  # often the same first steps: more batches decoded once, shared
@@ -457,7 +400,8 @@ def test_sharing_members_on_their_own_schedules_read_what_they_would_alone(
             served=served,
             address=d.address,
         )
-        got = _interleaved(loader(transport), schedules, random.Random(f"{what} order"))
+        make = loader(transport)
+        got = run_interleaved([make] * len(schedules), schedules, random.Random(f"{what} order"))
         if d is tight and type(got).__name__ == "ResourceExhausted":
             continue  # rings the tight budget cannot hold: refused, as they should be
         for m, steps in enumerate(schedules):

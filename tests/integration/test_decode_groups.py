@@ -8,9 +8,12 @@ served, while the group decodes each sample about once per epoch.
 
 from __future__ import annotations
 
+import functools
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -380,3 +383,62 @@ def test_served_members_resume_exactly_across_a_sigterm_restart(
     for s, out in zip(SIZES, outs, strict=True):
         _same(out, refs[s])
     assert [g.members for g in groups] == [4]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_served_members_on_their_own_schedules_equal_in_process(
+    jpeg_file: Path, daemon_factory, seed: int
+) -> None:
+    """Three or four jobs of one decode group (different crop sizes), each on its own random
+    epoch schedule (epochs read again, out of order, left early), read in a random
+    interleaving: each reads what its in-process Loader reads on the same schedule, bit for
+    bit, and a batch one job holds does not change while the others read on."""
+    from conformance._backends import (
+        assert_same_schedules,
+        epoch_schedule,
+        run_interleaved,
+        run_schedule,
+    )
+
+    r = random.Random(f"decode group schedules {seed}")
+    sizes = r.sample(SIZES, r.choice([3, 4]))
+    schedules = [epoch_schedule(r) for _ in sizes]
+    for s in schedules[1:]:  # often the same first steps: the group decodes them once
+        if r.random() < 0.6:
+            s[: r.randint(1, 2)] = schedules[0][:2]
+    d = daemon_factory([jpeg_file])
+    makes = [functools.partial(_clients_of, d.address, size) for size in sizes]
+    groups: list = []
+
+    def look() -> None:  # the group lives while its members are open
+        groups.extend(g for g in d.stats().decode_groups if g.field == "image")
+
+    got = run_interleaved(makes, schedules, random.Random(f"decode group order {seed}"), look)
+    assert not isinstance(got, BaseException), got
+    what = f"seed {seed}: sizes {sizes}, schedules {schedules}"
+    for m, (size, steps) in enumerate(zip(sizes, schedules, strict=True)):
+        want = run_schedule(
+            lambda size=size: _loader(jpeg_file, size, pipelines=_pipelines(size, tensors=True)),
+            steps,
+        )
+        assert assert_same_schedules(got[m], want, f"{what}, job {m} ({size} px)")
+    (g,) = groups
+    assert g.members == len(sizes) and g.delivered > g.decoded, g  # the jobs shared decodes
+
+
+def _clients_of(address: str, size: int) -> Any:
+    """One served job of the decode group: :func:`_clients`' Loader for ``size``."""
+    from beton_client import Loader as Client
+    from beton_client import OrderOption as ClientOrder
+
+    return Client(
+        "sweep",
+        batch_size=BATCH,
+        order=ClientOrder.RANDOM,
+        seed=SEED,
+        pipelines=_pipelines(size, tensors=True),
+        server=address,
+        spawn=False,
+    )
