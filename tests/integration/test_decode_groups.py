@@ -428,6 +428,49 @@ def test_served_members_on_their_own_schedules_equal_in_process(
     assert g.members == len(sizes) and g.delivered > g.decoded, g  # the jobs shared decodes
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_in_process_members_on_their_own_schedules_equal_their_solo_runs(
+    jpeg_file: Path, cache, seed: int
+) -> None:
+    """The in-process twin of the test above: the jobs share one Engine and the process's decode
+    cache (issue 16 in process); each equals its solo Loader on the same schedule."""
+    from conformance._backends import (
+        assert_same_schedules,
+        epoch_schedule,
+        run_interleaved,
+        run_schedule,
+    )
+
+    r = random.Random(f"in-process decode group schedules {seed}")
+    sizes = r.sample(SIZES, r.choice([3, 4]))
+    schedules = [epoch_schedule(r) for _ in sizes]
+    for s in schedules[1:]:
+        if r.random() < 0.6:
+            s[: r.randint(1, 2)] = schedules[0][:2]
+    engine = Engine(num_workers=2)
+    try:
+        makes = [functools.partial(_loader, jpeg_file, size, engine) for size in sizes]
+        hits: list[int] = []
+        got = run_interleaved(
+            makes,
+            schedules,
+            random.Random(f"in-process order {seed}"),
+            lambda: hits.extend(g.hits for g in cache.stats()),
+        )
+    finally:
+        engine.close()
+    assert not isinstance(got, BaseException), got
+    what = f"seed {seed}: sizes {sizes}, schedules {schedules}"
+    for m, (size, steps) in enumerate(zip(sizes, schedules, strict=True)):
+        solo = Engine(num_workers=2)
+        try:
+            want = run_schedule(functools.partial(_loader, jpeg_file, size, solo), steps)
+        finally:
+            solo.close()
+        assert assert_same_schedules(got[m], want, f"{what}, job {m} ({size} px)")
+    assert sum(hits) > 0  # the jobs did share decodes
+
+
 def _clients_of(address: str, size: int) -> Any:
     """One served job of the decode group: :func:`_clients`' Loader for ``size``."""
     from beton_client import Loader as Client
