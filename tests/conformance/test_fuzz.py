@@ -373,8 +373,8 @@ def test_sharing_members_on_their_own_schedules_read_what_they_would_alone(
     seed: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Two or three identical served Loaders share their decodes on the daemon, but each follows
-    its own epoch schedule (epochs read again, out of order, left early) and they are read in a
+    """Two or three identical served Loaders (shm or grpc, drawn per Loader) share their decodes
+    on the daemon, but each follows its own epoch schedule (epochs read again, out of order, left early) and they are read in a
     random interleaving. Each must read, bit for bit, what the in-process Loader reads on the
     same schedule, and a batch one member holds must not change while the others read on."""
     r = random.Random(f"sharing schedules {seed}")
@@ -400,8 +400,12 @@ def test_sharing_members_on_their_own_schedules_read_what_they_would_alone(
             served=served,
             address=d.address,
         )
-        make = loader(transport)
-        got = run_interleaved([make] * len(schedules), schedules, random.Random(f"{what} order"))
+        # Members on other transports too (one group may serve shm and grpc streams alike).
+        rt = random.Random(f"{what} transports")
+        transports = [transport] + [rt.choice([transport, "shm", "grpc"]) for _ in schedules[1:]]
+        what += f", transports {transports}"
+        makes = [loader(t) for t in transports]
+        got = run_interleaved(makes, schedules, random.Random(f"{what} order"))
         if d is tight and type(got).__name__ == "ResourceExhausted":
             continue  # rings the tight budget cannot hold: refused, as they should be
         for m, steps in enumerate(schedules):
