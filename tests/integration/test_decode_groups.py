@@ -23,6 +23,13 @@ from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDec
 from beton_serve.loader import Loader
 from beton_serve.pipeline.registry import op_from_spec
 from beton_serve.transforms import RandomHorizontalFlip
+from conformance._backends import (
+    Step,
+    assert_same_schedules,
+    epoch_schedule,
+    run_interleaved,
+    run_schedule,
+)
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
 from helpers.sweep_images import write_sweep_file
 
@@ -262,6 +269,17 @@ def test_a_laggard_detaches_and_stays_exact(jpeg_file: Path, monkeypatch) -> Non
         _same(out, refs[s])
 
 
+def _jobs_and_schedules(r: random.Random) -> tuple[list[int], list[list[Step]]]:
+    """3 or 4 of :data:`SIZES`, each with its own epoch schedule; the later ones often begin
+    with the first one's steps (then the group decodes those batches once for all)."""
+    sizes = r.sample(SIZES, r.choice([3, 4]))
+    schedules = [epoch_schedule(r) for _ in sizes]
+    for steps in schedules[1:]:
+        if r.random() < 0.6:
+            steps[: r.randint(1, 2)] = schedules[0][:2]
+    return sizes, schedules
+
+
 def test_a_job_resumed_mid_epoch_joins_and_reads_exactly_once(jpeg_file: Path, cache) -> None:
     ref = _solo(jpeg_file, 192)
     k = 3
@@ -300,22 +318,24 @@ def _served_refs(path: Path, min_side: int) -> dict[int, list]:
 
 def _clients(address: str, min_side: int, **kw) -> list:
     """One served Loader per size, ``share_decode=True``, on the daemon at ``address``."""
+    return [_client(address, s, min_side, **kw) for s in SIZES]
+
+
+def _client(address: str, size: int, min_side: int = 0, **kw) -> Any:
+    """The served Loader of the ``size`` job (``share_decode=True``)."""
     from beton_client import Loader as Client
     from beton_client import OrderOption as ClientOrder
 
-    return [
-        Client(
-            "sweep",
-            batch_size=BATCH,
-            order=ClientOrder.RANDOM,
-            seed=SEED,
-            pipelines=_pipelines(s, tensors=True, min_side=min_side),
-            server=address,
-            spawn=False,
-            **kw,
-        )
-        for s in SIZES
-    ]
+    return Client(
+        "sweep",
+        batch_size=BATCH,
+        order=ClientOrder.RANDOM,
+        seed=SEED,
+        pipelines=_pipelines(size, tensors=True, min_side=min_side),
+        server=address,
+        spawn=False,
+        **kw,
+    )
 
 
 @pytest.mark.slow
@@ -395,21 +415,9 @@ def test_served_members_on_their_own_schedules_equal_in_process(
     epoch schedule (epochs read again, out of order, left early), read in a random
     interleaving: each reads what its in-process Loader reads on the same schedule, bit for
     bit, and a batch one job holds does not change while the others read on."""
-    from conformance._backends import (
-        assert_same_schedules,
-        epoch_schedule,
-        run_interleaved,
-        run_schedule,
-    )
-
-    r = random.Random(f"decode group schedules {seed}")
-    sizes = r.sample(SIZES, r.choice([3, 4]))
-    schedules = [epoch_schedule(r) for _ in sizes]
-    for s in schedules[1:]:  # often the same first steps: the group decodes them once
-        if r.random() < 0.6:
-            s[: r.randint(1, 2)] = schedules[0][:2]
+    sizes, schedules = _jobs_and_schedules(random.Random(f"decode group schedules {seed}"))
     d = daemon_factory([jpeg_file])
-    makes = [functools.partial(_clients_of, d.address, size) for size in sizes]
+    makes = [functools.partial(_client, d.address, size) for size in sizes]
     groups: list = []
 
     def look() -> None:  # the group lives while its members are open
@@ -434,19 +442,9 @@ def test_in_process_members_on_their_own_schedules_equal_their_solo_runs(
 ) -> None:
     """The in-process twin of the test above: the jobs share one Engine and the process's decode
     cache (issue 16 in process); each equals its solo Loader on the same schedule."""
-    from conformance._backends import (
-        assert_same_schedules,
-        epoch_schedule,
-        run_interleaved,
-        run_schedule,
+    sizes, schedules = _jobs_and_schedules(
+        random.Random(f"in-process decode group schedules {seed}")
     )
-
-    r = random.Random(f"in-process decode group schedules {seed}")
-    sizes = r.sample(SIZES, r.choice([3, 4]))
-    schedules = [epoch_schedule(r) for _ in sizes]
-    for s in schedules[1:]:
-        if r.random() < 0.6:
-            s[: r.randint(1, 2)] = schedules[0][:2]
     engine = Engine(num_workers=2)
     try:
         makes = [functools.partial(_loader, jpeg_file, size, engine) for size in sizes]
@@ -469,19 +467,3 @@ def test_in_process_members_on_their_own_schedules_equal_their_solo_runs(
             solo.close()
         assert assert_same_schedules(got[m], want, f"{what}, job {m} ({size} px)")
     assert sum(hits) > 0  # the jobs did share decodes
-
-
-def _clients_of(address: str, size: int) -> Any:
-    """One served job of the decode group: :func:`_clients`' Loader for ``size``."""
-    from beton_client import Loader as Client
-    from beton_client import OrderOption as ClientOrder
-
-    return Client(
-        "sweep",
-        batch_size=BATCH,
-        order=ClientOrder.RANDOM,
-        seed=SEED,
-        pipelines=_pipelines(size, tensors=True),
-        server=address,
-        spawn=False,
-    )
