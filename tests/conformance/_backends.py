@@ -301,23 +301,18 @@ def epoch_schedule(r: random.Random) -> list[Step]:
 def run_schedule(make: Callable[[], Any], steps: list[Step]) -> list | BaseException:
     """Follow ``steps`` on one Loader from ``make()``: the batches of every step, in order, or
     the exception that stopped it (compared by type with the other backend's)."""
-    try:
-        with make() as ld:
-            out = []
-            for epoch_no, stop in steps:
-                if epoch_no is not None:
-                    ld.next_epoch = epoch_no
-                it = iter(ld)
-                got = []
-                for x in it:
-                    got.append(snap(x))
-                    if stop is not None and len(got) >= stop:
-                        break
-                it.close()
-                out.append(got)
-            return out
-    except Exception as exc:
-        return exc
+    got = run_interleaved([make], [steps], random.Random(0))
+    return got if isinstance(got, BaseException) else got[0]
+
+
+def shared_schedules(r: random.Random, n: int) -> list[list[Step]]:
+    """``n`` schedules from :func:`epoch_schedule` for Loaders read together; the later ones
+    often begin with the first one's steps (a sharing group then decodes those batches once)."""
+    schedules = [epoch_schedule(r) for _ in range(n)]
+    for steps in schedules[1:]:
+        if r.random() < 0.6:
+            steps[: r.randint(1, 2)] = schedules[0][:2]
+    return schedules
 
 
 def _member(ld: Any, steps: list[Step], held: dict[int, Any], out: list[list]) -> Iterator[None]:

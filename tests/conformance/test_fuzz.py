@@ -73,6 +73,7 @@ from conformance._backends import (
     resumed,
     run_interleaved,
     run_schedule,
+    shared_schedules,
     snap,
 )
 
@@ -374,8 +375,8 @@ def test_sharing_members_on_their_own_schedules_read_what_they_would_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two or three identical served Loaders (shm or grpc, drawn per Loader) share their decodes
-    on the daemon, but each follows its own epoch schedule (epochs read again, out of order, left early) and they are read in a
-    random interleaving. Each must read, bit for bit, what the in-process Loader reads on the
+    on the daemon, but each follows its own epoch schedule (epochs read again, out of order,
+    left early), and they are read in a random interleaving. Each must read, bit for bit, what the in-process Loader reads on the
     same schedule, and a batch one member holds must not change while the others read on."""
     r = random.Random(f"sharing schedules {seed}")
     checked = 0
@@ -384,10 +385,7 @@ def test_sharing_members_on_their_own_schedules_read_what_they_would_alone(
         file, pseed, kw, transport, served, env = _draw(r)
         _distributed_env(monkeypatch, env)
         d = tight if r.random() < 0.3 else daemon
-        schedules = [epoch_schedule(r) for _ in range(r.choice([2, 2, 3]))]
-        for s in schedules[1:]:  # often the same first steps: more batches decoded once, shared
-            if r.random() < 0.6:
-                s[: r.randint(1, 2)] = schedules[0][:2]
+        schedules = shared_schedules(r, r.choice([2, 2, 3]))
         what = (
             f"seed {seed} trial {trial}: {file} {transport} {kw} {served} {env} p={pseed}, "
             f"schedules {schedules}" + (", on the tight daemon" if d is tight else "")

@@ -26,9 +26,9 @@ from beton_serve.transforms import RandomHorizontalFlip
 from conformance._backends import (
     Step,
     assert_same_schedules,
-    epoch_schedule,
     run_interleaved,
     run_schedule,
+    shared_schedules,
 )
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
 from helpers.sweep_images import write_sweep_file
@@ -270,14 +270,9 @@ def test_a_laggard_detaches_and_stays_exact(jpeg_file: Path, monkeypatch) -> Non
 
 
 def _jobs_and_schedules(r: random.Random) -> tuple[list[int], list[list[Step]]]:
-    """3 or 4 of :data:`SIZES`, each with its own epoch schedule; the later ones often begin
-    with the first one's steps (then the group decodes those batches once for all)."""
+    """3 or 4 of :data:`SIZES`, each with its own epoch schedule (:func:`shared_schedules`)."""
     sizes = r.sample(SIZES, r.choice([3, 4]))
-    schedules = [epoch_schedule(r) for _ in sizes]
-    for steps in schedules[1:]:
-        if r.random() < 0.6:
-            steps[: r.randint(1, 2)] = schedules[0][:2]
-    return sizes, schedules
+    return sizes, shared_schedules(r, len(sizes))
 
 
 def test_a_job_resumed_mid_epoch_joins_and_reads_exactly_once(jpeg_file: Path, cache) -> None:
