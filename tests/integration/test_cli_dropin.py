@@ -367,6 +367,17 @@ def test_status_and_stop_with_socket_and_sigterm_leave_no_files(
     assert main(["status", "--socket", d.socket, "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     assert (st["pid"], st["datasets"], st["streams"]) == (d.pid, ["rows"], 0)
+    # --socket-owner, as for health and stats: a socket that is not that uid's is not asked
+    # (the daemon is still found running by its lock); naming our own uid asks it.
+    other = ["--socket-owner", str(os.getuid() + 1)]
+    assert main(["status", "--socket", d.socket, "--json", *other]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["running"] and st["pid"] == d.pid and "datasets" not in st
+    assert "refusing to connect" in st["stats_error"]
+    assert main(["status", "--socket", d.socket, *other]) == 0
+    assert "stats unavailable: refusing to connect" in capsys.readouterr().out
+    assert main(["status", "--socket", d.socket, "--socket-owner", str(os.getuid())]) == 0
+    assert "datasets  rows" in capsys.readouterr().out
     assert main(["stop", "--socket", d.socket]) == 0
     assert d.proc.wait(10) == 0
     left = [n for n in os.listdir(short_tmp) if n.startswith("d.sock")]

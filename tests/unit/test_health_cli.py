@@ -190,17 +190,34 @@ def test_unix_socket_of_this_user_is_checked(unix_health_server) -> None:
 
 
 def test_health_and_stats_refuse_a_socket_in_a_directory_others_may_write(
-    unix_health_server,
+    unix_health_server, capsys
 ) -> None:
-    """Another local user could have planted it: nothing, not even a token, is sent."""
+    """Another local user could have planted it: nothing, not even a token, is sent. ``health``
+    exits 2 (nothing asked), never 1, which a probe reads as "answered, draining"."""
     from beton_serve.cli._stats import fetch_stats
 
     target, _, d = unix_health_server
     d.chmod(0o777)
     try:
         with pytest.raises(ConfigError, match="refusing to connect"):
-            _health.run(_args(target), environ={})
+            _health.check(target, timeout=2)
+        assert _health.run(_args(target), environ={}) == _health.EXIT_UNREACHABLE
+        out = capsys.readouterr()
+        assert out.out == ""
+        assert out.err.startswith(f"error: refusing to connect to {target}")
         with pytest.raises(ConfigError, match="refusing to connect"):
             fetch_stats(target, timeout=2, token="secret")
     finally:
         d.chmod(0o700)
+
+
+def test_a_wrong_option_exits_two_not_one(tmp_path, capsys) -> None:
+    """Exit 1 means "the daemon answered, not SERVING"; an option that stops the check before
+    anything is asked must not read as that."""
+    args = _args("localhost:1,localhost:2")
+    assert _health.run(args, environ={}) == _health.EXIT_UNREACHABLE
+    assert "commas" in capsys.readouterr().err
+    args = _args("localhost:1")
+    args.tls_ca = str(tmp_path / "missing.pem")
+    assert _health.run(args, environ={}) == _health.EXIT_UNREACHABLE
+    assert "--tls-ca" in capsys.readouterr().err

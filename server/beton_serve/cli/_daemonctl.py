@@ -11,7 +11,10 @@ pid in that file is alive and has that very file open (``/proc/<pid>/fd``): a st
 by a killed daemon, or a pid reused by another process, is not mistaken for one, and the check
 never takes the lock itself (which would make a daemon starting at that moment fail).
 
-``status`` then asks the daemon's Stats RPC for its uptime, workers, datasets and streams.
+``status`` then asks the daemon's Stats RPC for its uptime, workers, datasets and streams,
+after the owner check of ``health`` (the socket and its directory must be this user's, or
+``--socket-owner UID``'s; otherwise nothing, not even the token, is sent, and the daemon is
+reported running with "stats unavailable" and the reason).
 
 =====  ===========================================================================
 exit   ``status``
@@ -40,6 +43,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from beton_serve.cli._health import add_socket_owner_argument
 from beton_serve.errors import ConfigError
 
 __all__ = [
@@ -75,6 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the daemon's bearer token, for its Stats (default: $BETON_SERVE_TOKEN)",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="Stats deadline in s (default 3)")
+    add_socket_owner_argument(p)
     p.set_defaults(func=run_status)
     q = subparsers.add_parser(
         "stop",
@@ -146,10 +151,12 @@ def daemon_pid(socket_path: str) -> int | None:
     return pid if pid > 0 and _holds_open(pid, lock_path) else None
 
 
-def _stats(target: str, token: str | None, timeout: float) -> dict[str, Any]:
+def _stats(
+    target: str, token: str | None, timeout: float, socket_owner: int | None = None
+) -> dict[str, Any]:
     from beton_serve.cli._stats import fetch_stats
 
-    reply = fetch_stats(target, timeout=timeout, token=token)
+    reply = fetch_stats(target, timeout=timeout, token=token, socket_owner=socket_owner)
     return {
         "pid": int(reply.pid),
         "uptime_s": round(float(reply.uptime_s), 3),
@@ -190,7 +197,7 @@ def run_status(args: argparse.Namespace, environ: Mapping[str, str] | None = Non
         else:
             token = env.get("BETON_SERVE_TOKEN") or None
         try:
-            info.update(_stats(target, token, args.timeout))
+            info.update(_stats(target, token, args.timeout, getattr(args, "socket_owner", None)))
             info["pid"] = pid  # the lock's (the Stats pid is the same, unless in a pid namespace)
         except BetonError as exc:
             info["stats_error"] = str(exc)

@@ -9,8 +9,12 @@ exit   meaning
 =====  ======================================================================
 0      the daemon answered ``SERVING``
 1      it answered, but not ``SERVING`` (e.g. ``NOT_SERVING`` while draining)
-2      no answer: nothing listens at the address, or the deadline passed
+2      no answer: nothing listens at the address, or the deadline passed; or nothing was
+       asked: a ``unix:`` socket failed the owner check (another user's, or in a directory
+       others may write), or an option is wrong (the message, on stderr, says which)
 =====  ======================================================================
+
+A probe can so tell a daemon that is draining (1) from one it cannot or must not reach (2).
 
 A daemon that serves TCP with TLS is checked with ``--tls-ca CA.pem`` (and, for mutual TLS,
 ``--tls-cert``/``--tls-key``). No token is needed: the daemon answers health checks without one.
@@ -78,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def add_socket_owner_argument(p: argparse.ArgumentParser) -> None:
-    """``--socket-owner UID`` (health, stats): whose daemon a ``unix:`` target must be."""
+    """``--socket-owner UID`` (health, stats, status): whose daemon a ``unix:`` target must be."""
     p.add_argument(
         "--socket-owner",
         type=int,
@@ -215,22 +219,27 @@ def tls_credentials(ca: str | None, cert: str | None, key: str | None) -> Any | 
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
-    """Run the subcommand; returns the exit status described in the module docstring."""
+    """Run the subcommand; returns the exit status described in the module docstring (a
+    :class:`ConfigError`, printed to stderr, is :data:`EXIT_UNREACHABLE`: nothing was asked)."""
     import os
 
-    target = resolve_target(args.server, os.environ if environ is None else environ)
-    creds = tls_credentials(
-        getattr(args, "tls_ca", None),
-        getattr(args, "tls_cert", None),
-        getattr(args, "tls_key", None),
-    )
-    status = check(
-        target,
-        service=args.service,
-        timeout=args.timeout,
-        credentials=creds,
-        socket_owner=getattr(args, "socket_owner", None),
-    )
+    try:
+        target = resolve_target(args.server, os.environ if environ is None else environ)
+        creds = tls_credentials(
+            getattr(args, "tls_ca", None),
+            getattr(args, "tls_cert", None),
+            getattr(args, "tls_key", None),
+        )
+        status = check(
+            target,
+            service=args.service,
+            timeout=args.timeout,
+            credentials=creds,
+            socket_owner=getattr(args, "socket_owner", None),
+        )
+    except ConfigError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return EXIT_UNREACHABLE
     sys.stdout.write(f"{target}: {status}\n")
     if status == "SERVING":
         return EXIT_SERVING
