@@ -80,6 +80,20 @@ class ServeOptions:
 #: The Loader keywords that are fields of :class:`ServeOptions` (deprecated as keywords).
 SERVE_KEYWORDS = frozenset(f.name for f in dataclasses.fields(ServeOptions))
 
+#: Arguments of the in-process ``beton_serve.loader.Loader`` that the served Loader does not
+#: take, and where their setting lives instead (the ``TypeError`` names it).
+IN_PROCESS_ONLY: Mapping[str, str] = {
+    "verify_checksums": "the daemon verifies every stream it serves when started with "
+    "--verify-checksums",
+    "bad_sample_budget": "the daemon's setting, --bad-sample-budget N",
+    "engine": "the daemon's one worker pool, sized by its --workers",
+    "plan_cache": "the daemon keeps the compiled plans",
+    "slices": "the daemon splits batches itself",
+    "batch_timeout": "the served Loader has no per-batch deadline; a daemon that goes away "
+    "is retried as serve=ServeOptions(reconnect=...) says",
+    "order_kwargs": "a custom TraversalOrder runs only in process (beton_serve.loader.Loader)",
+}
+
 
 def merge_serve_keywords(serve: ServeOptions | None, given: Mapping[str, Any]) -> ServeOptions:
     """``serve`` with the deprecated keywords in ``given`` applied on top (with one warning).
@@ -95,7 +109,11 @@ def merge_serve_keywords(serve: ServeOptions | None, given: Mapping[str, Any]) -
         return base
     unknown = sorted(set(given) - SERVE_KEYWORDS)
     if unknown:
-        raise TypeError(f"Loader() got unexpected keyword arguments {unknown}")
+        hints = [f"{k}: {IN_PROCESS_ONLY[k]}" for k in unknown if k in IN_PROCESS_ONLY]
+        raise TypeError(
+            f"Loader() got unexpected keyword arguments {unknown}"
+            + (f" ({'; '.join(hints)})" if hints else "")
+        )
     if serve is not None:
         defaults = ServeOptions()
         both = sorted(k for k in given if getattr(serve, k) != getattr(defaults, k))

@@ -58,6 +58,28 @@ def test_unknown_keywords_and_wrong_serve_types_are_refused() -> None:
         Loader("images_jpg", batch_size=8, serve={"server": NOWHERE})  # type: ignore[arg-type]
 
 
+def test_in_process_only_arguments_say_where_their_setting_lives() -> None:
+    """Moving from the in-process Loader to the served one, an argument the served one does not
+    take names the daemon option (or the reason) instead of only "unexpected"; the list is
+    exactly the in-process Loader's parameters that the served Loader lacks."""
+    import inspect
+
+    from beton_client._options import IN_PROCESS_ONLY
+    from beton_serve.loader import Loader as InProcessLoader
+
+    ours = set(inspect.signature(InProcessLoader).parameters)
+    served = set(inspect.signature(Loader).parameters) | {"fname"}  # fname_or_dataset there
+    assert set(IN_PROCESS_ONLY) == ours - served
+    with pytest.raises(TypeError, match=r"\['verify_checksums'\].*--verify-checksums"):
+        Loader("images_jpg", batch_size=8, verify_checksums=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError) as info:
+        Loader("images_jpg", batch_size=8, bad_sample_budget=2, sever=1)  # type: ignore[call-arg]
+    assert str(info.value) == (
+        "Loader() got unexpected keyword arguments ['bad_sample_budget', 'sever'] "
+        "(bad_sample_budget: the daemon's setting, --bad-sample-budget N)"
+    )
+
+
 def test_options_are_frozen_and_kept_on_the_loader() -> None:
     opts = ServeOptions(server=NOWHERE, spawn=False)
     with pytest.raises(AttributeError):
