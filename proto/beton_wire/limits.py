@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import os
 from typing import Any
 
 __all__ = [
@@ -149,6 +150,16 @@ def workers_out_of_range(value: object, below_one: str) -> str | None:
         f"num_workers {short_repr(value)} is out of range: use an int up to {MAX_WORKERS} "
         f"(< 1: {below_one})"
     )
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's cpuset, ``taskset``),
+    at least 1; the default worker count everywhere (daemon, in-process Loader, writer).
+    ``os.cpu_count()`` counts the host's, which oversubscribes a pinned process."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 class _TooDeep(Exception):

@@ -44,7 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-from beton_wire.limits import workers_out_of_range
+from beton_wire.limits import usable_cpus, workers_out_of_range
 from numpy.typing import NDArray
 
 from beton_serve.errors import WriterError
@@ -65,13 +65,6 @@ from beton_serve.format import (
 __all__ = ["DatasetWriter"]
 
 _DEFAULT_PAGE_SIZE = 1 << 23
-
-
-def _usable_cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _as_blob(binary: Any, name: str) -> NDArray[np.uint8]:
@@ -192,7 +185,7 @@ class DatasetWriter:
         self.fields = dict(fields)
         self.page_size = page_size
         workers = operator.index(num_workers)
-        self.num_workers = _usable_cpus() if workers < 1 else workers
+        self.num_workers = usable_cpus() if workers < 1 else workers
         self.seed = seed
         self.progress = sys.stderr.isatty() if progress is None else bool(progress)
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from beton_wire.limits import usable_cpus
 from numpy.typing import NDArray
 
 from beton_serve.errors import BetonError
@@ -115,7 +116,7 @@ def write_sample_dataset(path: str | os.PathLike[str], n: int = 2048, size: int 
     writer = DatasetWriter(
         out,
         {"image": RGBImageField(write_mode="jpg", jpeg_quality=90), "label": IntField()},
-        num_workers=min(2, os.cpu_count() or 1),
+        num_workers=min(2, usable_cpus()),
         progress=False,
     )
     writer.from_indexed_dataset(SampleImages(n, size))

@@ -79,7 +79,12 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="serve the --listen addresses only, without the Unix socket",
     )
-    p.add_argument("--workers", type=int, default=None, help="worker threads (default: cores)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker threads (default: one per CPU the daemon may run on, its affinity/cpuset)",
+    )
     p.add_argument("--config", default=None, metavar="FILE", help="TOML config (flags override)")
     p.add_argument(
         "--plugin",

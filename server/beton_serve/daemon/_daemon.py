@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from beton_wire.limits import MAX_BATCH_SIZE, human_bytes
+from beton_wire.limits import MAX_BATCH_SIZE, human_bytes, usable_cpus
 from beton_wire.slots import SlotLayout
 
 from beton_serve.daemon._backend import Backend, BatchSourceLike, EngineBackend, EngineLike
@@ -225,7 +225,7 @@ class Daemon:
                         ds.name,
                         len(ds.readers),
                     )
-            workers = num_workers or os.cpu_count() or 1
+            workers = num_workers or usable_cpus()
             engine = backend.make_engine(workers)
         except BaseException:
             table.close()

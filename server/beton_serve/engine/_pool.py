@@ -63,7 +63,7 @@ from collections.abc import Callable
 from concurrent.futures import InvalidStateError
 from typing import Any
 
-from beton_wire.limits import workers_out_of_range
+from beton_wire.limits import usable_cpus, workers_out_of_range
 
 from beton_serve.engine._future import BatchFuture
 from beton_serve.errors import (
@@ -177,11 +177,7 @@ class Engine:
         max_task_retries: int = 1,
     ) -> None:
         if num_workers is None or num_workers < 1:
-            num_workers = (
-                len(os.sched_getaffinity(0))
-                if hasattr(os, "sched_getaffinity")
-                else (os.cpu_count() or 1)
-            )
+            num_workers = usable_cpus()
         if message := workers_out_of_range(num_workers, "one per CPU this process may use"):
             raise SpecError(message)
         self.num_workers = int(num_workers)

@@ -53,7 +53,7 @@ from beton_client.frontend import (
     check_args,
     gc_paused,
 )
-from beton_wire.limits import short_repr
+from beton_wire.limits import short_repr, usable_cpus
 from beton_wire.loader_state import samples_per_rank
 
 from beton_serve._batchmem import batch_empty
@@ -75,12 +75,6 @@ _log = logging.getLogger(__name__)
 
 #: The in-process Loader's error classes (``beton_serve.errors``).
 ENGINE_ERRORS = ErrorKinds(spec=SpecError, pipeline=PipelineError, closed=BetonError)
-
-
-def _default_workers() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def engine_pipelines(plans: Sequence[PipelinePlan]) -> dict[str, Any]:
@@ -188,7 +182,7 @@ class EngineBackend:
             cache=self.plan_cache,
             sample_check=self.sample_check,
         )
-        workers = args.num_workers if args.num_workers >= 1 else _default_workers()
+        workers = args.num_workers if args.num_workers >= 1 else usable_cpus()
         source = BatchSource(
             engine=self.engine,  # type: ignore[arg-type]  # set per epoch when the Loader owns workers
             plan=plan,
