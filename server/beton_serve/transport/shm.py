@@ -20,7 +20,9 @@ can unlink, the PID in the name lets the next daemon remove the segment
 (:func:`sweep_stale_segments`). Clients never unlink.
 
 Leases: each slot is FREE, FILLING (the engine writes into it) or LEASED (the client reads it).
-Only the event-loop thread of the daemon changes slot states.
+Slot states change only under the owning stream's lock (``daemon._stream.Stream.lock``): on
+the daemon's event-loop thread, or on the engine worker that publishes a finished batch (the
+notice pump, ``daemon._pump``).
 """
 
 from __future__ import annotations
