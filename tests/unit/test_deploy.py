@@ -294,6 +294,13 @@ def test_systemd_unit_has_the_required_keys() -> None:
     socket = exec_start[exec_start.index("--socket") + 1]
     assert service["Environment"] == f"BETON_SERVE_ADDRESS=unix://{socket}"
     assert socket.startswith("%t/" + service["RuntimeDirectory"] + "/")
+    # As a user unit (%t is $XDG_RUNTIME_DIR) it serves the per-user default socket, where the
+    # Loader and `status`/`stop` look without any setting; another name made trainers spawn a
+    # second daemon.
+    from beton_wire.address import default_socket_path
+
+    runtime = str(ROOT)  # any existing directory stands for $XDG_RUNTIME_DIR
+    assert socket.replace("%t", runtime) == default_socket_path({"XDG_RUNTIME_DIR": runtime})
     assert service["ExecStartPost"].split()[1] == "health"
     assert service["KillSignal"] == "SIGTERM"
     assert service["UMask"] == "0077"
