@@ -508,6 +508,19 @@ def test_a_label_the_field_would_change_names_its_sample(tmp_path: Path) -> None
             out, {"y": IntField(), "v": FloatField()}, num_workers=1
         ).from_indexed_dataset(rows)
     assert info.value.index == 3
+    # A finite value beyond float64's range was stored as inf; an int beyond it raised
+    # OverflowError from the writer's worker. Both name the sample now, as infinity itself
+    # (a float64 value) is still stored.
+    for big, shown in ((np.longdouble("1e4000"), "overflows it to inf"), (10**400, "overflows")):
+        rows[3] = (3, big)
+        with pytest.raises(
+            WriterError, match=f"FloatField stores float64 values; .*{shown}"
+        ) as info:
+            DatasetWriter(
+                out, {"y": IntField(), "v": FloatField()}, num_workers=1
+            ).from_indexed_dataset(rows)
+        assert info.value.index == 3
+        assert not out.exists()
     rows[3] = (3, 3.5)
     DatasetWriter(out, {"y": IntField(), "v": FloatField()}, num_workers=1).from_indexed_dataset(
         rows

@@ -19,6 +19,7 @@ import operator
 from typing import Any
 
 import numpy as np
+from beton_wire.limits import short_repr
 from numpy.typing import NDArray
 
 from beton_serve.fields.base import Field, Malloc, lazy_decoders, zero_args
@@ -85,9 +86,18 @@ def real_float(value: Any) -> float:
     if isinstance(x, (complex, np.complexfloating)):
         raise ValueError(f"FloatField stores real numbers, got {value!r}")
     try:
-        return float(x)
+        f = float(x)
+    except OverflowError:  # an int beyond float64's range
+        raise ValueError(
+            f"FloatField stores float64 values; {short_repr(value)} overflows it"
+        ) from None
     except (TypeError, ValueError):
         raise ValueError(f"FloatField stores real numbers, got {value!r}") from None
+    if not math.isfinite(f) and bool(np.isfinite(x)):  # a finite longdouble beyond float64
+        raise ValueError(
+            f"FloatField stores float64 values; {short_repr(value)} overflows it to {f}"
+        )
+    return f
 
 
 def _check_zero_args(binary: NDArray[np.uint8], cls: str) -> None:
