@@ -139,6 +139,14 @@ def test_metrics_keys_and_flags(tmp_path: Path, fixtures_dir: Path) -> None:
     assert merge_flags(cfg, {"metrics_port": 0}).metrics_port == 0
     with pytest.raises(ConfigError, match="metrics_port"):
         ServeConfig(metrics_port=70000)
+    # log_level is checked when the file loads, by its key's name (it failed later, when logging
+    # started, as "--log-level").
+    bad = tmp_path / "l.toml"
+    bad.write_text('log_level = "loud"\n')
+    with pytest.raises(ConfigError, match=r"log_level must be one of debug, .*got 'loud'"):
+        load_config(bad)
+    bad.write_text('log_level = "WARNING"\n')
+    assert load_config(bad).log_level == "WARNING"
     args = build_parser().parse_args(
         ["serve", str(fixtures_dir / "images_raw.beton"), "--metrics-host", "::1"]
     )

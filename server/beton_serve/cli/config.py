@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from beton_wire.limits import MAX_WORKERS
 
+from beton_serve.cli._logging import LOG_LEVELS
 from beton_serve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class ServeConfig:
         plugins: modules or ``.py`` file paths imported at start (custom ops and fields).
         idle_timeout: seconds with no open stream after which the daemon exits; 0 = never.
         log_format: "kv" or "json".
-        log_level: "debug", "info", "warning" or "error".
+        log_level: "debug", "info", "warning", "error" or "critical" (any case).
         share: streams with identical specs share decoding (``--no-share`` turns it off).
         share_max_lag: a shared stream this many batches behind is detached (reloadable).
         share_retain: batches a sharing group keeps for late joiners (reloadable).
@@ -187,6 +188,10 @@ class ServeConfig:
             raise ConfigError(f"metrics_port must be -1 (off) or 0..65535, got {self.metrics_port}")
         if self.log_format not in ("kv", "json"):
             raise ConfigError(f"log_format must be 'kv' or 'json', got {self.log_format!r}")
+        if not isinstance(self.log_level, str) or self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert and --tls-key)")
         if self.tls_client_ca and not self.tls_cert:
