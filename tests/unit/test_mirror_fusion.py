@@ -47,7 +47,7 @@ def raw_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, n
 
 
 def _plan(reader: BetonReader, pipes: dict, batch: int, *, fuse: bool, monkeypatch) -> object:
-    monkeypatch.setattr(plan_module, "FUSE_MIRROR", fuse)
+    monkeypatch.setenv(plan_module.FUSE_MIRROR_ENV, "1" if fuse else "0")
     return compile_pipelines(reader, pipes, batch_size=batch)
 
 

@@ -87,9 +87,15 @@ __all__ = [
 IDLE_WORKSPACE_SHARE_OF_MEMORY = 8
 
 
-#: Whether a decoder may take the place of the flip after it (:meth:`Plan._mirror_fusions`);
-#: ``BETON_SERVE_FUSE_MIRROR=0`` turns it off (for comparisons; the pixels are the same).
-FUSE_MIRROR = os.environ.get("BETON_SERVE_FUSE_MIRROR", "1").strip() != "0"
+#: Set to ``0``, decoders never take the place of the flip after them
+#: (:meth:`Plan._mirror_fusions`): for comparisons, the pixels are the same. Read when a plan is
+#: made, not at import.
+FUSE_MIRROR_ENV = "BETON_SERVE_FUSE_MIRROR"
+
+
+def fuse_mirror_enabled() -> bool:
+    """Whether plans made now may fuse a decoder and its flip (:data:`FUSE_MIRROR_ENV`)."""
+    return os.environ.get(FUSE_MIRROR_ENV, "1").strip() != "0"
 #: The step mark of a flip whose decoder wrote its result.
 _ABSORBED = ("absorbed",)
 
@@ -500,9 +506,9 @@ class Plan:
         #: its dtype, the position of the op given the destination)``, fixed between two
         #: declarations (:meth:`_static_outputs`).
         self._outputs_static: list[tuple[int, bool, tuple[int, ...], np.dtype[Any], int]] = []
-        #: Whether decoders may take the place of the flips after them (:data:`FUSE_MIRROR`
-        #: when the plan was made).
-        self._fuse_mirror = FUSE_MIRROR
+        #: Whether decoders may take the place of the flips after them
+        #: (:func:`fuse_mirror_enabled` when the plan was made).
+        self._fuse_mirror = fuse_mirror_enabled()
         #: The jit ops as :meth:`run` calls them (:meth:`_build_steps`).
         self._steps: list[tuple[Any, ...]] = []
         self.sample_check: Callable[[NDArray[np.uint64]], None] | None = None
