@@ -96,6 +96,8 @@ FUSE_MIRROR_ENV = "BETON_SERVE_FUSE_MIRROR"
 def fuse_mirror_enabled() -> bool:
     """Whether plans made now may fuse a decoder and its flip (:data:`FUSE_MIRROR_ENV`)."""
     return os.environ.get(FUSE_MIRROR_ENV, "1").strip() != "0"
+
+
 #: The step mark of a flip whose decoder wrote its result.
 _ABSORBED = ("absorbed",)
 
