@@ -43,8 +43,8 @@ epoch's and the next's together): the engine's workers plus :data:`DEPTH_SLACK`,
 every worker busy. The ring's other slots hold published batches the client has not released
 yet. Slots are taken lowest index first, so a stream whose client keeps up cycles through the
 same few slots, which stay in the CPU's caches; filling every free slot (as before) cycled
-through all 16 slots of a CIFAR-like stream's 24 MiB ring, and the ring's traffic then cost the decode kernels 5-12 % more
-time (RESULTS.md, sessions 16 and 17). ``BETON_SERVE_PUMP_DEPTH`` sets the depth (``0``: every
+through all 16 slots of a CIFAR-like stream's 24 MiB ring, and the ring's traffic then cost the
+decode kernels 5-12 % more time (RESULTS.md, sessions 16 and 17). ``BETON_SERVE_PUMP_DEPTH`` sets the depth (``0``: every
 free slot, within the credits).
 
 The ``Batches`` call's own path (``Stream.run_epoch``) has no look-ahead. Every path takes slots
