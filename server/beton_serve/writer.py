@@ -27,6 +27,16 @@ Failure: any exception while loading, preparing or encoding sample ``k`` raises
 the workers are stopped and joined, the temporary file is removed, ``fname`` is untouched. The
 writer never hangs on a failing sample (FFCV does).
 
+Reading the dataset: FFCV's workers are processes, each with its own copy of the dataset, and
+each encodes a sample before it loads the next. Here the workers are threads sharing one dataset
+object, so by default they call ``dataset[i]`` one at a time (under a lock) and copy what it
+returns (:func:`_snapshot`: arrays, tensors, byte buffers, lists and dicts) before the next call:
+a dataset that fills and returns one reused buffer, or keeps scratch state, or reads through one
+file handle, is written exactly as FFCV writes it. The loading is then serial and the preparing
+(resize, JPEG encode) parallel. ``concurrent_reads=True`` lets the workers call ``dataset[i]`` at
+once, for datasets whose ``__getitem__`` is thread-safe (``beton-serve convert``'s are); the
+snapshot still protects against buffers reused across calls of one thread.
+
 Beyond FFCV, a sample must be a tuple or list with at least one element per field (extra trailing
 elements are ignored, as in FFCV); field names must be 1-16 ASCII characters; zero-size
 allocations are never made (an empty ``BytesField`` value takes 1 byte).
@@ -34,12 +44,17 @@ allocations are never made (an empty ``BytesField`` value takes 1 byte).
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 import operator
 import os
 import sys
+import threading
+import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -64,7 +79,28 @@ from beton_serve.format import (
 
 __all__ = ["DatasetWriter"]
 
+log = logging.getLogger("beton_serve.writer")
+
 _DEFAULT_PAGE_SIZE = 1 << 23
+#: Serial reads that took at least this share of the write's time get a hint (``concurrent_reads``).
+_READ_HINT_SHARE = 0.5
+
+
+def _snapshot(value: Any) -> Any:
+    """``value`` with no memory shared with the dataset: a copy of an array, a tensor, a byte
+    buffer, a list, a tuple or a dict (deep); other values as they are (immutable scalars and
+    strings, or objects the writer cannot copy generically). The dataset may reuse what it
+    returned as soon as its next ``__getitem__`` runs."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, (list, tuple, dict)):
+        return copy.deepcopy(value)
+    clone = getattr(value, "clone", None)  # a torch tensor (a copy of its storage)
+    if callable(clone) and hasattr(value, "detach"):
+        return value.detach().clone()
+    return value
 
 
 def _as_blob(binary: Any, name: str) -> NDArray[np.uint8]:
@@ -72,6 +108,38 @@ def _as_blob(binary: Any, name: str) -> NDArray[np.uint8]:
     if len(raw) != ARGS_SIZE:
         raise WriterError(f"field {name!r}: to_binary() returned {len(raw)} bytes, expected 1024")
     return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _output_target(fname: str) -> str:
+    """The path the file is written to: ``fname``, or the file a symbolic link ``fname`` names
+    (written through the link, as FFCV's ``open(fname, 'wb')`` does, not replacing it)."""
+    path = os.path.abspath(fname)
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
+def _check_output(fname: str) -> None:
+    """Refuse an output path that cannot be written, before any sample is read or encoded.
+
+    Raises:
+        WriterError: ``fname`` is a directory, or its directory is missing or not writable.
+    """
+    target = _output_target(fname)
+    directory = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise WriterError(f"cannot write {fname}: it is a directory")
+    if not os.path.isdir(directory):
+        raise WriterError(f"cannot write {fname}: the directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise WriterError(f"cannot write {fname}: no permission to create files in {directory}")
+
+
+@contextlib.contextmanager
+def _output_errors(fname: str) -> Iterator[None]:
+    """Turn an ``OSError`` on the output file into a :class:`WriterError` naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise WriterError(f"cannot write {fname}: {exc.strerror or exc}") from exc
 
 
 class _Spill(MemoryError):
@@ -137,6 +205,10 @@ class DatasetWriter:
         seed: if set, random write choices are derived from ``(seed, index)`` and the output is
             identical for any ``num_workers``.
         progress: show a tqdm progress bar; default: only when stderr is a terminal.
+        concurrent_reads: let the worker threads call ``dataset[i]`` at the same time. Only
+            for a dataset whose ``__getitem__`` is thread-safe (no scratch state, no shared
+            file handle). The default calls it one at a time, as FFCV's one-dataset-per-process
+            workers do (module docstring); preparing and encoding are parallel either way.
 
     Raises:
         WriterError: invalid fields (names must be 1-16 ASCII characters), page size or
@@ -156,6 +228,7 @@ class DatasetWriter:
         *,
         seed: int | None = None,
         progress: bool | None = None,
+        concurrent_reads: bool = False,
     ) -> None:
         if not isinstance(fields, Mapping) or not fields:
             raise WriterError("fields must be a non-empty mapping of name -> field")
@@ -188,6 +261,11 @@ class DatasetWriter:
         self.num_workers = usable_cpus() if workers < 1 else workers
         self.seed = seed
         self.progress = sys.stderr.isatty() if progress is None else bool(progress)
+        self.concurrent_reads = bool(concurrent_reads)
+        #: Serialises ``dataset[i]`` and its snapshot unless ``concurrent_reads``.
+        self._read_lock: threading.Lock | None = None
+        #: Seconds spent in ``dataset[i]`` under that lock during the current write.
+        self._read_s = 0.0
 
     # -- public API -------------------------------------------------------------------------
     def from_indexed_dataset(
@@ -222,6 +300,7 @@ class DatasetWriter:
                 np.random.default_rng(self.seed).shuffle(idx)
         if idx.size == 0:
             raise WriterError("the dataset (or indices) is empty: a .beton needs >= 1 sample")
+        _check_output(self.fname)
         if chunksize < 1:
             raise WriterError(f"chunksize must be >= 1, got {chunksize}")
         self._write(dataset, np.asarray(idx, dtype=np.int64), int(chunksize))
@@ -237,7 +316,7 @@ class DatasetWriter:
             where = "loading it"
             prepared: list[Any] = []
             try:
-                sample = dataset[src]
+                sample = self._load(dataset, src)
                 if not isinstance(sample, (tuple, list)):
                     raise WriterError(
                         f"dataset[{src}] returned a {type(sample).__name__}; it must return a "
@@ -269,7 +348,38 @@ class DatasetWriter:
             out.append((dest, prepared))
         return out
 
+    def _load(self, dataset: Any, src: int) -> Any:
+        """``dataset[src]``, snapshotted (:func:`_snapshot`) before any other read can run."""
+        lock = self._read_lock
+        if lock is None:
+            sample = dataset[src]
+            return [_snapshot(v) for v in sample] if isinstance(sample, (tuple, list)) else sample
+        with lock:
+            t0 = time.perf_counter()
+            sample = dataset[src]
+            if isinstance(sample, (tuple, list)):
+                sample = [_snapshot(v) for v in sample]
+            self._read_s += time.perf_counter() - t0
+        return sample
+
     def _write(self, dataset: Any, indices: NDArray[np.int64], chunksize: int) -> None:
+        serial = not self.concurrent_reads and self.num_workers > 1
+        self._read_lock = threading.Lock() if serial else None
+        self._read_s = 0.0
+        t0 = time.perf_counter()
+        self._write_file(dataset, indices, chunksize)
+        took = time.perf_counter() - t0
+        if serial and took > 0 and self._read_s >= _READ_HINT_SHARE * took:
+            log.info(
+                "dataset[i] took %.1f s of the write's %.1f s, one call at a time; if the "
+                "dataset's __getitem__ is thread-safe, DatasetWriter(concurrent_reads=True) lets "
+                "the %d workers read at once",
+                self._read_s,
+                took,
+                self.num_workers,
+            )
+
+    def _write_file(self, dataset: Any, indices: NDArray[np.int64], chunksize: int) -> None:
         names = list(self.fields)
         fields = [self.fields[n] for n in names]
         n = int(indices.size)
@@ -285,10 +395,10 @@ class DatasetWriter:
             descs["name"][i, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
             descs["arguments"][i] = _as_blob(field.to_binary(), name)
 
-        directory = os.path.dirname(os.path.abspath(self.fname))
-        tmp = os.path.join(
-            directory, f".{os.path.basename(self.fname)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        )
+        target = _output_target(self.fname)
+        directory, base = os.path.split(target)
+        # The name is cut so that the temporary name fits the 255-byte limit of a file name.
+        tmp = os.path.join(directory, f".{base[:200]}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -297,7 +407,7 @@ class DatasetWriter:
         pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="beton-writer")
         pending: deque[Future] = deque()
         try:
-            with open(tmp, "xb") as f:
+            with _output_errors(self.fname), open(tmp, "xb") as f:
                 f.write(self._header(n, 0).tobytes())
                 f.write(descs.tobytes())
                 packer = _Packer(f, data_start, self.page_size)
@@ -331,9 +441,11 @@ class DatasetWriter:
                 f.write(np.ascontiguousarray(table).view(ALLOC_ENTRY_DTYPE).tobytes())
                 f.seek(0)
                 f.write(self._header(n, table_ptr).tobytes())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.fname)
+                with _output_errors(self.fname):
+                    f.flush()
+                    os.fsync(f.fileno())
+            with _output_errors(self.fname):
+                os.replace(tmp, target)
         except BaseException:
             for fut in pending:
                 fut.cancel()

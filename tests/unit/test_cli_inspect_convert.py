@@ -144,6 +144,76 @@ def test_convert_empty_or_missing_dir(tmp_path: Path, capsys) -> None:
     assert "no images" in capsys.readouterr().err
 
 
+def test_convert_follows_a_link_loop_once(tmp_path: Path, capsys) -> None:
+    expected = _imagefolder(tmp_path / "data")
+    (tmp_path / "data" / "cat" / "up").symlink_to("..")  # cat/up/cat/up/... for ever
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "data" / "dog" / "more").symlink_to(tmp_path / "elsewhere")
+    import cv2
+
+    extra = np.full((5, 6, 3), 77, np.uint8)
+    cv2.imwrite(str(tmp_path / "elsewhere" / "x.png"), extra)
+    out = tmp_path / "out.beton"
+    rc = main(["convert", "imagefolder", str(tmp_path / "data"), str(out), "--write-mode", "raw"])
+    assert rc == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "wrote 8 images in 2 classes" in err
+    assert f"skipped {tmp_path / 'data' / 'cat' / 'up'}: a link to a directory that contains" in err
+    with BetonReader(out) as r:
+        labels = r.field_metadata("label").tolist()
+        assert labels == [lab for _, lab in expected[:3]] + [1] * 5
+        assert np.array_equal(r.sample_bytes(7, "image").reshape(extra.shape), extra)
+
+
+def test_convert_refuses_a_class_without_images(tmp_path: Path, capsys) -> None:
+    _imagefolder(tmp_path / "data")
+    (tmp_path / "data" / "emu").mkdir()
+    out = tmp_path / "out.beton"
+    assert main(["convert", "imagefolder", str(tmp_path / "data"), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "class directories without images" in err and "emu" in err
+    assert not out.exists()
+
+
+def test_convert_stores_pixels_as_the_file_holds_them_ignoring_exif_orientation(
+    tmp_path: Path, capsys
+) -> None:
+    import struct
+
+    import cv2
+
+    img = np.zeros((10, 30, 3), np.uint8)
+    img[:, :10] = 255
+    ok, enc = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 100])
+    assert ok
+    jpg = enc.tobytes()
+    # An APP1 Exif segment whose one IFD entry is Orientation = 6 (rotate 90 degrees).
+    tiff = b"II*\x00" + struct.pack("<IH", 8, 1) + struct.pack("<HHIHH", 0x0112, 3, 1, 6, 0)
+    app1 = b"Exif\x00\x00" + tiff + struct.pack("<I", 0)
+    (tmp_path / "data" / "cls").mkdir(parents=True)
+    (tmp_path / "data" / "cls" / "r.jpg").write_bytes(
+        jpg[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + jpg[2:]
+    )
+    assert cv2.imread(str(tmp_path / "data" / "cls" / "r.jpg")).shape[:2] == (30, 10)  # rotated
+    out = tmp_path / "out.beton"
+    rc = main(["convert", "imagefolder", str(tmp_path / "data"), str(out), "--write-mode", "raw"])
+    assert rc == 0, capsys.readouterr().err
+    with BetonReader(out) as r:
+        meta = r.field_metadata("image")
+        assert (int(meta["height"][0]), int(meta["width"][0])) == (10, 30)
+
+
+def test_convert_to_an_unwritable_path_is_an_error_line_before_any_work(
+    tmp_path: Path, capsys
+) -> None:
+    _imagefolder(tmp_path / "data")
+    rc = main(["convert", "imagefolder", str(tmp_path / "data"), str(tmp_path / "no" / "o.beton")])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write") and "does not exist" in err
+    assert "Traceback" not in err
+
+
 def test_default_subcommand_and_registry_extension(monkeypatch: pytest.MonkeyPatch) -> None:
     """A module added to SUBCOMMANDS registers itself; a bare file argument means the default."""
     import sys

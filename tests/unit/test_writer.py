@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -528,3 +529,169 @@ def test_a_label_the_field_would_change_names_its_sample(tmp_path: Path) -> None
     with BetonReader(out) as r:
         assert r.field_metadata("y").tolist() == [0, 1, 2, 3, 4]
         assert r.field_metadata("v").tolist() == [0.5, 1.5, 2.5, 3.5, 4.5]
+
+
+# -- the dataset as FFCV's workers see it: one copy per worker, each sample encoded before the next
+class ReusedBuffers:
+    """Fills and returns the same buffers on every call (valid under FFCV's writer)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.img = np.zeros((4, 5, 3), np.uint8)
+        self.arr = np.zeros(3, np.float32)
+        self.label = np.zeros((), np.int64)
+        self.blob = bytearray(4)
+        self.meta: dict = {"i": 0}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        self.img[:] = i
+        self.arr[:] = i
+        self.label[...] = i
+        self.blob[:] = bytes([i, i, i, i])
+        self.meta["i"] = i
+        return (self.img, self.arr, self.label, self.blob, self.meta)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_dataset_that_reuses_its_buffers_is_written_sample_by_sample(
+    tmp_path: Path, workers: int
+) -> None:
+    out = tmp_path / "reused.beton"
+    SmallPageWriter(
+        out,
+        {
+            "image": RGBImageField(write_mode="raw"),
+            "arr": NDArrayField(np.dtype(np.float32), (3,)),
+            "label": IntField(),
+            "blob": BytesField(),
+            "meta": JSONField(),
+        },
+        page_size=4096,
+        num_workers=workers,
+    ).from_indexed_dataset(ReusedBuffers(37), chunksize=8)
+    with BetonReader(out) as r:
+        assert r.field_metadata("label").tolist() == list(range(37))
+        for i in range(37):
+            assert (np.asarray(r.sample_bytes(i, "image")) == i).all(), i
+            assert np.asarray(r.sample_bytes(i, "arr")).view(np.float32).tolist() == [i] * 3
+            assert bytes(r.sample_bytes(i, "blob")) == bytes([i] * 4)
+            assert json.loads(bytes(r.sample_bytes(i, "meta")).rstrip(b"\0")) == {"i": i}
+
+
+class ScratchState:
+    """Keeps scratch state between the lines of ``__getitem__`` (one copy per FFCV worker)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.scratch = np.zeros(2, np.int64)
+        self.calls_at_once = 0
+        self.most_at_once = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        self.calls_at_once += 1
+        self.most_at_once = max(self.most_at_once, self.calls_at_once)
+        self.scratch[:] = i
+        time.sleep(0.0005)  # a read from disk: another thread runs meanwhile
+        value = int(self.scratch[0])
+        self.calls_at_once -= 1
+        return (value,)
+
+
+def test_dataset_reads_are_one_at_a_time_unless_concurrent_reads(tmp_path: Path) -> None:
+    ds = ScratchState(120)
+    out = tmp_path / "scratch.beton"
+    SmallPageWriter(out, {"label": IntField()}, page_size=4096, num_workers=4).from_indexed_dataset(
+        ds, chunksize=5
+    )
+    with BetonReader(out) as r:
+        assert r.field_metadata("label").tolist() == list(range(120))
+    assert ds.most_at_once == 1
+
+    # concurrent_reads=True is the promise that __getitem__ is thread-safe: the workers then
+    # read at once (this dataset breaks that promise, so only the overlap is checked).
+    fast = ScratchState(120)
+    SmallPageWriter(
+        tmp_path / "fast.beton",
+        {"label": IntField()},
+        page_size=4096,
+        num_workers=4,
+        concurrent_reads=True,
+    ).from_indexed_dataset(fast, chunksize=5)
+    assert fast.most_at_once > 1
+
+
+def test_slow_serial_reads_log_the_concurrent_reads_hint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="beton_serve.writer")
+    SmallPageWriter(
+        tmp_path / "s.beton", {"label": IntField()}, page_size=4096, num_workers=2
+    ).from_indexed_dataset(ScratchState(40), chunksize=5)
+    assert "concurrent_reads=True" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda p: p / "missing" / "out.beton", "does not exist"),
+        (lambda p: p / "adir", "is a directory"),
+    ],
+)
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
+    tmp_path: Path, make, words: str
+) -> None:
+    (tmp_path / "adir").mkdir()
+    calls = ScratchState(3)
+    with pytest.raises(WriterError, match=words):
+        DatasetWriter(make(tmp_path), {"label": IntField()}).from_indexed_dataset(calls)
+    assert calls.most_at_once == 0  # nothing was read
+    assert sorted(os.listdir(tmp_path)) == ["adir"]
+
+
+def test_a_directory_without_write_permission_is_a_writer_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # os.access answers for the real user (root may write anywhere, so it is simulated here).
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(WriterError, match="no permission"):
+        DatasetWriter(tmp_path / "x.beton", {"label": IntField()}).from_indexed_dataset(
+            ListDS([(1,)])
+        )
+
+
+def test_a_disk_error_while_writing_is_a_writer_error_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(WriterError, match="No space left on device"):
+        DatasetWriter(tmp_path / "x.beton", {"label": IntField()}).from_indexed_dataset(
+            ListDS([(1,), (2,)])
+        )
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_long_legal_name_is_written(tmp_path: Path) -> None:
+    out = tmp_path / ("x" * 244 + ".beton")  # 250 bytes: the temporary name must still fit
+    DatasetWriter(out, {"label": IntField()}).from_indexed_dataset(ListDS([(7,)]))
+    with BetonReader(out) as r:
+        assert r.field_metadata("label").tolist() == [7]
+
+
+def test_a_symbolic_link_is_written_through(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    real = tmp_path / "data" / "real.beton"
+    link = tmp_path / "link.beton"
+    link.symlink_to(real)
+    DatasetWriter(link, {"label": IntField()}).from_indexed_dataset(ListDS([(3,), (4,)]))
+    assert link.is_symlink()
+    with BetonReader(real) as r:
+        assert r.field_metadata("label").tolist() == [3, 4]

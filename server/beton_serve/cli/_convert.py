@@ -3,8 +3,12 @@
 ``DIR`` has one sub-directory per class, as torchvision's ``ImageFolder`` expects; classes are
 the sorted sub-directory names and labels their positions. Every file with an image extension
 (``.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp``, any case) becomes one sample, in sorted
-order. Images are read with ``cv2.imdecode`` (colour, so grayscale is replicated and alpha
-dropped) and converted BGR -> RGB. An unreadable image fails the write with its path.
+order. Symbolic links to directories are followed, each directory once per class; a link to a
+directory that contains it (a loop) is skipped and named on stderr. A class directory without images is refused, as
+torchvision refuses it. Images are read with ``cv2.imdecode`` (colour, so grayscale is
+replicated and alpha dropped; EXIF orientation is ignored, as torchvision's PIL loader ignores it,
+so pixels are stored as the file holds them) and converted BGR -> RGB. An unreadable image fails
+the write with its path.
 
 The file has the fields ``image`` (RGBImageField) and ``label`` (IntField).
 """
@@ -37,14 +41,38 @@ class ImageFolder:
         if not self.classes:
             raise ConfigError(f"{root} has no class sub-directories (expected DIR/<class>/<img>)")
         self.samples: list[tuple[str, int]] = []
+        #: Links skipped because they lead to a directory that contains them.
+        self.loops: list[str] = []
+        empty: list[str] = []
         for label, cls in enumerate(self.classes):
+            before = len(self.samples)
+            seen: set[tuple[int, int]] = set()  # (device, inode) of the directories walked
             for dirpath, dirnames, files in os.walk(os.path.join(root, cls), followlinks=True):
+                st = os.stat(dirpath)
+                if (st.st_dev, st.st_ino) in seen:  # reached again through another link
+                    dirnames.clear()
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                here = os.path.realpath(dirpath)
+                for name in list(dirnames):
+                    target = os.path.realpath(os.path.join(dirpath, name))
+                    if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+                        dirnames.remove(name)  # a link to a directory that contains it: a loop
+                        self.loops.append(os.path.join(dirpath, name))
                 dirnames.sort()
                 for fname in sorted(files):
                     if fname.lower().endswith(IMG_EXTENSIONS):
                         self.samples.append((os.path.join(dirpath, fname), label))
+            if len(self.samples) == before:
+                empty.append(cls)
         if not self.samples:
             raise ConfigError(f"{root} contains no images with extensions {IMG_EXTENSIONS}")
+        if empty:
+            raise ConfigError(
+                f"class directories without images in {root}: {', '.join(empty[:10])}"
+                + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+                + " (torchvision's ImageFolder refuses them too; remove them, or add images)"
+            )
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -55,7 +83,8 @@ class ImageFolder:
 
         path, label = self.samples[i]
         data = np.fromfile(path, dtype=np.uint8)
-        img = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
+        flags = cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
+        img = cv2.imdecode(data, flags) if data.size else None
         if img is None:
             raise ValueError(f"cannot decode image {path}")
         return cv2.cvtColor(img, cv2.COLOR_BGR2RGB), label
@@ -89,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     from beton_serve.writer import DatasetWriter
 
     dataset = ImageFolder(args.dir)
+    for link in dataset.loops:
+        print(f"skipped {link}: a link to a directory that contains it", file=sys.stderr)
     try:
         image = RGBImageField(
             write_mode=args.write_mode,
@@ -105,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         num_workers=args.workers,
         seed=args.seed,
+        concurrent_reads=True,  # ImageFolder.__getitem__ keeps no state: thread-safe
     )
     writer.from_indexed_dataset(dataset)
     print(
