@@ -27,6 +27,8 @@ Client to server (requests on the same bidirectional call)::
     WANT   a list of (epoch, batch index): each entry is one credit for that batch. The server
            answers WANTs in the order it received them, and never produces a batch nobody asked
            for, so memory is bounded by the client's credits on both ends (plus HTTP/2's window).
+           A server ends a call that has more than ``limits.MAX_WANTS_IN_FLIGHT`` entries asked
+           for and not yet sent (``INVALID_ARGUMENT``).
 
 Everything is little-endian. Nothing received is unpickled or evaluated: dtypes are matched against
 a fixed pattern, every size is checked against ``max_batch_bytes`` *before* anything is allocated,

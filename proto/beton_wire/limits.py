@@ -29,6 +29,9 @@ MAX_INT_DIGITS           20                           digits of an integer in pa
 MAX_WIRE_RECORDS         131,072                      fields and list entries of one request, at
                                                       every level; counted on the bytes before
                                                       they are parsed (packed indices are one)
+MAX_WANTS_IN_FLIGHT      128                          batches a client has asked for (WANT) and
+                                                      not yet received, on one batch call; a
+                                                      client keeps at most its credits out
 MAX_REQUEST_BYTES        46 MiB                       one gRPC message to the daemon: what the
                                                       limits above allow, plus 2 MiB; gRPC itself
                                                       refuses a larger one (``RESOURCE_EXHAUSTED``)
@@ -69,6 +72,7 @@ __all__ = [
     "MAX_REQUEST_BYTES",
     "MAX_SPEC_BYTES",
     "MAX_WIRE_RECORDS",
+    "MAX_WANTS_IN_FLIGHT",
     "MAX_WORKERS",
     "MAX_WORLD_SIZE",
     "cap_message",
@@ -83,6 +87,8 @@ MAX_BATCHES_AHEAD = 64
 #: A 1-second epoch would take 136 years to get there; past 2**63 the daemon's arithmetic overflowed.
 MAX_EPOCH = (1 << 32) - 1
 MAX_WORLD_SIZE = 1 << 16
+#: Twice the largest ``batches_ahead``: the client's reader keeps 3 out per daemon.
+MAX_WANTS_IN_FLIGHT = 2 * MAX_BATCHES_AHEAD
 MAX_WORKERS = 1024
 MAX_INDICES = 1 << 22
 MAX_PIPELINES = 1024

@@ -298,3 +298,62 @@ def test_negative_out_of_range_or_fractional_indices_are_refused_in_process(
     # process (a daemon checks it against its file).
     with pytest.raises(SpecError, match=r"indices must be integer sample ids"):
         InProcessLoader(fixtures_dir / "mixed_fields.beton", 4, indices=indices, pipelines=INT_ONLY)
+
+
+def _grpc_stream(stub) -> tuple[str, str]:
+    """Open a grpc-transport stream; its id and the batch method's path."""
+    req = _request(transport="grpc")
+    req.capabilities.transports.append("grpc")
+    reply = stub.OpenStream(req, timeout=60)
+    return reply.stream_id, reply.transport.grpc.method
+
+
+def _batch_call(ch, method: str, stream_id: str, wants: list[list[tuple[int, int]]]):
+    from beton_wire.framing import Compression, OpenRequest, WantRequest
+
+    def requests():
+        yield OpenRequest(Compression.parse("none"), payload=stream_id.encode()).to_bytes()
+        for items in wants:
+            yield WantRequest(tuple(items)).to_bytes()
+
+    return ch.stream_stream(method, request_serializer=None)(requests(), timeout=60)
+
+
+def test_a_want_flood_ends_the_call_and_the_daemons_memory_stays_flat(
+    served, fixtures_dir: Path
+) -> None:
+    from beton_wire.framing import MAX_WANTS_PER_MESSAGE
+
+    d, stub, ch = served
+    sid, method = _grpc_stream(stub)
+    before = _status(d.pid)
+    # 200 messages of 4,096 WANTs: 819,200 batches asked for, none read. Each used to cost the
+    # daemon ~2 KB (1.6 GB in all); the call now ends at MAX_WANTS_IN_FLIGHT.
+    flood = [[(e, 0)] * MAX_WANTS_PER_MESSAGE for e in range(200)]
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in _batch_call(ch, method, sid, flood):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "batches wanted and not yet received" in info.value.details()
+    after = _status(d.pid)
+    assert after["VmHWM"] - before["VmHWM"] < RSS_SLACK_KIB, (before, after)
+    # The daemon serves the next client, the same ints as in process.
+    with ServedLoader(
+        "mixed_fields", batch_size=4, pipelines=INT_ONLY, server=d.address, transport="grpc"
+    ) as loader:
+        served = _labels(loader)
+    with InProcessLoader(
+        str(fixtures_dir / "mixed_fields.beton"), batch_size=4, pipelines=INT_ONLY, num_workers=1
+    ) as loader:
+        assert served == _labels(loader)
+
+
+@pytest.mark.parametrize("epoch", [2**32, 2**64 - 1])
+def test_a_want_for_an_epoch_past_the_limit_is_invalid_argument(served, epoch: int) -> None:
+    _, stub, ch = served
+    sid, method = _grpc_stream(stub)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in _batch_call(ch, method, sid, [[(epoch, 0)]]):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"epoch {epoch} is outside 0..{2**32 - 1}" in info.value.details()

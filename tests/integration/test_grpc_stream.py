@@ -523,3 +523,121 @@ def test_malformed_stream_from_a_daemon_is_a_transport_error(messages: Any) -> N
     finally:
         server.stop(None).wait(10)
         pool.shutdown(wait=True)
+
+
+@contextlib.contextmanager
+def aio_server(factory: Any) -> Iterator[str]:
+    """A grpc.aio server with the batch method on 127.0.0.1, on its own loop thread."""
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    def run() -> None:
+        async def main() -> None:
+            server = grpc.aio.server(options=SERVER_OPTIONS)
+            add_batch_stream_handler(server, factory)
+            state["port"] = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            state["stop"] = asyncio.Event()
+            state["loop"] = asyncio.get_running_loop()
+            started.set()
+            await state["stop"].wait()
+            await server.stop(None)
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=run, name="beton-test-aio-server")
+    t.start()
+    try:
+        assert started.wait(10)
+        yield f"127.0.0.1:{state['port']}"
+    finally:
+        if "loop" in state:
+            state["loop"].call_soon_threadsafe(state["stop"].set)
+        t.join(10)
+    assert not t.is_alive()
+
+
+@contextlib.contextmanager
+def either_server(kind: str, factory: Any) -> Iterator[str]:
+    if kind == "aio":
+        with aio_server(factory) as target:
+            yield target
+    else:
+        with threaded_server(factory) as (_, target):
+            yield target
+
+
+def _raw_call(ch: grpc.Channel, wants: list[list[tuple[int, int]]], hold: threading.Event):
+    """The batch method called with raw requests: OPEN, then ``wants``, then nothing more
+    until ``hold`` is set (the call stays open, as a client that never reads)."""
+    from beton_client._transport.grpc_codec import DEFAULT_METHOD_PATH
+    from beton_wire.framing import WantRequest
+
+    def requests() -> Iterator[bytes]:
+        yield OpenRequest(Compression.parse("none"), chunk_bytes=4096).to_bytes()
+        for items in wants:
+            yield WantRequest(tuple(items)).to_bytes()
+        hold.wait(30)
+
+    call = ch.stream_stream(DEFAULT_METHOD_PATH, request_serializer=None)
+    return call(requests())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["threaded", "aio"])
+def test_a_client_that_wants_more_than_it_reads_ends_its_call_and_leaks_nothing(
+    kind: str,
+) -> None:
+    from beton_wire.limits import MAX_WANTS_IN_FLIGHT
+
+    rec = Recorder()
+    hold = threading.Event()
+    n = MAX_WANTS_IN_FLIGHT // 2 + 10
+    try:
+        with either_server(kind, rec) as target:
+            with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                # Two WANTs that fit, then one over the limit; nothing is read until then.
+                flood = [[(0, b) for b in range(n)], [(1, b) for b in range(n)]]
+                responses = _raw_call(ch, flood, hold)
+                received = 0
+                with pytest.raises(grpc.RpcError) as info:
+                    for _ in responses:
+                        received += 1
+                hold.set()
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert f"more than {MAX_WANTS_IN_FLIGHT} batches wanted" in info.value.details()
+                assert received < 2 * n  # ended before answering every WANT
+                assert wait_for(lambda: rec.closed == 1)
+                assert wait_for(lambda: rec.released == rec.produced)
+                # The server serves the next call as before.
+                positions = [(0, b) for b in range(5)]
+                assert read_all(ch, positions) == positions
+    finally:
+        hold.set()
+        rec.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_cancels_mid_write_is_logged_at_info_not_as_a_fault(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO")
+    # 1 MiB batches: the daemon is blocked in a write (HTTP/2's window full) when the client goes.
+    rec = Recorder(lambda epoch, b: {"image": np.full(1 << 20, b % 256, np.uint8)})
+    hold = threading.Event()
+    try:
+        with aio_server(rec) as target:
+            for _ in range(3):
+                with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+                    responses = _raw_call(ch, [[(0, b) for b in range(100)]], hold)
+                    for _, _msg in zip(range(5), responses, strict=False):
+                        pass
+                    time.sleep(0.3)  # the daemon writes until the window is full
+                    responses.cancel()
+            assert wait_for(lambda: rec.closed == 3)
+            assert wait_for(lambda: rec.released == rec.produced)
+    finally:
+        hold.set()
+        rec.shutdown()
+    faults = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert not faults, [r.getMessage()[:200] for r in faults]

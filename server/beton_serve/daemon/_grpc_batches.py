@@ -22,8 +22,11 @@ batch that finished early must not spend it before the batches asked for ahead o
 handler sends the batches in WANT order anyway, so holding a finished batch until those ahead of
 it are booked delays nothing that the client would read sooner.
 
-WANTs beyond the ring wait in order for a slot, so daemon memory is bounded by the ring and client
-memory by its credits (plus HTTP/2's window). Any ``(epoch, batch)`` may be asked for, in any
+WANTs beyond the ring wait in order for a slot, so the decoded batches the daemon holds are bounded
+by the ring, and client memory by its credits (plus HTTP/2's window). The batch method ends a call
+that has more than ``beton_wire.limits.MAX_WANTS_IN_FLIGHT`` batches wanted and not yet sent
+(``INVALID_ARGUMENT``): a waiting WANT costs the daemon a future, and a client that asked for
+millions without reading grew the daemon's memory by ~2 KB each. Any ``(epoch, batch)`` may be asked for, in any
 order: this is what lets several daemons share an epoch (``beton_client._transport.multi``).
 
 The call owns the stream: when it ends (client hang-up, cancel, the liveness monitor, drain) the
@@ -43,6 +46,7 @@ from typing import Any
 
 import numpy as np
 from beton_wire.framing import Codec, OpenRequest
+from beton_wire.limits import MAX_EPOCH
 from beton_wire.skipped import SKIPPED
 from beton_wire.skipped import encode as encode_skipped
 
@@ -105,6 +109,9 @@ class StreamProducer:
         n = self.stream.num_batches
         if not 0 <= batch_index < n:
             out.set_exception(SpecError(f"batch {batch_index} is outside the epoch's {n} batches"))
+            return out
+        if not 0 <= epoch <= MAX_EPOCH:
+            out.set_exception(SpecError(f"epoch {epoch} is outside 0..{MAX_EPOCH}"))
             return out
         self._waiting.append((int(epoch), int(batch_index), out))
         self._pump()

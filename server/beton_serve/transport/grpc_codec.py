@@ -60,9 +60,10 @@ from beton_wire.framing import (
     WantRequest,
     parse_request,
 )
+from beton_wire.limits import MAX_WANTS_IN_FLIGHT
 from numpy.typing import NDArray
 
-from beton_serve.errors import ConfigError
+from beton_serve.errors import ConfigError, SpecError
 from beton_serve.transport.status import ERROR_METADATA_KEY, status_for
 
 __all__ = [
@@ -225,6 +226,56 @@ def _wants(msg: bytes) -> WantRequest:
     return req
 
 
+class _InFlight:
+    """Batches wanted and not yet sent on one call, bounded by :data:`MAX_WANTS_IN_FLIGHT`:
+    each WANT entry costs the daemon a future and a queue entry until its batch is sent, so a
+    client that asks for more than it reads must not grow the daemon's memory (a well-behaved
+    client keeps at most its credits out). ``add`` is called by the WANT reader, which stops
+    reading when it raises; the writer checks :attr:`error` before each batch, so the call ends
+    with it without sending the batches queued ahead of it. Ints under the GIL (threaded server)
+    or on one loop (aio)."""
+
+    __slots__ = ("error", "n")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.error: FramingError | None = None
+
+    def add(self, count: int) -> None:
+        self.n += count
+        if self.n > MAX_WANTS_IN_FLIGHT:
+            self.error = FramingError(
+                f"more than {MAX_WANTS_IN_FLIGHT} batches wanted and not yet received on one "
+                "batch call: a client keeps at most its credits out"
+            )
+            raise self.error
+
+    def sent(self) -> None:
+        self.n -= 1
+
+
+class _ClientGone(Exception):
+    """A write to the call failed: the client cancelled it or vanished (grpc raises its own
+    internal error for that before the context reports the call as done)."""
+
+
+async def _write(context: grpc.aio.ServicerContext, msg: bytes) -> None:
+    try:
+        await context.write(msg)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise _ClientGone(f"{type(exc).__name__}: {exc}") from None
+
+
+def _log_failure(exc: BaseException) -> None:
+    """A client's own mistake (a malformed or out-of-range request, answered with its status)
+    is logged at info, so that no client can fill the log with warnings; anything else at
+    warning."""
+    level = logging.INFO if isinstance(exc, (FramingError, SpecError)) else logging.WARNING
+    log.log(level, "batch stream failed: %s", exc)
+
+
 # ---------------------------------------------------------------------------------------------
 # threaded server
 
@@ -245,11 +296,14 @@ def _make_sync_handler(
         except Exception as exc:
             _abort_sync(context, exc, status_for)
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        flight = _InFlight()
 
         def read_wants() -> None:
             try:
                 for msg in request_iterator:
-                    for epoch, b in _wants(msg).items:
+                    items = _wants(msg).items
+                    flight.add(len(items))
+                    for epoch, b in items:
                         q.put((epoch, b, producer.submit(epoch, b)))
             except grpc.RpcError:
                 pass  # the call ended (cancelled or disconnected); the handler sees it too
@@ -274,6 +328,9 @@ def _make_sync_handler(
                     return
                 if isinstance(item, BaseException):
                     raise item
+                if flight.error is not None:
+                    q.put(item)  # released with the rest below
+                    raise flight.error
                 epoch, b, fut = item
                 batch = _result(fut, context)
                 if batch is None:
@@ -281,10 +338,14 @@ def _make_sync_handler(
                 try:
                     yield from encoder.encode(epoch, b, batch.arrays)
                 finally:
+                    flight.sent()
                     if batch.release is not None:
                         batch.release()
         except Exception as exc:
-            log.warning("batch stream failed: %s", exc)
+            if not context.is_active():
+                log.info("batch stream ended: the client went away (%s)", exc)
+                return
+            _log_failure(exc)
             _abort_sync(context, exc, status_for)
         finally:
             producer.close()
@@ -335,10 +396,14 @@ def _make_aio_handler(
         if add_abort_listener is not None:
             add_abort_listener(q.put_nowait)  # an exception: ends the call with its status
 
+        flight = _InFlight()
+
         async def read_wants() -> None:
             try:
                 async for msg in it:
-                    for epoch, b in _wants(msg).items:
+                    items = _wants(msg).items
+                    flight.add(len(items))
+                    for epoch, b in items:
                         q.put_nowait((epoch, b, producer.submit(epoch, b)))
             except asyncio.CancelledError:
                 raise
@@ -356,6 +421,9 @@ def _make_aio_handler(
                     return
                 if isinstance(item, BaseException):
                     raise item
+                if flight.error is not None:
+                    q.put_nowait(item)  # released with the rest below
+                    raise flight.error
                 epoch, b, fut = item
                 batch = await asyncio.wrap_future(fut)
                 try:
@@ -364,17 +432,20 @@ def _make_aio_handler(
                         while (
                             msg := await loop.run_in_executor(None, next, chunks, None)
                         ) is not None:
-                            await context.write(msg)
+                            await _write(context, msg)
                     else:
                         for msg in chunks:
-                            await context.write(msg)
+                            await _write(context, msg)
                 finally:
+                    flight.sent()
                     if batch.release is not None:
                         batch.release()
         except asyncio.CancelledError:
             raise
+        except _ClientGone as exc:
+            log.info("batch stream ended: the client went away (%s)", exc)
         except Exception as exc:
-            log.warning("batch stream failed: %s", exc)
+            _log_failure(exc)
             await _abort_aio(context, exc, status_for)
         finally:
             task.cancel()
