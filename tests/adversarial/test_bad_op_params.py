@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,38 @@ CASES: dict[str, tuple[Any, str, str]] = {
         "image",
         "has dtype 'object', which the wire cannot carry",
     ),
+    # Session 41: wrong types were coerced with int()/float(): "32" became a 3x2 output, 32.9
+    # was truncated and true read as 1.
+    "crop_decoder_size_string": (
+        _op("RandomResizedCropRGBImageDecoder", {"output_size": "32"}),
+        "decoder",
+        "output_size must be (height, width), two integers, not '32'",
+    ),
+    "crop_decoder_size_float": (
+        _op("RandomResizedCropRGBImageDecoder", {"output_size": [32.9, 32]}),
+        "decoder",
+        "two integers, not [32.9, 32]",
+    ),
+    "center_crop_size_bools": (
+        _op("CenterCropRGBImageDecoder", {"output_size": [True, True], "ratio": 0.875}),
+        "decoder",
+        "two integers, not [True, True]",
+    ),
+    "cutout_fractional_size": (
+        _op("Cutout", {"crop_size": 2.5}),
+        "image",
+        "Cutout: crop_size must be an integer, got 2.5",
+    ),
+    "translate_padding_bool": (
+        _op("RandomTranslate", {"padding": True}),
+        "image",
+        "RandomTranslate: padding must be an integer, got True",
+    ),
+    "flip_prob_string": (
+        _op("RandomHorizontalFlip", {"flip_prob": "0.5"}),
+        "image",
+        "RandomHorizontalFlip: flip_prob must be a number, got '0.5'",
+    ),
     "replace_label_negative_id": (
         _op("ReplaceLabel", {"indices": [-5], "new_label": 3}),
         "label",
@@ -105,7 +138,7 @@ def daemon(fixtures_dir: Path) -> Iterator[DaemonProcess]:
 
 def _request(op: Any, where: str) -> Any:
     dec = _op("RandomResizedCropRGBImageDecoder", {"output_size": [8, 8]})
-    image = [dec, op] if where == "image" else [dec]
+    image = [op] if where == "decoder" else [dec, op] if where == "image" else [dec]
     label = [_op("IntDecoder", {}), *([op] if where == "label" else [])]
     return pb.OpenStreamRequest(
         dataset="images_jpg",
@@ -168,3 +201,52 @@ def test_in_process_the_same_requests_are_spec_errors(fixtures_dir: Path) -> Non
             finally:
                 ld.close()
         assert says in str(info.value), str(info.value)
+
+
+def _wrongly_typed() -> list[tuple[str, Any, str]]:
+    from beton_serve.fields.decoders import (
+        CenterCropRGBImageDecoder,
+        RandomResizedCropRGBImageDecoder,
+    )
+    from beton_serve.transforms import (
+        Cutout,
+        MixupToOneHot,
+        RandomBrightness,
+        RandomHorizontalFlip,
+        RandomResizedCrop,
+        RandomTranslate,
+        ReplaceLabel,
+    )
+
+    return [
+        ("rrc_str", lambda: RandomResizedCropRGBImageDecoder("32"), "two integers, not '32'"),
+        ("rrc_float", lambda: RandomResizedCropRGBImageDecoder((32.9, 32)), "not (32.9, 32)"),
+        ("cc_bools", lambda: CenterCropRGBImageDecoder((True, True), 0.875), "not (True, True)"),
+        ("cutout", lambda: Cutout(2.5), "crop_size must be an integer"),
+        ("translate", lambda: RandomTranslate(True), "padding must be an integer"),
+        ("rrc_op", lambda: RandomResizedCrop((0.08, 1), (0.75, 1.33), "8"), "size must be an"),
+        ("label", lambda: ReplaceLabel([0], 1.5), "new_label must be an integer"),
+        ("flip", lambda: RandomHorizontalFlip("0.5"), "flip_prob must be a number"),
+        ("brightness", lambda: RandomBrightness(magnitude="big"), "magnitude must be a number"),
+        ("onehot", lambda: MixupToOneHot(10.0), "num_classes must be an integer"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("make", "says"), [c[1:] for c in _wrongly_typed()], ids=[c[0] for c in _wrongly_typed()]
+)
+def test_op_parameters_of_the_wrong_type_are_refused_not_coerced(make: Any, says: str) -> None:
+    from beton_serve.errors import SpecError
+
+    with pytest.raises(SpecError, match=re.escape(says)):
+        make()
+
+
+def test_numpy_integers_and_ints_for_floats_are_still_accepted() -> None:
+    import numpy as np
+    from beton_serve.fields.decoders import RandomResizedCropRGBImageDecoder
+    from beton_serve.transforms import Cutout, RandomHorizontalFlip
+
+    assert RandomResizedCropRGBImageDecoder((np.int64(8), 8)).spec_params()["output_size"] == [8, 8]
+    assert Cutout(np.int32(3)).crop_size == 3
+    assert RandomHorizontalFlip(1).flip_prob == 1.0

@@ -29,12 +29,14 @@ This module imports neither Numba nor OpenCV at import time.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
+from beton_wire.limits import short_repr
 
 from beton_serve.errors import SpecError
 from beton_serve.pipeline.allocation_query import AllocationQuery
@@ -524,6 +526,7 @@ class _CropDecoder(SimpleRGBImageDecoder):
         if jpeg_backend not in JPEG_BACKENDS:
             raise SpecError(f"jpeg_backend must be one of {JPEG_BACKENDS}, not {jpeg_backend!r}")
         self.output_size = output_size
+        self._out_hw()  # refuse a malformed size here, not when the plan is compiled
         self.resize = resize
         self.dct_scale = bool(dct_scale)
         self.fast_upsample = bool(fast_upsample)
@@ -531,12 +534,18 @@ class _CropDecoder(SimpleRGBImageDecoder):
         self._cols: _ImageColumns | None = None
 
     def _out_hw(self) -> tuple[int, int]:
+        """``output_size`` as two positive ints. Only integers count (``int``, numpy integers):
+        a string, bools or floats are refused, not coerced (``int()`` made ``"32"`` a 3x2
+        output and truncated ``32.9``)."""
+        size = self.output_size
         try:
-            oh, ow = (int(v) for v in self.output_size)
+            if isinstance(size, (str, bytes)) or any(isinstance(v, bool) for v in size):
+                raise TypeError
+            oh, ow = (operator.index(v) for v in size)
         except (TypeError, ValueError):
             raise SpecError(
-                f"{type(self).__name__}: output_size must be (height, width), "
-                f"not {self.output_size!r}"
+                f"{type(self).__name__}: output_size must be (height, width), two integers, "
+                f"not {short_repr(size)}"
             ) from None
         if oh < 1 or ow < 1:
             raise SpecError(f"{type(self).__name__}: output_size must be positive")

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
+from beton_wire.limits import short_repr
 
 from beton_serve.errors import SpecError
 
-__all__ = ["bind", "check_fill", "dtype_name", "mark", "require_image", "to_list"]
+__all__ = [
+    "bind",
+    "check_fill",
+    "check_int",
+    "check_real",
+    "dtype_name",
+    "mark",
+    "require_image",
+    "to_list",
+]
 
 
 def mark(fn: Any, *, indices: bool = False, seed: bool = False, python: bool = False) -> Any:
@@ -62,6 +73,28 @@ def check_fill(op: str, fill: Any) -> np.ndarray:
     if not ok:
         raise SpecError(f"{op}: fill must be 3 numbers (one per channel), got {fill!r}")
     return arr
+
+
+def check_int(op: str, name: str, value: Any) -> int:
+    """``value`` as an ``int`` when it is an integer (``int`` or a numpy integer); a
+    :class:`SpecError` for anything else. ``int()`` would have truncated ``8.7``, read ``"8"``
+    and taken ``True`` for 1; a parameter from the wire must be refused, not changed."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise SpecError(f"{op}: {name} must be an integer, got {short_repr(value)}")
+
+
+def check_real(op: str, name: str, value: Any) -> float:
+    """``value`` as a ``float`` when it is a real number (an int, a float, a numpy number; not
+    a bool or a string); a :class:`SpecError` otherwise."""
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    ):
+        return float(value)
+    raise SpecError(f"{op}: {name} must be a number, got {short_repr(value)}")
 
 
 def dtype_name(dtype: Any) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import bind, require_image
+from beton_serve.transforms._util import bind, check_real, require_image
 
 __all__ = ["RandomBrightness", "RandomContrast", "RandomSaturation"]
 
@@ -32,8 +32,8 @@ class _ColorJitter(Operation):
 
     def __init__(self, magnitude: float, p: float = 0.5) -> None:
         super().__init__()
-        self.magnitude = float(magnitude)
-        self.p = float(p)
+        self.magnitude = check_real(type(self).__name__, "magnitude", magnitude)
+        self.p = check_real(type(self).__name__, "p", p)
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, None]:
         require_image(self, previous_state, dtype=np.uint8)

@@ -11,7 +11,7 @@ import numpy as np
 from beton_serve.errors import SpecError
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import bind, check_fill, require_image, to_list
+from beton_serve.transforms._util import bind, check_fill, check_int, require_image, to_list
 
 __all__ = ["Cutout"]
 
@@ -27,7 +27,7 @@ class Cutout(Operation):
 
     def __init__(self, crop_size: int, fill: tuple[int, int, int] = (0, 0, 0)) -> None:
         super().__init__()
-        self.crop_size = int(crop_size)
+        self.crop_size = check_int("Cutout", "crop_size", crop_size)
         self.fill = check_fill("Cutout", fill)
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, None]:

@@ -11,7 +11,7 @@ import numpy as np
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation, same_array
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import mark, require_image
+from beton_serve.transforms._util import check_real, mark, require_image
 
 __all__ = ["RandomHorizontalFlip"]
 
@@ -46,7 +46,7 @@ class RandomHorizontalFlip(Operation):
 
     def __init__(self, flip_prob: float = 0.5) -> None:
         super().__init__()
-        self.flip_prob = float(flip_prob)
+        self.flip_prob = check_real(type(self).__name__, "flip_prob", flip_prob)
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         require_image(self, previous_state, channels=None)

@@ -25,7 +25,7 @@ from beton_serve.errors import SpecError
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import bind
+from beton_serve.transforms._util import bind, check_int, check_real
 
 __all__ = ["ImageMixup", "LabelMixup", "MixupToOneHot", "MIXUP_STREAM", "mixup_key"]
 
@@ -65,7 +65,7 @@ class ImageMixup(Operation):
 
     def __init__(self, alpha: float, same_lambda: bool) -> None:
         super().__init__()
-        self.alpha = float(alpha)
+        self.alpha = check_real(type(self).__name__, "alpha", alpha)
         self.same_lambda = bool(same_lambda)
         if self.alpha <= 0:
             raise SpecError(f"ImageMixup: alpha must be > 0, got {alpha}")
@@ -112,7 +112,7 @@ class LabelMixup(Operation):
 
     def __init__(self, alpha: float, same_lambda: bool) -> None:
         super().__init__()
-        self.alpha = float(alpha)
+        self.alpha = check_real(type(self).__name__, "alpha", alpha)
         self.same_lambda = bool(same_lambda)
         if self.alpha <= 0:
             raise SpecError(f"LabelMixup: alpha must be > 0, got {alpha}")
@@ -162,7 +162,7 @@ class MixupToOneHot(Operation):
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
-        self.num_classes = int(num_classes)
+        self.num_classes = check_int(type(self).__name__, "num_classes", num_classes)
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         if previous_state.jit_mode:

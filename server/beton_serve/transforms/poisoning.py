@@ -11,7 +11,7 @@ import numpy as np
 from beton_serve.errors import SpecError
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import bind, require_image, to_list
+from beton_serve.transforms._util import bind, check_real, require_image, to_list
 
 __all__ = ["Poison"]
 
@@ -36,7 +36,11 @@ class Poison(Operation):
         self.mask = np.asarray(mask)
         self.alpha = np.asarray(alpha)
         self.indices = np.sort(np.asarray(indices, dtype=np.uint64))
-        self.clamp = (float(clamp[0]), float(clamp[1]))
+        try:
+            low, high = clamp
+        except (TypeError, ValueError):
+            raise SpecError(f"Poison: clamp must be (low, high), got {clamp!r}") from None
+        self.clamp = (check_real("Poison", "clamp", low), check_real("Poison", "clamp", high))
         for what, arr in (("mask", self.mask), ("alpha", self.alpha)):
             if not np.issubdtype(arr.dtype, np.number):
                 raise SpecError(f"Poison: {what} must hold numbers, got dtype {arr.dtype}")

@@ -13,7 +13,7 @@ from beton_serve.fields.decoders import crop_ranges
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import mark, require_image
+from beton_serve.transforms._util import check_int, mark, require_image
 
 __all__ = ["RandomResizedCrop"]
 
@@ -38,7 +38,7 @@ class RandomResizedCrop(Operation):
     ) -> None:
         super().__init__()
         self.scale, self.ratio = crop_ranges("RandomResizedCrop", scale, ratio)
-        self.size = int(size)
+        self.size = check_int(type(self).__name__, "size", size)
         if self.size < 1:
             raise SpecError(f"RandomResizedCrop: size must be at least 1, got {size}")
         if resize not in ("area", "cv2"):

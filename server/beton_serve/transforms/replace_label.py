@@ -11,7 +11,7 @@ import numpy as np
 from beton_serve.errors import SpecError
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import bind, to_list
+from beton_serve.transforms._util import bind, check_int, to_list
 
 __all__ = ["ReplaceLabel"]
 
@@ -24,7 +24,7 @@ class ReplaceLabel(Operation):
     def __init__(self, indices: Sequence[int], new_label: int) -> None:
         super().__init__()
         self.indices = np.sort(np.asarray(indices, dtype=np.uint64))
-        self.new_label = int(new_label)
+        self.new_label = check_int(type(self).__name__, "new_label", new_label)
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, None]:
         if not previous_state.jit_mode:

@@ -12,7 +12,7 @@ from beton_serve.errors import SpecError
 from beton_serve.pipeline.allocation_query import AllocationQuery
 from beton_serve.pipeline.operation import Operation
 from beton_serve.pipeline.state import State
-from beton_serve.transforms._util import bind, check_fill, require_image, to_list
+from beton_serve.transforms._util import bind, check_fill, check_int, require_image, to_list
 
 __all__ = ["RandomTranslate"]
 
@@ -30,7 +30,7 @@ class RandomTranslate(Operation):
 
     def __init__(self, padding: int, fill: tuple[int, int, int] = (0, 0, 0)) -> None:
         super().__init__()
-        self.padding = int(padding)
+        self.padding = check_int(type(self).__name__, "padding", padding)
         if self.padding < 0:
             raise SpecError(f"RandomTranslate: padding must be >= 0, got {padding}")
         self.fill = check_fill("RandomTranslate", fill)
