@@ -215,16 +215,18 @@ def test_ndarray_field_integers_are_stored_exactly_or_refused(dtype, values, bad
 
 def test_torch_tensor_field_reads_back_as_ndarray() -> None:
     torch = pytest.importorskip("torch")
-    f = TorchTensorField(torch.float16, (3,))
-    assert f.dtype == np.float16
+    f = TorchTensorField(torch.float64, (3,))
+    assert f.dtype == np.float64
     back = TorchTensorField.from_binary(f.to_binary())
     assert type(back) is NDArrayField and back.shape == (3,)
     rec = Recorder()
     d = _dest(f)
-    f.encode(d, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16), rec)
-    assert rec.buf[:6].view(np.float16).tolist() == [1.0, 2.0, 3.0]
+    f.encode(d, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), rec)
+    assert rec.buf[:24].view(np.float64).tolist() == [1.0, 2.0, 3.0]
     with pytest.raises(ValueError):
         TorchTensorField(torch.bfloat16, (3,))
+    with pytest.raises(ValueError, match="float16 as float32"):  # no decoder reads it back
+        TorchTensorField(torch.float16, (3,))
 
 
 def test_rgb_input_conversion_rule() -> None:
@@ -331,3 +333,68 @@ def test_ffcv_module_paths_expose_decoders() -> None:
     assert ndarray.NDArrayDecoder is decoders.NDArrayDecoder
     with pytest.raises(AttributeError):
         _ = basics.NoSuchDecoder
+
+
+@pytest.mark.parametrize("dtype", ["float16", ">i4", ">f8", "S4", "U2", "V4", "M8[s]"])
+def test_ndarray_field_refuses_dtypes_no_decoder_reads_back(dtype: str) -> None:
+    # They used to be written, and then every batch failed to decode (float16, big-endian) or
+    # the Loader raised an untyped TypeError (strings, bytes, void).
+    with pytest.raises(ValueError, match="NDArrayField of dtype"):
+        NDArrayField(np.dtype(dtype), (2,))
+
+
+@pytest.mark.parametrize(
+    "dtype", ["bool", "int8", "uint16", "int64", "uint64", "float32", "float64", "complex64"]
+)
+def test_every_decodable_dtype_round_trips_bit_for_bit(tmp_path, dtype: str) -> None:
+    from beton_serve.fields.decoders import NDArrayDecoder
+    from beton_serve.loader import Loader, OrderOption
+    from beton_serve.writer import DatasetWriter
+
+    rng = np.random.default_rng(3)
+    values = [rng.integers(0, 100, (2, 3)).astype(dtype) for _ in range(6)]
+    out = tmp_path / "d.beton"
+    DatasetWriter(out, {"a": NDArrayField(np.dtype(dtype), (2, 3))}).from_indexed_dataset(
+        [(v,) for v in values]
+    )
+    with Loader(
+        str(out),
+        batch_size=3,
+        num_workers=1,
+        order=OrderOption.SEQUENTIAL,
+        pipelines={"a": [NDArrayDecoder()]},
+    ) as loader:
+        got = np.concatenate([np.array(b[0], copy=True) for b in loader])
+    assert got.dtype == np.dtype(dtype)
+    assert np.array_equal(got, np.stack(values))
+
+
+def test_a_file_holding_a_float16_field_is_a_spec_error_when_decoded(tmp_path) -> None:
+    """FFCV's writer takes float16; the file opens, and decoding that field is refused by
+    name when the Loader is built (it used to fail every batch)."""
+    from beton_serve.errors import SpecError
+    from beton_serve.fields.decoders import NDArrayDecoder
+    from beton_serve.loader import Loader
+    from beton_serve.writer import DatasetWriter
+
+    class Half(NDArrayField):  # what FFCV writes: the file's own field, as read back
+        def __init__(self) -> None:
+            super().__init__(np.float16, (2,), _from_file=True)
+
+    out = tmp_path / "half.beton"
+    DatasetWriter(out, {"a": Half(), "label": IntField()}).from_indexed_dataset(
+        [(np.ones(2, np.float16), i) for i in range(4)]
+    )
+    custom = {"a": NDArrayField}  # the writer stored Half's type id; read it as FFCV's field
+    with pytest.raises(SpecError, match="NDArrayDecoder cannot decode this field's dtype float16"):
+        Loader(
+            str(out),
+            batch_size=2,
+            num_workers=1,
+            pipelines={"a": [NDArrayDecoder()]},
+            custom_fields=custom,
+        )
+    with Loader(
+        str(out), batch_size=2, num_workers=1, pipelines={"a": None}, custom_fields=custom
+    ) as loader:
+        assert sum(len(b[0]) for b in loader) == 4  # the other fields read as before

@@ -166,7 +166,12 @@ class NDArrayDecoder(Operation):
                 "NDArrayDecoder needs an NDArrayField (with .shape and .dtype); "
                 "use the decoder that matches the field type"
             )
-        return tuple(int(s) for s in field.shape), np.dtype(field.dtype)
+        dtype = np.dtype(field.dtype)
+        from beton_serve.fields.ndarray import undecodable
+
+        if (problem := undecodable(dtype)) is not None:
+            raise SpecError(f"NDArrayDecoder cannot decode this field's dtype {dtype}: {problem}")
+        return tuple(int(s) for s in field.shape), dtype
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         md = _require_metadata(self)

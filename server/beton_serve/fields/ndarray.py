@@ -6,7 +6,9 @@ holds the shape as 32 ``<u8`` (unused entries 0), then ``type_length`` (``<u8``)
 text ``json.dumps(dtype.descr)``, e.g. ``[["", "<f4"]]``; the rest is zero.
 
 FFCV strips trailing zero dimensions when reading, crashes on a 0-d shape and cannot read
-structured dtypes back, so the constructor rejects all three: FFCV must read what we write.
+structured dtypes back, so the constructor rejects all three: FFCV must read what we write. It
+also rejects the dtypes no decoder reads back (:func:`undecodable`: float16, non-native byte
+order, strings, bytes, datetimes).
 Values are converted to the field's dtype within their kind (numpy's ``same_kind``: ``float64``
 into a ``float32`` field, ``int64`` into ``uint8``), and only when the values survive: an integer
 that does not fit the field's dtype, an integer a float dtype cannot hold exactly, or a float that
@@ -26,9 +28,28 @@ from numpy.typing import NDArray
 from beton_serve.fields.base import AllocationCheck, Field, Malloc, lazy_decoders
 from beton_serve.format import ARGS_SIZE, NDARRAY_ARGS_DTYPE
 
-__all__ = ["NDArrayField"]
+__all__ = ["NDArrayField", "undecodable"]
 
 _MAX_DIMS = 32
+
+
+def undecodable(dtype: np.dtype) -> str | None:
+    """Why ``NDArrayDecoder`` cannot decode arrays of ``dtype``, or ``None`` when it can.
+
+    The decoder is a compiled copy into a batch of that dtype, so the dtype must be one numba
+    handles: bool, the signed and unsigned integers, float32, float64, complex64 and complex128,
+    in the machine's byte order. ``float16``, a big-endian dtype, strings, bytes, datetimes and
+    raw ``void`` cannot be read back; the writer refuses them (FFCV could not decode them
+    either), and a file that holds one is refused when a Loader decodes that field.
+    """
+    if dtype.kind not in "biufc" or dtype == np.float16:
+        return (
+            "the decoder handles bool, integer, float32/float64 and complex dtypes only; "
+            "store it as one of those (e.g. float16 as float32, strings with a BytesField)"
+        )
+    if not dtype.isnative:
+        return f"it is not in this machine's byte order; store it as {dtype.newbyteorder('=')}"
+    return None
 
 
 class _Flat(NamedTuple):
@@ -52,7 +73,7 @@ class NDArrayField(Field):
         ValueError: for a dtype or shape that FFCV could not read back.
     """
 
-    def __init__(self, dtype: Any, shape: tuple[int, ...], *, _allow_empty: bool = False) -> None:
+    def __init__(self, dtype: Any, shape: tuple[int, ...], *, _from_file: bool = False) -> None:
         dt = np.dtype(dtype)
         shp = tuple(int(s) for s in shape)
         if dt.fields is not None or dt.subdtype is not None or dt.hasobject:
@@ -67,7 +88,9 @@ class NDArrayField(Field):
         self.dtype = dt
         self.shape = shp
         self.element_size = int(dt.itemsize * int(np.prod(shp, dtype=np.int64)))
-        if self.element_size == 0 and not _allow_empty:  # FFCV may have written one: read it
+        if not _from_file and (problem := undecodable(dt)) is not None:
+            raise ValueError(f"NDArrayField of dtype {dt}: {problem}")
+        if self.element_size == 0 and not _from_file:  # FFCV may have written one: read it
             raise ValueError(
                 f"NDArrayField of shape {shp!r} and dtype {dt} holds 0 bytes; zero-size "
                 "allocations are ambiguous in the allocation table (ffcv-format.md §1.6)"
@@ -101,7 +124,7 @@ class NDArrayField(Field):
             dt = np.dtype([tuple(e) for e in descr])["f0"]
             if int(np.prod(dims, dtype=np.float64)) * dt.itemsize > 2**62:
                 raise ValueError(f"shape {dims} is too large")
-            return NDArrayField(dt, tuple(dims), _allow_empty=True)
+            return NDArrayField(dt, tuple(dims), _from_file=True)
         except (UnicodeDecodeError, TypeError, KeyError, IndexError) as exc:
             raise ValueError(f"NDArrayField dtype text is not a valid dtype: {exc}") from None
         except ValueError as exc:

@@ -224,6 +224,17 @@ class EngineBackend:
             self.reader.close()
 
 
+def _dtype_text(dtype: np.dtype) -> str:
+    """``dtype``'s name when numpy parses it back (``"float32"``), else its full text
+    (``"|S4"``: numpy cannot parse the name ``"bytes32"``, and a name drops the byte order)."""
+    try:
+        if np.dtype(dtype.name) == dtype:
+            return dtype.name
+    except TypeError:
+        pass
+    return dtype.str
+
+
 class EngineFeed:
     """One compiled plan and its batch source (``beton_client.frontend.Feed``)."""
 
@@ -299,7 +310,7 @@ class EngineFeed:
                 OutputInfo(
                     spec.name,
                     tuple(spec.shape),
-                    spec.dtype.name,
+                    _dtype_text(spec.dtype),
                     tuple(nd.op for nd in tail if not isinstance(nd.op, ClientOp)),
                     tuple(nd.position for nd in tail),
                 )
