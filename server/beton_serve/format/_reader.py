@@ -327,8 +327,18 @@ class BetonReader:
         entry_error(
             sid >= np.uint64(self.num_samples), f"sample_id is not below {self.num_samples}"
         )
-        entry_error((ptr < np.uint64(d)) | (ptr >= np.uint64(a)), f"ptr is outside [{d}, {a})")
-        entry_error(sz > np.uint64(a) - ptr, f"ptr + size runs past the data region end {a}")
+        # A zero-size entry addresses no byte. FFCV 1.0.2 writes one for an empty value (a
+        # BytesField's b""), and its pointer is then whatever its allocator held: the data
+        # start minus a page when the worker had booked no page yet (0 for a one-page
+        # metadata region), or the end of the data region after an exactly full last page.
+        nonempty = sz > np.uint64(0)
+        entry_error(
+            nonempty & ((ptr < np.uint64(d)) | (ptr >= np.uint64(a))), f"ptr is outside [{d}, {a})"
+        )
+        entry_error(~nonempty & (ptr > np.uint64(a)), f"ptr is past the data region end {a}")
+        entry_error(
+            nonempty & (sz > np.uint64(a) - ptr), f"ptr + size runs past the data region end {a}"
+        )
         entry_error(
             (ptr & np.uint64(ps - 1)) + sz > np.uint64(ps),
             f"the allocation crosses a page boundary (page size {ps})",
@@ -354,11 +364,12 @@ class BetonReader:
                 f"allocations at {int(p_nz[j])} (size {int(s_nz[j])}) and {int(p_nz[j + 1])} "
                 "overlap",
             )
+        # The page of each sample's bytes (zero-size entries have none: see above).
         pages = (ptr >> np.uint64(self._page_shift)).astype(np.int64)
         sample_pages = np.full(self.num_samples, -1, dtype=np.int64)
-        sample_pages[sid.astype(np.int64)] = pages
+        sample_pages[sid[nonempty].astype(np.int64)] = pages[nonempty]
         entry_error(
-            sample_pages[sid.astype(np.int64)] != pages,
+            nonempty & (sample_pages[sid.astype(np.int64)] != pages),
             "this sample has allocations in more than one page",
         )
         self.sample_pages: NDArray[np.int64] = sample_pages
