@@ -293,6 +293,9 @@ class DatasetWriter:
             idx = indices if isinstance(indices, np.ndarray) else np.asarray(indices)
             if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
                 raise WriterError(f"indices must be a 1-D sequence of ints, got {idx.dtype}")
+            if idx.size and idx.dtype.kind == "u" and int(idx.max()) > np.iinfo(np.int64).max:
+                # the int64 cast below would wrap it to a negative index: dataset[-1]
+                raise WriterError(f"index {int(idx.max())} is out of range for the dataset")
         if shuffle_indices:
             if self.seed is None:
                 np.random.shuffle(idx)

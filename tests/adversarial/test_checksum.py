@@ -251,6 +251,23 @@ def test_cli_writes_atomically_and_verify_exit_code(
     assert "no checksum sidecar" in capsys.readouterr().err
 
 
+def test_cli_goes_on_past_a_file_it_cannot_read(
+    pristine: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``checksum A BAD B`` used to stop at BAD, so B's sidecar was never written."""
+    other = tmp_path / "other.beton"
+    other.write_bytes(pristine.read_bytes())
+    empty = tmp_path / "empty.beton"
+    empty.write_bytes(b"")
+    Path(sidecar_path(pristine)).unlink()
+    assert cli_main(["checksum", str(pristine), str(empty), str(other)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(empty) in err
+    assert Path(sidecar_path(pristine)).exists() and Path(sidecar_path(other)).exists()
+    assert cli_main(["checksum", "--verify", str(empty), str(other)]) == 1
+    assert "all 64 samples match" in capsys.readouterr().out
+
+
 def _served(address: str) -> tuple[np.ndarray, np.ndarray]:
     ld = ServedLoader(
         "images_jpg",

@@ -695,3 +695,13 @@ def test_a_symbolic_link_is_written_through(tmp_path: Path) -> None:
     assert link.is_symlink()
     with BetonReader(real) as r:
         assert r.field_metadata("label").tolist() == [3, 4]
+
+
+def test_a_uint64_index_past_int64_is_refused_not_wrapped(tmp_path: Path) -> None:
+    # 2**64 - 1 cast to int64 is -1: it wrote dataset[-1] silently.
+    idx = np.array([0, 2**64 - 1], np.uint64)
+    with pytest.raises(WriterError, match="index 18446744073709551615 is out of range"):
+        DatasetWriter(tmp_path / "x.beton", {"label": IntField()}).from_indexed_dataset(
+            ListDS([(1,), (2,)]), indices=idx
+        )
+    assert os.listdir(tmp_path) == []

@@ -48,40 +48,52 @@ def _progress(total: int, label: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write or verify the sidecar of each file; returns 0, or 1 if a sample is bad."""
-    from beton_serve.format import BetonReader, ChecksumVerifier, write_sidecar
+    """Write or verify the sidecar of each file; returns 0, or 1 if a sample is bad or a file
+    could not be read (each file is tried: one bad file does not stop the others)."""
+    from beton_serve.errors import BetonError
 
     status = 0
     for path in args.files:
-        with BetonReader(path) as reader:
-            t0 = time.perf_counter()
-            if args.verify:
-                bad = ChecksumVerifier([reader]).mismatches()
-                took = time.perf_counter() - t0
-                if bad.size:
-                    status = 1
-                    ids = " ".join(str(int(i)) for i in bad)
-                    print(f"{path}: bad sample ids: {ids}")
-                    print(
-                        f"{path}: {bad.size} of {reader.num_samples} samples do not match "
-                        f"their checksum",
-                        file=sys.stderr,
-                    )
-                else:
-                    print(
-                        f"{path}: all {reader.num_samples} samples match "
-                        f"({reader.file_size / 1e6:.1f} MB file, {took:.2f} s)"
-                    )
-                continue
-            bar = _progress(reader.num_samples, path)
-            try:
-                dest = write_sidecar(reader, progress=None if bar is None else bar.update)
-            finally:
-                if bar is not None:
-                    bar.close()
-            took = time.perf_counter() - t0
-            print(
-                f"wrote {dest}: {reader.num_samples} samples, "
-                f"{reader.file_size / 1e6:.1f} MB in {took:.2f} s"
-            )
+        try:
+            status = max(status, _one(path, args.verify))
+        except BetonError as exc:  # the next files are still checked (or written)
+            print(f"error: {exc}", file=sys.stderr)
+            status = 1
     return status
+
+
+def _one(path: str, verify: bool) -> int:
+    """Write or verify ``path``'s sidecar; 1 if a sample is bad, else 0."""
+    from beton_serve.format import BetonReader, ChecksumVerifier, write_sidecar
+
+    with BetonReader(path) as reader:
+        t0 = time.perf_counter()
+        if verify:
+            bad = ChecksumVerifier([reader]).mismatches()
+            took = time.perf_counter() - t0
+            if bad.size:
+                ids = " ".join(str(int(i)) for i in bad)
+                print(f"{path}: bad sample ids: {ids}")
+                print(
+                    f"{path}: {bad.size} of {reader.num_samples} samples do not match "
+                    f"their checksum",
+                    file=sys.stderr,
+                )
+                return 1
+            print(
+                f"{path}: all {reader.num_samples} samples match "
+                f"({reader.file_size / 1e6:.1f} MB file, {took:.2f} s)"
+            )
+            return 0
+        bar = _progress(reader.num_samples, path)
+        try:
+            dest = write_sidecar(reader, progress=None if bar is None else bar.update)
+        finally:
+            if bar is not None:
+                bar.close()
+        took = time.perf_counter() - t0
+        print(
+            f"wrote {dest}: {reader.num_samples} samples, "
+            f"{reader.file_size / 1e6:.1f} MB in {took:.2f} s"
+        )
+    return 0
