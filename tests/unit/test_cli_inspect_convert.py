@@ -248,3 +248,51 @@ def test_library_imports_stay_light() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+_FIELD_FILE = '''
+from beton_serve.fields import IntField
+
+
+class LabelField(IntField):
+    """An IntField subclass: written with the custom type id 255."""
+
+    @staticmethod
+    def from_binary(binary):
+        return LabelField()
+'''
+
+
+def test_inspect_and_checksum_read_custom_fields(tmp_path: Path, capsys) -> None:
+    from beton_serve.cli._plugins import load_field_classes
+    from beton_serve.writer import DatasetWriter
+
+    (tmp_path / "myfields.py").write_text(_FIELD_FILE)
+    entry = f"label={tmp_path / 'myfields.py'}:LabelField"
+    (cls,) = load_field_classes([entry]).values()
+    out = tmp_path / "custom.beton"
+    DatasetWriter(out, {"label": cls()}).from_indexed_dataset([(i,) for i in range(5)])
+
+    assert main(["inspect", str(out)]) == 1  # without the class: refused, naming the option
+    assert "custom type id 255" in capsys.readouterr().out
+    assert main(["inspect", str(out), "--custom-field", entry]) == 0
+    text = capsys.readouterr().out
+    assert "LabelField" in text and "validation: OK" in text
+    assert main(["checksum", str(out), "--custom-field", entry]) == 0
+    assert main(["checksum", "--verify", str(out), "--custom-field", entry]) == 0
+    assert "all 5 samples match" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("entry", "words"),
+    [
+        ("label", "expected NAME=MODULE:CLASS"),
+        ("label=beton_serve.fields:NoSuchField", "has no Field subclass named NoSuchField"),
+        ("label=beton_serve.errors:SpecError", "has no Field subclass named SpecError"),
+        ("label=no_such_module_xyz:F", "no_such_module_xyz"),
+    ],
+)
+def test_a_bad_custom_field_option_is_an_error_line(tmp_path: Path, capsys, entry, words) -> None:
+    assert main(["inspect", str(tmp_path / "x.beton"), "--custom-field", entry]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err

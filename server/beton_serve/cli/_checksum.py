@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from beton_serve.cli._plugins import CUSTOM_FIELD_HELP, load_field_classes
+
 __all__ = ["register", "run"]
 
 
@@ -35,6 +37,13 @@ def register(subparsers: Any) -> None:
         help="check every sample against the existing sidecar; print bad sample ids, exit 1 "
         "if there are any",
     )
+    p.add_argument(
+        "--custom-field",
+        action="append",
+        default=[],
+        metavar="NAME=MODULE:CLASS",
+        help=CUSTOM_FIELD_HELP,
+    )
     p.set_defaults(func=run)
 
 
@@ -52,21 +61,22 @@ def run(args: argparse.Namespace) -> int:
     could not be read (each file is tried: one bad file does not stop the others)."""
     from beton_serve.errors import BetonError
 
+    custom = load_field_classes(args.custom_field)
     status = 0
     for path in args.files:
         try:
-            status = max(status, _one(path, args.verify))
+            status = max(status, _one(path, args.verify, custom))
         except BetonError as exc:  # the next files are still checked (or written)
             print(f"error: {exc}", file=sys.stderr)
             status = 1
     return status
 
 
-def _one(path: str, verify: bool) -> int:
+def _one(path: str, verify: bool, custom_fields: dict[str, type]) -> int:
     """Write or verify ``path``'s sidecar; 1 if a sample is bad, else 0."""
     from beton_serve.format import BetonReader, ChecksumVerifier, write_sidecar
 
-    with BetonReader(path) as reader:
+    with BetonReader(path, custom_fields=custom_fields or None) as reader:
         t0 = time.perf_counter()
         if verify:
             bad = ChecksumVerifier([reader]).mismatches()

@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+from beton_serve.cli._plugins import CUSTOM_FIELD_HELP, load_field_classes
+
 __all__ = ["describe_file", "register", "run"]
 
 
@@ -19,11 +21,19 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("inspect", help="validate a .beton file and describe its contents")
     p.add_argument("file", help="the .beton file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--custom-field",
+        action="append",
+        default=[],
+        metavar="NAME=MODULE:CLASS",
+        help=CUSTOM_FIELD_HELP,
+    )
     p.set_defaults(func=run)
 
 
-def describe_file(path: str) -> dict[str, Any]:
-    """A JSON-serialisable description of ``path``; ``valid`` is false with ``error`` on failure."""
+def describe_file(path: str, custom_fields: dict[str, type] | None = None) -> dict[str, Any]:
+    """A JSON-serialisable description of ``path``; ``valid`` is false with ``error`` on failure.
+    ``custom_fields`` reads those fields with those classes (FFCV's ``custom_fields``)."""
     import numpy as np
 
     from beton_serve.errors import FormatError
@@ -31,7 +41,7 @@ def describe_file(path: str) -> dict[str, Any]:
     from beton_serve.format import BetonReader
 
     try:
-        reader = BetonReader(path)
+        reader = BetonReader(path, custom_fields=custom_fields or None)
     except FormatError as exc:
         return {"file": path, "valid": False, "error": str(exc), "offset": exc.offset}
     with reader:
@@ -42,7 +52,11 @@ def describe_file(path: str) -> dict[str, Any]:
             info: dict[str, Any] = {
                 "name": name,
                 "type_id": tid,
-                "type": TYPE_NAMES.get(tid, type(handler).__name__),
+                "type": (
+                    type(handler).__name__  # a custom field: its class
+                    if tid == 255
+                    else TYPE_NAMES.get(tid, type(handler).__name__)
+                ),
                 "arguments": handler.describe() if hasattr(handler, "describe") else {},
             }
             if tid == 2 and reader.num_samples:
@@ -111,6 +125,6 @@ def _text(d: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    d = describe_file(args.file)
+    d = describe_file(args.file, load_field_classes(args.custom_field))
     print(json.dumps(d, indent=1) if args.json else _text(d), file=sys.stdout)
     return 0 if d["valid"] else 1

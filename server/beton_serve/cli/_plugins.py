@@ -32,7 +32,14 @@ from types import ModuleType
 
 from beton_serve.errors import ConfigError
 
-__all__ = ["is_plugin_path", "load_plugin", "load_plugins", "plugin_module_name"]
+__all__ = [
+    "CUSTOM_FIELD_HELP",
+    "is_plugin_path",
+    "load_field_classes",
+    "load_plugin",
+    "load_plugins",
+    "plugin_module_name",
+]
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -145,3 +152,40 @@ def load_plugin(spec: str) -> ModuleType:
 def load_plugins(specs: Iterable[str]) -> list[ModuleType]:
     """Import every plugin, in order; the first failure raises (see :func:`load_plugin`)."""
     return [load_plugin(s) for s in specs]
+
+
+#: The ``--custom-field`` help of the commands that open files (inspect, checksum).
+CUSTOM_FIELD_HELP = (
+    "read field NAME with a custom Field class (FFCV's custom_fields): MODULE is a module name "
+    "or a path to a .py file, as for --plugin; repeat for several fields"
+)
+
+
+def load_field_classes(entries: Iterable[str]) -> dict[str, type]:
+    """``--custom-field NAME=MODULE:CLASS`` entries -> ``{NAME: class}``: ``MODULE`` is loaded
+    as a plugin (:func:`load_plugin`: a module name, or a path to a ``.py`` file).
+
+    Raises:
+        ConfigError: a malformed entry, a module that does not import, no such class, or a
+            class that is not a ``Field`` subclass.
+    """
+    from beton_serve.fields import Field
+
+    out: dict[str, type] = {}
+    for entry in entries:
+        name, eq, rest = entry.partition("=")
+        module, colon, qualname = rest.rpartition(":")
+        if not (eq and colon and name and module and qualname):
+            raise ConfigError(
+                f"--custom-field {entry!r}: expected NAME=MODULE:CLASS "
+                "(e.g. label=mypkg.fields:MyField or label=./fields.py:MyField)"
+            )
+        obj: object = load_plugin(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+        if not (isinstance(obj, type) and issubclass(obj, Field)):
+            raise ConfigError(
+                f"--custom-field {entry!r}: {module} has no Field subclass named {qualname}"
+            )
+        out[name] = obj
+    return out
