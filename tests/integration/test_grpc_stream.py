@@ -179,46 +179,22 @@ def _fails_at_99(epoch: int, b: int) -> dict[str, np.ndarray]:
 
 def test_aio_server_streams_and_checks_the_token() -> None:
     rec = Recorder(_fails_at_99)
-    started = threading.Event()
-    state: dict[str, Any] = {}
-
-    def run() -> None:
-        async def main() -> None:
-            server = grpc.aio.server(
-                options=SERVER_OPTIONS, interceptors=[sec.AioBearerTokenInterceptor(TOKEN)]
-            )
-            add_batch_stream_handler(server, rec)
-            state["port"] = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            state["stop"] = asyncio.Event()
-            state["loop"] = asyncio.get_running_loop()
-            started.set()
-            await state["stop"].wait()
-            await server.stop(None)
-
-        asyncio.run(main())
-
-    t = threading.Thread(target=run, name="beton-test-aio-server")
-    t.start()
     try:
-        assert started.wait(10)
-        target = f"127.0.0.1:{state['port']}"
-        with secure_or_plain_channel(target, token=TOKEN, options=CHANNEL_OPTIONS) as ch:
-            positions = [(0, b) for b in range(6)]
-            assert read_all(ch, positions, "none") == positions
-            assert read_all(ch, positions, "lz4") == positions
-            with pytest.raises(SpecError, match="does not exist") as info:
-                read_all(ch, [(0, 99)])
-            assert info.value.server_error == "SpecError"
-        with secure_or_plain_channel(target, token="wrong-token", options=CHANNEL_OPTIONS) as ch:
-            with pytest.raises(AuthError):
-                read_all(ch, positions)
+        with aio_server(rec, interceptors=[sec.AioBearerTokenInterceptor(TOKEN)]) as target:
+            with secure_or_plain_channel(target, token=TOKEN, options=CHANNEL_OPTIONS) as ch:
+                positions = [(0, b) for b in range(6)]
+                assert read_all(ch, positions, "none") == positions
+                assert read_all(ch, positions, "lz4") == positions
+                with pytest.raises(SpecError, match="does not exist") as info:
+                    read_all(ch, [(0, 99)])
+                assert info.value.server_error == "SpecError"
+            with secure_or_plain_channel(
+                target, token="wrong-token", options=CHANNEL_OPTIONS
+            ) as ch:
+                with pytest.raises(AuthError):
+                    read_all(ch, positions)
     finally:
-        if "loop" in state:
-            state["loop"].call_soon_threadsafe(state["stop"].set)
-        t.join(10)
         rec.shutdown()
-    assert not t.is_alive()
     assert rec.closed == 3 and rec.released == 12
 
 
@@ -526,14 +502,15 @@ def test_malformed_stream_from_a_daemon_is_a_transport_error(messages: Any) -> N
 
 
 @contextlib.contextmanager
-def aio_server(factory: Any) -> Iterator[str]:
-    """A grpc.aio server with the batch method on 127.0.0.1, on its own loop thread."""
+def aio_server(factory: Any, interceptors: list | None = None) -> Iterator[str]:
+    """A grpc.aio server with the batch method on 127.0.0.1, on its own loop thread; stopped
+    and its thread joined on exit."""
     started = threading.Event()
     state: dict[str, Any] = {}
 
     def run() -> None:
         async def main() -> None:
-            server = grpc.aio.server(options=SERVER_OPTIONS)
+            server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
             add_batch_stream_handler(server, factory)
             state["port"] = server.add_insecure_port("127.0.0.1:0")
             await server.start()

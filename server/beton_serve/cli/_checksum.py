@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from beton_serve.cli._plugins import CUSTOM_FIELD_HELP, load_field_classes
+from beton_serve.cli._plugins import add_custom_field_option, load_field_classes
 
 __all__ = ["register", "run"]
 
@@ -37,13 +37,7 @@ def register(subparsers: Any) -> None:
         help="check every sample against the existing sidecar; print bad sample ids, exit 1 "
         "if there are any",
     )
-    p.add_argument(
-        "--custom-field",
-        action="append",
-        default=[],
-        metavar="NAME=MODULE:CLASS",
-        help=CUSTOM_FIELD_HELP,
-    )
+    add_custom_field_option(p)
     p.set_defaults(func=run)
 
 

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from beton_serve.cli._plugins import CUSTOM_FIELD_HELP, load_field_classes
+from beton_serve.cli._plugins import add_custom_field_option, load_field_classes
 
 __all__ = ["describe_file", "register", "run"]
 
@@ -21,13 +21,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("inspect", help="validate a .beton file and describe its contents")
     p.add_argument("file", help="the .beton file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--custom-field",
-        action="append",
-        default=[],
-        metavar="NAME=MODULE:CLASS",
-        help=CUSTOM_FIELD_HELP,
-    )
+    add_custom_field_option(p)
     p.set_defaults(func=run)
 
 

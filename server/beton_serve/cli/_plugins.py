@@ -29,11 +29,12 @@ import sys
 import traceback
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 from beton_serve.errors import ConfigError
 
 __all__ = [
-    "CUSTOM_FIELD_HELP",
+    "add_custom_field_option",
     "is_plugin_path",
     "load_field_classes",
     "load_plugin",
@@ -154,11 +155,17 @@ def load_plugins(specs: Iterable[str]) -> list[ModuleType]:
     return [load_plugin(s) for s in specs]
 
 
-#: The ``--custom-field`` help of the commands that open files (inspect, checksum).
-CUSTOM_FIELD_HELP = (
-    "read field NAME with a custom Field class (FFCV's custom_fields): MODULE is a module name "
-    "or a path to a .py file, as for --plugin; repeat for several fields"
-)
+def add_custom_field_option(parser: Any) -> None:
+    """``--custom-field NAME=MODULE:CLASS`` (repeatable) on a command that opens files
+    (inspect, checksum); :func:`load_field_classes` reads ``args.custom_field``."""
+    parser.add_argument(
+        "--custom-field",
+        action="append",
+        default=[],
+        metavar="NAME=MODULE:CLASS",
+        help="read field NAME with a custom Field class (FFCV's custom_fields): MODULE is a "
+        "module name or a path to a .py file, as for --plugin; repeat for several fields",
+    )
 
 
 def load_field_classes(entries: Iterable[str]) -> dict[str, type]:
