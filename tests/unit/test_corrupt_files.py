@@ -109,8 +109,15 @@ def test_truncation_at_many_offsets(tmp_path: Path, small_file: bytes) -> None:
 def test_appended_bytes_rejected(tmp_path: Path, small_file: bytes) -> None:
     with pytest.raises(FormatError, match="multiple of 24"):
         _open(tmp_path, small_file + b"\0")
-    with pytest.raises(FormatError):
-        _open(tmp_path, small_file + bytes(24))  # an entry of sample 0 at ptr 0: out of range
+    # An entry of sample 0 at ptr 0 holding 1 byte: out of range. (A zero-size one there is
+    # what FFCV 1.0.2 writes for an empty first value, and is read: test_ffcv_zero_size.py.)
+    entry = np.zeros(1, ALLOC_ENTRY_DTYPE)
+    entry["size"] = 1
+    with pytest.raises(FormatError, match="ptr is outside"):
+        _open(tmp_path, small_file + entry.tobytes())
+    entry["ptr"], entry["size"] = 1, 0  # zero-size, but not where FFCV's allocator stands
+    with pytest.raises(FormatError, match="before the data region start"):
+        _open(tmp_path, small_file + entry.tobytes())
 
 
 @pytest.mark.parametrize(

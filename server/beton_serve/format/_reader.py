@@ -336,6 +336,12 @@ class BetonReader:
             nonempty & ((ptr < np.uint64(d)) | (ptr >= np.uint64(a))), f"ptr is outside [{d}, {a})"
         )
         entry_error(~nonempty & (ptr > np.uint64(a)), f"ptr is past the data region end {a}")
+        before_pages = np.uint64(d - ps) if d >= ps else np.uint64(d)
+        entry_error(
+            ~nonempty & (ptr < np.uint64(d)) & (ptr != before_pages),
+            f"a zero-size entry's ptr is before the data region start {d} (and not {d - ps}, "
+            "where FFCV's allocator stands before its first page)",
+        )
         entry_error(
             nonempty & (sz > np.uint64(a) - ptr), f"ptr + size runs past the data region end {a}"
         )
