@@ -618,3 +618,19 @@ def test_a_client_that_cancels_mid_write_is_logged_at_info_not_as_a_fault(
         rec.shutdown()
     faults = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     assert not faults, [r.getMessage()[:200] for r in faults]
+
+
+def test_the_in_flight_bound_counts_what_was_sent_not_what_was_ever_wanted() -> None:
+    from beton_serve.transport.grpc_codec import _InFlight
+    from beton_wire.framing import FramingError
+    from beton_wire.limits import MAX_WANTS_IN_FLIGHT
+
+    flight = _InFlight()
+    for _ in range(10):  # a long call: ten times the bound wanted, each sent before more
+        flight.add(MAX_WANTS_IN_FLIGHT)
+        for _ in range(MAX_WANTS_IN_FLIGHT):
+            flight.sent()
+    flight.add(MAX_WANTS_IN_FLIGHT)
+    with pytest.raises(FramingError, match="batches wanted and not yet received"):
+        flight.add(1)
+    assert flight.error is not None

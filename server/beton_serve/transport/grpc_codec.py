@@ -232,18 +232,20 @@ class _InFlight:
     client that asks for more than it reads must not grow the daemon's memory (a well-behaved
     client keeps at most its credits out). ``add`` is called by the WANT reader, which stops
     reading when it raises; the writer checks :attr:`error` before each batch, so the call ends
-    with it without sending the batches queued ahead of it. Ints under the GIL (threaded server)
-    or on one loop (aio)."""
+    with it without sending the batches queued ahead of it. Two counters, each written by one
+    side only (the reader's ``wanted``, the writer's ``sent``), so that no update is lost when
+    the reader is a thread of its own (threaded server)."""
 
-    __slots__ = ("error", "n")
+    __slots__ = ("error", "sent_n", "wanted")
 
     def __init__(self) -> None:
-        self.n = 0
+        self.wanted = 0
+        self.sent_n = 0
         self.error: FramingError | None = None
 
     def add(self, count: int) -> None:
-        self.n += count
-        if self.n > MAX_WANTS_IN_FLIGHT:
+        self.wanted += count
+        if self.wanted - self.sent_n > MAX_WANTS_IN_FLIGHT:
             self.error = FramingError(
                 f"more than {MAX_WANTS_IN_FLIGHT} batches wanted and not yet received on one "
                 "batch call: a client keeps at most its credits out"
@@ -251,7 +253,7 @@ class _InFlight:
             raise self.error
 
     def sent(self) -> None:
-        self.n -= 1
+        self.sent_n += 1
 
 
 class _ClientGone(Exception):
