@@ -70,6 +70,7 @@ from beton_client.errors import (
     BetonClientError,
     FormatError,
     ServerError,
+    ServerUnavailable,
     SpecError,
     TransportError,
     from_rpc_error,
@@ -390,7 +391,7 @@ class DaemonBackend:
             reply = self._stub.OpenStream(req, timeout=300.0)
         except grpc.RpcError as err:
             refusal = explain_refusal(from_rpc_error(err, target=self.server), self.server)
-            raise self._no_such_file(refusal) from None
+            raise self._plain_to_tls(self._no_such_file(refusal)) from None
         self.transport_rejections = [(r.transport, r.code, r.reason) for r in reply.rejected]
         self.chosen_transport = reply.transport.kind
         key = pipelines_key(plans)
@@ -427,6 +428,24 @@ class DaemonBackend:
         return FormatError(
             f"{self._missing_file}; nor does the daemon at {self.server} serve a dataset of "
             f"that name ({exc})",
+            code=exc.code,
+            server_error=exc.server_error,
+        )
+
+    def _plain_to_tls(self, exc: BetonClientError) -> BetonClientError:
+        """A plain-text client's "Socket closed" from a ``host:port`` daemon, with the likely
+        reason: the daemon serves TLS (``--tls-cert``) and closed the unencrypted connection.
+        (With ``tls_ca`` given, gRPC's own message already names a failed TLS handshake.)"""
+        if (
+            not isinstance(exc, ServerUnavailable)
+            or self._tls[0] is not None
+            or self.server.startswith("unix:")
+            or "Socket closed" not in str(exc)
+        ):
+            return exc
+        return ServerUnavailable(
+            f"{exc}; if that daemon serves TLS (--tls-cert), pass the CA that signed its "
+            "certificate: ServeOptions(tls_ca=...)",
             code=exc.code,
             server_error=exc.server_error,
         )

@@ -93,6 +93,9 @@ def test_tls_and_mutual_tls_handshakes(daemon_factory, short_tmp: Path, fixtures
         assert _one_epoch(ld) > 0
     with pytest.raises(ServerUnavailable):  # a CA that did not sign the daemon's certificate
         Loader("mixed_fields", 16, server=target, tls_ca=files.other_ca_cert, transport="grpc")
+    # No TLS at all: the daemon closes the plain-text connection, and the error says why.
+    with pytest.raises(ServerUnavailable, match=r"serves TLS .*tls_ca="):
+        Loader("mixed_fields", 16, server=target, transport="grpc")
 
     mport = free_port()
     daemon_factory(
