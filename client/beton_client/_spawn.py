@@ -212,6 +212,7 @@ def _spawn(
         return subprocess.Popen(
             [
                 sys.executable,
+                "-P",  # not the trainer's working directory on sys.path: nobody plants modules
                 "-c",
                 "import sys; from beton_serve.cli import main; sys.exit(main())",
                 "serve",

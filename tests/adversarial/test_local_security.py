@@ -79,6 +79,37 @@ def _kill_spawned(sock: str) -> None:
     wait_for(lambda: not daemons_serving(sock), 10.0)
 
 
+_PLANTED = """
+import importlib, os, sys
+open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "IMPORTED"), "w").close()
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+del sys.modules[__name__]
+sys.modules[__name__] = importlib.import_module(__name__)
+"""
+
+
+@pytest.mark.slow
+def test_a_spawned_daemon_imports_nothing_from_the_trainers_working_directory(
+    short_tmp: Path, fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module planted in the trainer's working directory (a shared, writable one) under the
+    name of one the daemon imports would run as the trainer's user in the spawned daemon."""
+    data = fixtures_dir / "mixed_fields.beton"
+    cwd = short_tmp / "cwd"
+    cwd.mkdir()
+    for name in ("cv2", "numba", "grpc"):  # each imported by a serving daemon
+        (cwd / f"{name}.py").write_text(_PLANTED)
+    sock = str(short_tmp / "s" / "p.sock")
+    monkeypatch.chdir(cwd)
+    try:
+        ensure_daemon(sock, str(data), idle_timeout=30.0, wait=60)
+        assert daemons_serving(sock)
+        assert not (cwd / "IMPORTED").exists()
+    finally:
+        _kill_spawned(sock)
+
+
 # -- the socket directory ------------------------------------------------------------------------
 @pytest.mark.slow
 def test_daemon_refuses_a_socket_directory_of_another_user(

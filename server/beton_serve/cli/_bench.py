@@ -204,6 +204,7 @@ def _daemon(path: str, workers: int, workdir: Path) -> Iterator[tuple[str, subpr
         proc = subprocess.Popen(
             [
                 sys.executable,
+                "-P",  # the working directory is not on sys.path
                 "-c",
                 "from beton_serve.cli import main; raise SystemExit(main())",
                 "serve",
@@ -241,6 +242,7 @@ def run_served(
         cpu0 = _proc_cpu_s(daemon.pid) if daemon is not None else 0.0
         argv = [
             sys.executable,
+            "-P",  # the working directory is not on sys.path
             "-m",
             "beton_serve.cli._bench_client",
             path,

@@ -155,6 +155,7 @@ def _python_cli(*argv: str) -> list[str]:
     """The command line that runs ``beton-serve ARGV`` with this interpreter."""
     return [
         sys.executable,
+        "-P",  # the working directory is not on sys.path
         "-c",
         "from beton_serve.cli import main; raise SystemExit(main())",
         *argv,
@@ -328,6 +329,7 @@ def _run_trainers(
             proc = subprocess.Popen(
                 [
                     sys.executable,
+                    "-P",  # the working directory is not on sys.path
                     "-m",
                     "beton_serve.cli._demo_trainer",
                     str(dataset),

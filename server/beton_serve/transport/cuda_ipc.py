@@ -505,6 +505,7 @@ def probe_cuda_ipc(
                 proc = subprocess.run(
                     [
                         sys.executable,
+                        "-P",  # the working directory is not on sys.path
                         "-c",
                         _CHILD_OPEN,
                         str(device_index),
