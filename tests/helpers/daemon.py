@@ -66,8 +66,9 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def segments(self) -> list[str]:
-        """This daemon's shared-memory segments (its rings; not its notice socket)."""
-        return [n for n in self.shm_files() if "-notice-" not in n]
+        """This daemon's shared-memory segments (its rings and arenas; not its notice socket or
+        its live marker)."""
+        return [n for n in self.shm_files() if "-notice-" not in n and not n.endswith("-live")]
 
     def shm_files(self) -> list[str]:
         """Every file of this daemon under /dev/shm: rings and the notice socket."""

@@ -165,8 +165,9 @@ def test_daemon_after_a_sigkilled_one_sweeps_its_segments(
     ld = Loader("mixed_fields", batch_size=4, pipelines=INT_ONLY, server=d1.address)
     try:
         next(iter(ld))
-        stale = d1.shm_files()  # rings and the notice socket
+        stale = d1.shm_files()  # rings, the notice socket and the live marker
         assert any("-notice-" in s for s in stale) and any("-ring-" in s for s in stale)
+        assert any(s.endswith("-live") for s in stale)
         d1.proc.send_signal(signal.SIGKILL)
         d1.proc.wait(10)
     finally:

@@ -113,3 +113,29 @@ def test_client_refuses_foreign_socket_names(tmp_path: Path) -> None:
             NoticeChannel(name, b"t" * 32, shm_dir=tmp_path)
     with pytest.raises(OSError):
         NoticeChannel("beton-1-notice-0", b"t" * 32, shm_dir=tmp_path)
+
+
+class _FixedNamer(ShmNamer):
+    """A namer whose next name is one the test chose (someone else's file)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.fixed = name
+
+    def next(self, purpose: str) -> str:
+        return self.fixed
+
+
+def test_a_hub_that_cannot_bind_leaves_the_file_in_its_way_alone(tmp_path: Path) -> None:
+    """A failed bind's path belongs to someone else: the hub used to unlink it (as root, any
+    user's file), which also hid the real error behind a later one."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        theirs = tmp_path / "beton-1-notice-0"
+        theirs.write_bytes(b"not ours")
+        with pytest.raises(OSError, match="in use"):
+            NoticeHub(_FixedNamer(theirs.name), loop, shm_dir=tmp_path)
+        assert theirs.read_bytes() == b"not ours"
+
+    asyncio.run(main())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 import stat
 import subprocess
 import sys
@@ -40,7 +42,8 @@ def test_ring_leases_and_views_share_memory() -> None:
     ring = ShmFactory(namer).create(_layout(), 3)
     try:
         path = SHM / ring.name
-        assert ring.name.startswith(f"beton-{os.getpid()}-ring-")
+        assert re.fullmatch(rf"beton-{os.getpid()}-[0-9a-f]{{16}}-ring-0", ring.name)
+        assert ring.name.startswith(namer.prefix)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         slots = [ring.acquire() for _ in range(3)]
         assert slots == [0, 1, 2] and ring.acquire() is None
@@ -93,6 +96,101 @@ def test_sweep_removes_only_dead_pids(tmp_path: Path) -> None:
     removed = sweep_stale_segments(tmp_path)
     assert removed == [stale.name]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def _dead_pid() -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)
+
+
+_HOLD_MARKER = """
+import sys
+from pathlib import Path
+from beton_serve.transport.shm import ShmNamer
+namer = ShmNamer(int(sys.argv[2]), shm_dir=Path(sys.argv[1]), mark_live=True)
+print(namer.prefix, flush=True)
+sys.stdin.read()  # until the test closes stdin; then exit without namer.close(), as kill -9
+"""
+
+
+def test_names_are_unpredictable_so_no_one_can_take_them_first(tmp_path: Path) -> None:
+    """Another user could create the names a daemon uses next; the daemon's O_EXCL would then
+    refuse every ring (and the notice socket). Each namer draws a random instance."""
+    a, b = ShmNamer(), ShmNamer()
+    assert a.next("ring") != b.next("ring")  # same pid, same purpose, same counter
+    assert a.prefix != b.prefix and len({ShmNamer().instance for _ in range(100)}) == 100
+
+
+def test_a_live_marker_is_held_and_removed_on_close(tmp_path: Path) -> None:
+    namer = ShmNamer(shm_dir=tmp_path, mark_live=True)
+    live = tmp_path / (namer.prefix + "live")
+    assert stat.S_IMODE(live.lstat().st_mode) == 0o600
+    assert os.listdir(tmp_path) == [live.name]  # no hidden creation name left behind
+    ring_file = tmp_path / namer.next("ring")
+    ring_file.write_bytes(b"x")
+    assert sweep_stale_segments(tmp_path) == []  # held by this process: left alone
+    namer.close()
+    namer.close()
+    assert not live.exists() and ring_file.exists()
+
+
+def test_sweep_goes_by_the_marker_not_the_pid(tmp_path: Path) -> None:
+    """A daemon in another PID namespace (a container sharing /dev/shm) names its segments
+    with a pid that may be dead here, or this very process's: its held marker keeps them.
+    Once nobody holds a marker (its daemon was killed), its group goes, whatever the pid,
+    this process's own too (a daemon restarted as PID 1 in a container meets its
+    predecessor's names)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for pid in (_dead_pid(), os.getpid()):
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_MARKER, str(tmp_path), str(pid)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            assert holder.stdout is not None
+            prefix = holder.stdout.readline().strip()
+            assert prefix.startswith(f"beton-{pid}-")
+            ring, sock = tmp_path / f"{prefix}ring-0", tmp_path / f"{prefix}notice-1"
+            ring.write_bytes(b"x")
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(str(sock))
+            s.close()
+            assert sweep_stale_segments(tmp_path) == []  # its daemon lives
+            assert ring.exists() and sock.exists()
+        finally:
+            assert holder.stdin is not None
+            holder.stdin.close()
+            assert holder.wait(30) == 0
+        removed = sweep_stale_segments(tmp_path)
+        assert sorted(removed) == sorted([ring.name, sock.name, f"{prefix}live"])
+        assert removed[-1] == f"{prefix}live"  # the marker last
+        assert os.listdir(tmp_path) == []
+
+
+def test_sweep_of_unmarked_names_goes_by_the_pid(tmp_path: Path) -> None:
+    """Names without a marker (an unmarked namer, a release before markers) are stale when
+    no process of their pid runs here."""
+    dead, me = _dead_pid(), os.getpid()
+    files = {
+        "dead_new": tmp_path / f"beton-{dead}-{'a' * 16}-ring-0",
+        "dead_old": tmp_path / f"beton-{dead}-ring-0",
+        "mine_new": tmp_path / f"beton-{me}-{'b' * 16}-ring-0",
+        "mine_old": tmp_path / f"beton-{me}-ring-0",
+    }
+    for f in files.values():
+        f.write_bytes(b"x")
+    assert sorted(sweep_stale_segments(tmp_path)) == sorted(
+        [files["dead_new"].name, files["dead_old"].name]
+    )
+    assert files["mine_new"].exists() and files["mine_old"].exists()
 
 
 def _receiver_of(ring: ShmRing) -> Any:

@@ -79,7 +79,7 @@ from beton_serve.transport.negotiate import (
     Negotiation,
     negotiate,
 )
-from beton_serve.transport.shm import SHM_DIR, ShmFactory, ShmNamer, sweep_stale_segments
+from beton_serve.transport.shm import SHM_DIR, ShmFactory, daemon_namer, sweep_stale_segments
 
 if TYPE_CHECKING:
     from beton_serve.engine.shared_source import Produced
@@ -233,7 +233,8 @@ class Daemon:
         cuda_pending = facts is None  # gathered when a client first asks for CUDA (issue 5)
         facts = facts or DaemonFacts(identity=local_identity())
         fac: dict[str, TransportFactory] = {**default_factories(), **(factories or {})}
-        fac.setdefault("shm", ShmFactory(ShmNamer()))
+        if "shm" not in fac:
+            fac["shm"] = ShmFactory(daemon_namer())
         plans = PlanRegistry(backend, OpImportPolicy(allow_any_peer=allow_op_imports))
         files = FilePolicy.build(
             enabled=open_on_demand, data_roots=data_roots, idle_close_s=idle_close_s
@@ -294,6 +295,9 @@ class Daemon:
             self.notices.close()
             self.notices = None
         self.arenas.close()  # every stream is gone: nothing may still read them
+        shm = self.factories.get("shm")
+        if isinstance(shm, ShmFactory):  # after the rings, the arenas and the notice socket
+            shm.namer.close()
         try:
             if self.engine is not None:
                 self.backend.close_engine(self.engine)

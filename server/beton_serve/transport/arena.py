@@ -2,7 +2,7 @@
 
 When identical streams share decoding (:mod:`beton_serve.engine.shared_source`), each batch is
 decoded once into a *group buffer*. An :class:`ShmArena` puts those buffers in one POSIX
-shared-memory segment, ``/dev/shm/beton-<pid>-share-<n>`` (mode 0600), laid out like a ring's
+shared-memory segment, ``/dev/shm/beton-<pid>-<instance>-share-<n>`` (mode 0600), laid out like a ring's
 slots (:func:`beton_wire.slots.slot_layout`). A stream on the notice channel then publishes a
 *reference* to the group buffer (segment name and offset) instead of copying the batch into its
 own slot, and its client maps the segment once and reads the batch in place: N clients of one
@@ -17,7 +17,7 @@ a client may still read it, whatever happens to the sharing group's bookkeeping 
 consumer re-attached or closed, a laggard detached; issue 11 §4). Closing the arena (its stream
 ended) only marks it; the segment is unlinked once every buffer is back, so a segment is never
 unlinked while a client may still have to open it. :meth:`force_close` (the daemon shutting down)
-unlinks at once. A daemon killed before either is swept at the next start (``beton-<pid>-``).
+unlinks at once. A daemon killed before either is swept at the next start (``shm.sweep_stale_segments``).
 
 Threads: ``take``/``give``/``close`` may be called from engine workers and the event loop; a lock
 guards the free list.

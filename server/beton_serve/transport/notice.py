@@ -1,7 +1,7 @@
 """The daemon's end of the shm notice channel (the protocol is in :mod:`beton_wire.notice`).
 
 Data structure: one :class:`NoticeHub` per daemon listens on a ``SOCK_SEQPACKET`` unix socket
-``/dev/shm/beton-<pid>-notice-<n>`` (mode 0600; only the daemon's user may connect, which
+``/dev/shm/beton-<pid>-<instance>-notice-<n>`` (mode 0600; only the daemon's user may connect, which
 ``SO_PEERCRED`` re-checks; root too, since root may read the rings anyway). Each shm stream
 registers a random token with the hub; a client connection that presents the token in its
 ``HELLO`` becomes that stream's :class:`NoticeConn`. The kernel's ``SO_PEERCRED`` pid of that
@@ -164,7 +164,7 @@ class NoticeHub:
     """Listens for notice connections and hands each to the stream whose token it presents.
 
     Args:
-        namer: names the socket file like the daemon's segments (``beton-<pid>-notice-<n>``).
+        namer: names the socket file like the daemon's segments (``beton-<pid>-<instance>-notice-<n>``).
         loop: the daemon's event loop (call from its thread).
         shm_dir: where the socket file lives; it must be the directory of the rings.
 
@@ -185,10 +185,12 @@ class NoticeHub:
         self._conns: set[NoticeConn] = set()
         self._closed = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        bound = False
         try:
             old = os.umask(0o177)  # the file is created 0600: nobody else may connect
             try:
                 sock.bind(str(self.path))
+                bound = True
             finally:
                 os.umask(old)
             sock.setblocking(False)
@@ -196,7 +198,8 @@ class NoticeHub:
             loop.add_reader(sock.fileno(), self._accept)
         except BaseException:
             sock.close()
-            self.path.unlink(missing_ok=True)
+            if bound:  # only the file this bind made: a failed bind's path is someone else's
+                self.path.unlink(missing_ok=True)
             raise
         self._sock = sock
 

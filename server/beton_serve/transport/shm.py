@@ -1,6 +1,7 @@
 """The shared-memory transport: a slot ring in one POSIX shared-memory segment (DESIGN.md §6).
 
-Data structure: a segment ``/dev/shm/beton-<daemon pid>-ring-<n>`` of ``slot_count`` slots laid
+Data structure: a segment ``/dev/shm/beton-<daemon pid>-<instance>-ring-<n>`` (:class:`ShmNamer`)
+of ``slot_count`` slots laid
 out by :func:`beton_wire.slots.slot_layout`, followed by the sample-id table: one row of
 ``batch_size`` little-endian uint64 per slot, written by :meth:`ShmRing.write_ids` when the slot is
 published (clients on the notice channel read a batch's ids there instead of in a message),
@@ -16,8 +17,9 @@ descriptor go at once, or, while a view handed to an engine worker is still aliv
 batch still being written), with that last view, by reference counting. Nothing in the daemon may
 keep a batch view in a reference cycle, or the mapping would wait for the garbage collector
 (issue 11: closed streams held 0.4-1.6 GiB of unlinked rings). If the daemon is killed before it
-can unlink, the PID in the name lets the next daemon remove the segment
-(:func:`sweep_stale_segments`). Clients never unlink.
+can unlink, the next daemon removes the segment (:func:`sweep_stale_segments`): it knows a dead
+daemon's segments by their name's prefix, whose live marker nobody holds locked any more.
+Clients never unlink.
 
 Leases: each slot is FREE, FILLING (the engine writes into it) or LEASED (the client reads it).
 Slot states change only under the owning stream's lock (``daemon._stream.Stream.lock``): on
@@ -27,12 +29,16 @@ notice pump, ``daemon._pump``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import logging
 import mmap
 import os
 import re
+import secrets
 import stat
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +54,7 @@ __all__ = [
     "ShmNamer",
     "ShmRing",
     "create_segment",
+    "daemon_namer",
     "pid_alive",
     "release_mapping",
     "sweep_stale_segments",
@@ -58,21 +65,96 @@ log = logging.getLogger("beton_serve.transport.shm")
 #: Where Linux exposes POSIX shared memory as files.
 SHM_DIR = Path("/dev/shm")
 
-_NAME = re.compile(r"^beton-(\d+)-")
+#: A segment's name: ``beton-<pid>-<instance>-<purpose>-<n>`` (:class:`ShmNamer`); the
+#: instance is absent in names of releases before it (``beton-<pid>-<purpose>-<n>``).
+_NAME = re.compile(r"^beton-(\d+)-(?:([0-9a-f]{16})-)?")
+#: The purpose of a daemon's live marker (:class:`ShmNamer`).
+LIVE = "live"
 #: What ``publish`` returns: the client reads the slot through its own mapping.
 _PUBLISHED = Published()
 
 
 class ShmNamer:
-    """Hands out segment names ``beton-<pid>-<purpose>-<n>``, unique within this daemon."""
+    """Hands out segment names ``beton-<pid>-<instance>-<purpose>-<n>``, unique within this
+    daemon; ``instance`` is 16 random hex digits, drawn once per namer.
 
-    def __init__(self, pid: int | None = None) -> None:
+    Why random: another local user could otherwise create files under the names a daemon will
+    use next (``O_EXCL`` then refuses them: every shm stream failed) or, in ``/dev/shm`` shared
+    by containers, a daemon restarted as PID 1 would meet its own predecessor's names.
+
+    Args:
+        pid: the pid in the names (default: this process's).
+        shm_dir: where the segments and the marker live.
+        mark_live: create and hold (``flock``) the live marker ``beton-<pid>-<instance>-live``
+            for as long as the namer is open: :func:`sweep_stale_segments` leaves the names of a
+            held marker alone, in any PID namespace, and removes them once nobody holds it (the
+            daemon exited or was killed). The daemon's namer is marked; :meth:`close` removes
+            the marker.
+
+    Raises:
+        OSError: the marker cannot be created.
+    """
+
+    def __init__(
+        self, pid: int | None = None, *, shm_dir: Path = SHM_DIR, mark_live: bool = False
+    ) -> None:
         self.pid = os.getpid() if pid is None else pid
+        self.instance = secrets.token_hex(8)
+        self.prefix = f"beton-{self.pid}-{self.instance}-"
         self._counter = itertools.count()
+        self._live: Path | None = None
+        self._live_fd = -1
+        self._lock = threading.Lock()
+        if mark_live:
+            self._live, self._live_fd = _make_live_marker(shm_dir, self.prefix + LIVE)
 
     def next(self, purpose: str) -> str:
         """A fresh name for a segment used for ``purpose`` (letters only, e.g. ``"ring"``)."""
-        return f"beton-{self.pid}-{purpose}-{next(self._counter)}"
+        return f"{self.prefix}{purpose}-{next(self._counter)}"
+
+    def close(self) -> None:
+        """Remove the live marker and release its lock (idempotent). Call once the namer's
+        segments are unlinked: a sweep would remove one left behind."""
+        with self._lock:
+            live, fd = self._live, self._live_fd
+            self._live, self._live_fd = None, -1
+        if live is not None:
+            with contextlib.suppress(OSError):
+                live.unlink()
+            os.close(fd)
+
+
+def daemon_namer(shm_dir: Path = SHM_DIR) -> ShmNamer:
+    """The daemon's namer, marked live (:class:`ShmNamer`); unmarked, with a warning, where
+    the marker cannot be made (its segments are then swept by their pid alone)."""
+    try:
+        return ShmNamer(shm_dir=shm_dir, mark_live=True)
+    except OSError as exc:
+        log.warning(
+            "cannot create a live marker in %s (%s): a daemon in another PID namespace "
+            "could take this daemon's segments for stale ones",
+            shm_dir,
+            exc,
+        )
+        return ShmNamer()
+
+
+def _make_live_marker(shm_dir: Path, name: str) -> tuple[Path, int]:
+    """Create ``shm_dir/name`` (0600) already locked: it is made under a hidden name, locked,
+    then linked in place, so a sweep never sees it unlocked while its daemon lives."""
+    final = shm_dir / name
+    hidden = shm_dir / ("." + name)
+    fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.link(hidden, final)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            hidden.unlink()
+    return final, fd
 
 
 def pid_alive(pid: int) -> bool:
@@ -91,13 +173,41 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink this user's ``beton-<pid>-*`` segments whose creating process is gone.
+def _marker_held(path: Path) -> bool | None:
+    """Whether a live marker is locked by its daemon (``None``: there is no such marker).
+    A marker that cannot be opened or locked for another reason counts as held."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the lock taken: the marker is removed with its group below
+    return False
 
-    Called by the daemon at start. Only what a daemon creates is removed: regular files (rings,
-    arenas) and sockets (the notice channel) that this user owns, looked at with ``lstat``.
-    Symbolic links, other kinds of files, other users' files and the segments of live
-    processes are left alone: ``/dev/shm`` is shared, and anyone may create a ``beton-*`` name.
+
+def sweep_stale_segments(shm_dir: Path = SHM_DIR, *, keep: str = "") -> list[str]:
+    """Unlink this user's segments of daemons that are gone.
+
+    Called by the daemon at start. A name ``beton-<pid>-<instance>-...`` belongs to a daemon
+    that is gone when its live marker (:class:`ShmNamer`) is held by nobody; this holds across
+    PID namespaces (containers sharing ``/dev/shm``), where the pid in a name means nothing
+    here. A name without a marker (an unmarked namer, or a release before markers) falls back
+    to the pid: gone when no process of that pid runs here.
+
+    Only what a daemon creates is removed: regular files (rings, arenas, markers) and sockets
+    (the notice channel) that this user owns, looked at with ``lstat``. Symbolic links, other
+    kinds of files, other users' files and the segments of live daemons are left alone:
+    ``/dev/shm`` is shared, and anyone may create a ``beton-*`` name.
+
+    Args:
+        shm_dir: the directory to sweep.
+        keep: a name prefix never removed (the calling daemon's own, :attr:`ShmNamer.prefix`).
 
     Returns:
         The names removed.
@@ -106,9 +216,13 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     if not shm_dir.is_dir():
         return removed
     uid = os.getuid()
+    me = os.getpid()
+    held: dict[str, bool | None] = {}  # a group's prefix -> _marker_held
+    markers: list[Path] = []
     for entry in shm_dir.iterdir():
-        m = _NAME.match(entry.name)
-        if m is None:
+        name = entry.name
+        m = _NAME.match(name)
+        if m is None or (keep and name.startswith(keep)):
             continue
         try:
             st = entry.lstat()
@@ -116,18 +230,37 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
             continue
         if st.st_uid != uid or not (stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode)):
             continue
-        pid = int(m.group(1))
-        if pid == os.getpid() or pid_alive(pid):
+        pid, prefix = int(m.group(1)), m.group(0)
+        if m.group(2) is not None:
+            if prefix not in held:
+                held[prefix] = _marker_held(shm_dir / (prefix + LIVE))
+            alive = held[prefix]
+            if alive is None:  # no marker: the pid decides, as for the older names
+                alive = pid == me or pid_alive(pid)
+        else:
+            alive = pid == me or pid_alive(pid)
+        if alive:
             continue
-        try:
-            entry.unlink()
-        except OSError as exc:
-            log.warning("could not remove stale segment %s: %s", entry.name, exc)
+        if name == prefix + LIVE:
+            markers.append(entry)  # last: a sweep running beside this one still sees the group
             continue
-        removed.append(entry.name)
+        if _unlink(entry):
+            removed.append(name)
+    removed += [e.name for e in markers if _unlink(e)]
     if removed:
         log.info("swept %d stale shared-memory segment(s): %s", len(removed), ", ".join(removed))
     return removed
+
+
+def _unlink(entry: Path) -> bool:
+    try:
+        entry.unlink()
+    except FileNotFoundError:  # another sweep got there first
+        return False
+    except OSError as exc:
+        log.warning("could not remove stale segment %s: %s", entry.name, exc)
+        return False
+    return True
 
 
 def create_segment(path: Path, size: int) -> mmap.mmap:
