@@ -23,9 +23,11 @@ API::
 Unix sockets. Before a channel to ``unix:PATH`` is made, :func:`check_unix_target` checks that
 the socket and its directory belong to the expected user (this process's uid unless the Loader
 names another with ``socket_owner=``) and that nobody else may write the directory
-(``beton_wire.private_dir``): a socket another user planted is refused, never connected to.
+(``beton_wire.private_dir``): a socket another user planted is refused, never connected to. A
+missing socket is not connected to either (a directory and socket made after the check would
+never have been checked).
 
-    check_unix_target(target, owner=None) -> None      # raises UntrustedSocketError
+    check_unix_target(target, owner=None) -> None      # raises UntrustedSocketError, ServerUnavailable
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from typing import Any
 
 import grpc
 from beton_wire.address import socket_path_of
-from beton_wire.private_dir import unix_target_problem
+from beton_wire.private_dir import UnsafePathError, trusted_socket_present
 
-from beton_client.errors import SpecError, UntrustedSocketError
+from beton_client.errors import ServerUnavailable, SpecError, UntrustedSocketError
 
 __all__ = [
     "channel_credentials",
@@ -49,30 +51,38 @@ __all__ = [
 ]
 
 
-def check_unix_target(target: str, owner: int | None = None) -> None:
-    """Refuse a ``unix:`` target whose socket or directory is not ``owner``'s.
-
-    Does nothing for TCP targets, or when the directory or the socket does not exist (then no
-    daemon answers there, and connecting fails as usual).
+def check_unix_target(target: str, owner: int | None = None, *, missing_ok: bool = False) -> None:
+    """Refuse a ``unix:`` target whose socket or directory is not ``owner``'s, or that has no
+    socket yet (does nothing for TCP targets).
 
     Args:
         target: the gRPC target.
         owner: the uid that must own the socket and its directory (default: this process's).
+        missing_ok: a missing socket is no error (the directory exists and is trusted: the
+            spawner, which made sure of it, starts the daemon that binds there).
 
     Raises:
         UntrustedSocketError: the directory is a symbolic link, another user's, or writable by
             others, or the socket is not a socket of ``owner``; the message says what to do.
+        ServerUnavailable: the directory or the socket does not exist (no daemon answers
+            there; retriable, and each retry checks again).
     """
     path = socket_path_of(target)
     if path is None:
         return
-    problem = unix_target_problem(path, os.getuid() if owner is None else owner)
-    if problem is not None:
+    try:
+        present = trusted_socket_present(path, os.getuid() if owner is None else owner)
+    except UnsafePathError as exc:
         raise UntrustedSocketError(
-            f"refusing to connect to {target}: {problem}. Another user may have created it to "
+            f"refusing to connect to {target}: {exc}. Another user may have created it to "
             "serve you their data. Remove it (and start your daemon again), use a socket in a "
             "directory of your own, or, to trust a daemon that another user runs, pass "
             "socket_owner=<their uid> to the Loader"
+        ) from None
+    if not present and not missing_ok:  # what appears there later was never checked
+        raise ServerUnavailable(
+            f"no beton-serve daemon answers at {target}: there is no socket at {path}",
+            code="UNAVAILABLE",
         )
 
 

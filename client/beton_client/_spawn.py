@@ -110,7 +110,7 @@ def ensure_daemon(
         ) from None
     except OSError as exc:
         raise ServerUnavailable(f"cannot create the socket directory {directory}: {exc}") from None
-    check_unix_target(target, uid)
+    check_unix_target(target, uid, missing_ok=True)  # the directory is ensured above
     if daemon_answers(target, 0.5):
         return
     lock_path = socket_path + ".spawn.lock"

@@ -33,6 +33,7 @@ __all__ = [
     "ensure_private_dir",
     "unix_target_problem",
     "open_private_file",
+    "trusted_socket_present",
 ]
 
 #: Mode bits that let someone other than the owner create, remove or rename entries.
@@ -54,10 +55,18 @@ class UnsafePathError(PermissionError):
 
 
 def _lstat(path: str) -> os.stat_result | None:
+    """``os.lstat``; ``None`` when nothing is there.
+
+    Raises:
+        UnsafePathError: it cannot be looked at (a directory above it that this user may not
+            search): the expected user's daemon would not be reachable there either.
+    """
     try:
         return os.lstat(path)
     except FileNotFoundError:
         return None
+    except PermissionError as exc:
+        raise UnsafePathError(path, f"cannot be looked at ({exc.strerror})") from None
 
 
 def check_private_dir(path: str, uid: int) -> None:
@@ -182,6 +191,24 @@ def unix_target_problem(path: str, uid: int) -> str | None:
     except UnsafePathError as exc:
         return str(exc)
     return None
+
+
+def trusted_socket_present(path: str, uid: int) -> bool:
+    """Whether a socket of ``uid`` is at ``path``, in a directory that only ``uid`` may write:
+    the only state in which a client may connect, since nobody else can put a socket there
+    afterwards. ``False`` when the directory or the socket is missing: connecting later (a
+    retry, gRPC's ``wait_for_ready``) would go to whatever appears there, perhaps a directory
+    and a socket another user made meanwhile, so look again instead.
+
+    Raises:
+        UnsafePathError: the directory or the socket is there but not trusted
+            (:func:`check_private_dir`, :func:`check_socket`).
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    if _lstat(directory) is None:
+        return False
+    check_private_dir(directory, uid)  # first: once it passes, nobody else can plant the socket
+    return check_socket(path, uid)
 
 
 def names_file(path: str, fd: int) -> bool:

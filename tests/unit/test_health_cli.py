@@ -221,3 +221,104 @@ def test_a_wrong_option_exits_two_not_one(tmp_path, capsys) -> None:
     args.tls_ca = str(tmp_path / "missing.pem")
     assert _health.run(args, environ={}) == _health.EXIT_UNREACHABLE
     assert "--tls-ca" in capsys.readouterr().err
+
+
+def _plant_later(d, mode: int, delay: float = 0.4):
+    """After ``delay`` s, make directory ``d`` (``mode``) and a gRPC health server's socket in
+    it: what another user could do while a command waits for a daemon to come up."""
+    import threading
+
+    box: dict[str, object] = {}
+
+    def plant() -> None:
+        import time
+
+        time.sleep(delay)
+        d.mkdir()
+        d.chmod(mode)
+        servicer = health.HealthServicer()
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-health")
+        server = grpc.server(pool)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        server.add_insecure_port(f"unix:{d / 'h.sock'}")
+        server.start()
+        box["server"], box["pool"] = server, pool
+
+    t = threading.Thread(target=plant)
+    t.start()
+
+    def stop() -> None:
+        t.join(10)
+        if "server" in box:
+            box["server"].stop(grace=None).wait(5)  # type: ignore[attr-defined]
+            box["pool"].shutdown(wait=True)  # type: ignore[attr-defined]
+
+    return stop
+
+
+def test_a_socket_directory_made_while_waiting_is_checked_before_anything_is_sent(
+    tmp_path,
+) -> None:
+    """The directory was missing when the command started: gRPC's own wait (``wait_for_ready``)
+    used to connect to whatever appeared there later, and stats sent the token to it."""
+    from beton_serve.cli._stats import fetch_stats
+
+    planted = tmp_path / "planted"
+    stop = _plant_later(planted, 0o777)  # a directory others may write: anyone's socket
+    try:
+        with pytest.raises(ConfigError, match="refusing to connect"):
+            _health.check(f"unix://{planted / 'h.sock'}", timeout=5)
+    finally:
+        stop()
+    planted2 = tmp_path / "planted2"
+    stop = _plant_later(planted2, 0o777)
+    try:
+        with pytest.raises(ConfigError, match="refusing to connect"):
+            fetch_stats(f"unix://{planted2 / 'h.sock'}", timeout=5, token="secret")
+    finally:
+        stop()
+    # The user's own daemon coming up while the command waits is still found ...
+    own = tmp_path / "own"
+    stop = _plant_later(own, 0o700)
+    try:
+        assert _health.check(f"unix://{own / 'h.sock'}", timeout=10) == "SERVING"
+    finally:
+        stop()
+    # ... and nothing coming is UNREACHABLE after the timeout.
+    assert _health.check(f"unix://{tmp_path / 'none' / 'h.sock'}", timeout=0.3) == "UNREACHABLE"
+
+
+def test_a_path_that_cannot_be_looked_at_is_a_typed_refusal(monkeypatch, tmp_path) -> None:
+    """A directory above the socket that this user may not search: ``lstat`` raises
+    ``PermissionError``, which used to escape untyped (a traceback from ``health``)."""
+    import os
+
+    from beton_client import UntrustedSocketError
+    from beton_client._security import check_unix_target
+
+    real = os.lstat
+
+    def lstat(path, *a, **k):
+        if str(path).startswith(str(tmp_path / "locked")):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    target = f"unix://{tmp_path / 'locked' / 'd' / 'h.sock'}"
+    with pytest.raises(ConfigError, match="cannot be looked at"):
+        _health.check(target, timeout=1)
+    with pytest.raises(UntrustedSocketError, match="cannot be looked at"):
+        check_unix_target(target)
+
+
+def test_the_loader_does_not_connect_to_a_missing_socket(tmp_path) -> None:
+    """Connecting anyway would reach whatever appears there before gRPC connects."""
+    from beton_client import Loader, ServeOptions, ServerUnavailable
+
+    sock = tmp_path / "absent" / "beton.sock"
+    with pytest.raises(ServerUnavailable, match="there is no socket at"):
+        Loader(
+            "anything", 4, serve=ServeOptions(server=f"unix://{sock}", spawn=False, reconnect=False)
+        )
+    assert not sock.parent.exists()

@@ -228,6 +228,8 @@ def test_cuda_ipc_unusable_in_the_client_reopens_over_shm(monkeypatch, caplog) -
         raise TransportUnavailable("client_no_cupy", "CuPy is not installed in the trainer")
 
     monkeypatch.setattr(_loader.pb_grpc, "BetonServeStub", lambda channel: stub)
+    # No daemon: the fake stub answers, so the absent socket is not refused before it.
+    monkeypatch.setattr("beton_client._security.check_unix_target", lambda target, owner: None)
     monkeypatch.setitem(_loader.RECEIVERS, "cuda_ipc", no_cupy)
     monkeypatch.setitem(_loader.RECEIVERS, "shm", lambda setup: _NullReceiver())
     with caplog.at_level("WARNING", logger="beton_client"):

@@ -92,27 +92,43 @@ def add_socket_owner_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def check_trusted(target: str, owner: int | None = None) -> None:
-    """Refuse a ``unix:`` target whose socket or directory is not ``owner``'s (default: this
-    user's), before anything (a token, a request) is sent to it, as the Loader does.
+def check_trusted(target: str, owner: int | None = None, timeout: float = 0.0) -> bool:
+    """Wait up to ``timeout`` seconds for a ``unix:`` target's socket to be there, trusted: a
+    socket of ``owner`` (default: this user) in a directory nobody else may write, as the Loader
+    requires, before anything (a token, a request) is sent to it. Whether it came (always
+    ``True`` for a TCP target).
+
+    Why wait here and not in gRPC (``wait_for_ready``): a directory missing when looked at
+    could be made by another user meanwhile, with a socket of theirs in it, and gRPC would
+    connect there unchecked.
 
     Raises:
-        ConfigError: the message says what is wrong and how to trust another user's daemon.
+        ConfigError: what is there is not trusted; the message says what is wrong and how to
+            trust another user's daemon.
     """
     import os
+    import time
 
     from beton_wire.address import socket_path_of
-    from beton_wire.private_dir import unix_target_problem
+    from beton_wire.private_dir import UnsafePathError, trusted_socket_present
 
     path = socket_path_of(target)
     if path is None:
-        return
-    problem = unix_target_problem(path, os.getuid() if owner is None else owner)
-    if problem is not None:
-        raise ConfigError(
-            f"refusing to connect to {target}: {problem}. Another user may have planted it; "
-            "to trust a daemon that another user runs, pass --socket-owner <their uid>"
-        )
+        return True
+    uid = os.getuid() if owner is None else owner
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if trusted_socket_present(path, uid):
+                return True
+        except UnsafePathError as exc:
+            raise ConfigError(
+                f"refusing to connect to {target}: {exc}. Another user may have planted it; "
+                "to trust a daemon that another user runs, pass --socket-owner <their uid>"
+            ) from None
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def check(
@@ -139,7 +155,12 @@ def check(
     Raises:
         ConfigError: a ``unix:`` target of another user (:func:`check_trusted`).
     """
-    check_trusted(target, socket_owner)
+    import time
+
+    t0 = time.monotonic()
+    if not check_trusted(target, socket_owner, timeout):
+        return "UNREACHABLE"
+    timeout = max(0.1, timeout - (time.monotonic() - t0))
     # Lazy imports: the grpc stubs are only needed by this subcommand.
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc

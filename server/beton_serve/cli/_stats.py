@@ -142,7 +142,13 @@ def fetch_stats(
 
     from beton_serve.cli._health import check_trusted
 
-    check_trusted(target, socket_owner)
+    t0 = time.monotonic()
+    if not check_trusted(target, socket_owner, timeout):
+        raise TransportError(
+            f"no beton-serve daemon answered at {target} within {timeout} s; start one "
+            "(beton-serve DATASET.beton) or pass --server"
+        )
+    timeout = max(0.1, timeout - (time.monotonic() - t0))
     channel = (
         grpc.insecure_channel(target)
         if credentials is None
