@@ -31,7 +31,7 @@ import sys
 import time
 
 import grpc
-from beton_wire.address import ADDRESS_IN_USE_STATUS
+from beton_wire.address import ADDRESS_IN_USE_STATUS, DATA_ERROR_STATUS
 from beton_wire.private_dir import (
     UnsafePathError,
     ensure_private_dir,
@@ -39,7 +39,7 @@ from beton_wire.private_dir import (
     open_private_file,
 )
 
-from beton_client.errors import ServerUnavailable, UntrustedSocketError
+from beton_client.errors import FormatError, ServerUnavailable, UntrustedSocketError
 
 __all__ = ["daemon_answers", "ensure_daemon"]
 
@@ -136,10 +136,13 @@ def ensure_daemon(
                         respawns += 1
                         proc = _spawn(socket_path, dataset_file, idle_timeout, log_path)
                     continue
-                raise ServerUnavailable(
+                why = (
                     f"the beton-serve daemon started for {dataset_file} exited with status "
                     f"{proc.returncode} (its log: {log_path}): {_tail(log_path)}"
                 )
+                if proc.returncode == DATA_ERROR_STATUS:  # the file: as the in-process Loader
+                    raise FormatError(why, code="DATA_LOSS")
+                raise ServerUnavailable(why)
             time.sleep(0.05)
         raise ServerUnavailable(
             f"the beton-serve daemon started for {dataset_file} did not answer within {wait} s "

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "ADDRESS_IN_USE_STATUS",
+    "DATA_ERROR_STATUS",
     "ENV_ADDRESS",
     "default_socket_path",
     "joined_addresses",
@@ -31,6 +32,9 @@ ENV_ADDRESS = "BETON_SERVE_ADDRESS"
 #: ``beton-serve serve``'s exit status when another daemon already holds the address's lock
 #: (EX_TEMPFAIL): a client that spawned it then waits for that other daemon instead.
 ADDRESS_IN_USE_STATUS = 75
+#: ``beton-serve serve``'s exit status when a dataset file is malformed, truncated or missing
+#: (EX_DATAERR): a client that spawned it raises ``FormatError``, as the in-process Loader does.
+DATA_ERROR_STATUS = 65
 #: Address forms in which a comma is not a list of daemons: gRPC's own address lists
 #: (``ipv4:a:1,b:2``, one channel balancing over them) and socket paths.
 _COMMA_OK = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "/")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import traceback
 
-from beton_wire.address import ADDRESS_IN_USE_STATUS
+from beton_wire.address import ADDRESS_IN_USE_STATUS, DATA_ERROR_STATUS
 
 __all__ = [
     "AddressInUse",
@@ -47,6 +47,8 @@ class FormatError(BetonError, ValueError):
             whole file.
         reason: what was expected and what was found.
     """
+
+    exit_status = DATA_ERROR_STATUS
 
     def __init__(self, path: str | os.PathLike[str], offset: int | None, reason: str) -> None:
         self.path = os.fspath(path)
