@@ -30,6 +30,7 @@ Threading: a Loader is used from one thread at a time.
 from __future__ import annotations
 
 import contextlib
+import logging
 import numbers
 import os
 import signal
@@ -79,6 +80,8 @@ __all__ = [
     "gc_paused",
     "pipelines_key",
 ]
+
+log = logging.getLogger("beton_client")
 
 #: The built-in orders, by FFCV's names (any enum with these names is accepted).
 ORDER_NAMES = ("SEQUENTIAL", "RANDOM", "QUASI_RANDOM")
@@ -276,6 +279,13 @@ def rank_world(environ: Mapping[str, str], spec: type[Exception]) -> tuple[int, 
                 return int(dist.get_rank()), int(dist.get_world_size())
         except Exception:
             pass
+    if "WORLD_SIZE" not in environ:
+        # FFCV raises here (no process group); we go on, but a job whose ranks all forgot
+        # init_process_group would read every sample once per rank: say so.
+        log.warning(
+            "distributed=True, but torch.distributed is not initialised and WORLD_SIZE is not "
+            "set: this process reads the whole dataset as rank 0 of 1"
+        )
     try:
         return int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
     except ValueError:

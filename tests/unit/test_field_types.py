@@ -80,3 +80,15 @@ def test_format_alone_loads_no_fields_until_a_reader_opens(fixtures_dir: Path) -
     assert out.stdout.strip() == str(
         sorted(["IntField", "FloatField", "NDArrayField", "BytesField", "JSONField"])
     )
+
+
+def test_the_clis_help_imports_no_numpy() -> None:
+    """``beton-serve --help`` (and a subcommand's) stays cheap: no numpy."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from beton_serve.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['--help']) == 0 and main(['demo', '--help']) == 0\n"
+        "assert 'numpy' not in sys.modules, 'numpy imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -196,6 +196,28 @@ def test_distributed_rank_and_world_from_env(fixtures_dir, monkeypatch):
     assert n == 17
 
 
+def test_distributed_without_a_process_group_or_env_warns(fixtures_dir, monkeypatch, caplog):
+    """FFCV raises here; we run as rank 0 of 1, and say so: every rank of a job that forgot
+    init_process_group would otherwise read the whole dataset silently."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    pipes = {"int": [dec.IntDecoder()], "float": None, "array": None, "blob": None, "meta": None}
+    with caplog.at_level("WARNING", logger="beton_client"):
+        with Loader(
+            fixtures_dir / "mixed_fields.beton", batch_size=4, distributed=True, pipelines=pipes
+        ) as ld:
+            assert (ld.rank, ld.world_size) == (0, 1)
+    assert "rank 0 of 1" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun's environment: no warning
+    with caplog.at_level("WARNING", logger="beton_client"):
+        with Loader(
+            fixtures_dir / "mixed_fields.beton", batch_size=4, distributed=True, pipelines=pipes
+        ):
+            pass
+    assert "rank 0 of 1" not in caplog.text
+
+
 @pytest.mark.parametrize(
     "pipes,match",
     [

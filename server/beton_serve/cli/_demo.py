@@ -38,13 +38,15 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from beton_wire.limits import usable_cpus
-from numpy.typing import NDArray
 
 from beton_serve.errors import BetonError
+
+if TYPE_CHECKING:  # numpy is imported when the demo runs, not by the CLI's --help
+    import numpy as np
+    from numpy.typing import NDArray
 
 __all__ = ["SampleImages", "register", "run", "synth_image", "write_sample_dataset"]
 
@@ -69,6 +71,8 @@ def synth_image(seed: Sequence[int], height: int, width: int) -> NDArray[np.uint
     Returns:
         ``(height, width, 3)`` uint8, HWC, RGB.
     """
+    import numpy as np
+
     rng = np.random.default_rng(list(seed))
     y = np.linspace(-0.5, 0.5, height)[:, None]
     x = np.linspace(-0.5, 0.5, width)[None, :]

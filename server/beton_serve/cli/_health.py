@@ -65,7 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--server",
         default=None,
-        help="gRPC target: unix:///path/to.sock or host:port (default: $BETON_SERVE_ADDRESS)",
+        help="gRPC target: unix:///path/to.sock or host:port (default: $BETON_SERVE_ADDRESS, "
+        "then the per-user socket)",
     )
     p.add_argument(
         "--service",
