@@ -158,11 +158,8 @@ def test_tls_options_are_checked(tmp_path) -> None:
     assert _health.tls_credentials(None, None, None) is None
 
 
-@pytest.fixture
-def unix_health_server(tmp_path) -> Iterator[tuple[str, health.HealthServicer, object]]:
-    d = tmp_path / "sockdir"
-    d.mkdir(mode=0o700)
-    path = d / "h.sock"
+def _serving_on(path) -> tuple[grpc.Server, futures.ThreadPoolExecutor, health.HealthServicer]:
+    """A started gRPC health server answering SERVING on the Unix socket ``path``."""
     servicer = health.HealthServicer()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-health")
@@ -170,6 +167,15 @@ def unix_health_server(tmp_path) -> Iterator[tuple[str, health.HealthServicer, o
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port(f"unix:{path}")
     server.start()
+    return server, pool, servicer
+
+
+@pytest.fixture
+def unix_health_server(tmp_path) -> Iterator[tuple[str, health.HealthServicer, object]]:
+    d = tmp_path / "sockdir"
+    d.mkdir(mode=0o700)
+    path = d / "h.sock"
+    server, pool, servicer = _serving_on(path)
     try:
         yield f"unix://{path}", servicer, d
     finally:
@@ -236,14 +242,7 @@ def _plant_later(d, mode: int, delay: float = 0.4):
         time.sleep(delay)
         d.mkdir()
         d.chmod(mode)
-        servicer = health.HealthServicer()
-        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-health")
-        server = grpc.server(pool)
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        server.add_insecure_port(f"unix:{d / 'h.sock'}")
-        server.start()
-        box["server"], box["pool"] = server, pool
+        box["server"], box["pool"], _ = _serving_on(d / "h.sock")
 
     t = threading.Thread(target=plant)
     t.start()
