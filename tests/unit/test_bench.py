@@ -81,7 +81,7 @@ def test_cli_arguments(constant_file, capsys) -> None:
     assert args.command == "bench" and args.pipeline == "rrc" and args.json
     assert main(["bench", str(constant_file), "--epochs", "0"]) == 1
     assert "--epochs" in capsys.readouterr().err
-    assert main(["bench", str(constant_file) + ".missing"]) == 1
+    assert main(["bench", str(constant_file) + ".missing"]) == 65  # a FormatError, as serve
 
 
 @pytest.mark.slow
