@@ -145,6 +145,7 @@ class RemoteStream:
         self.reply = daemons[0].reply
         self.num_batches = int(self.reply.num_batches)
         self.num_samples = int(self.reply.num_samples)
+        self.batch_rows = max(1, *(int(d.reply.batch_size) for d in self.daemons))
         self.names = [o.name for o in self.reply.outputs]
         self._outputs = tuple(OutputInfo.from_wire(o) for o in self.reply.outputs)
         #: Distinct failing samples an epoch may skip: the smallest budget of the daemons.

@@ -94,6 +94,7 @@ class _Stream:
         self.target = target
         self.num_batches = int(reply.num_batches)
         self.num_samples = int(reply.num_samples)
+        self.batch_rows = max(1, int(reply.batch_size))
         self.names = [o.name for o in reply.outputs]
         self._outputs = tuple(OutputInfo.from_wire(o) for o in reply.outputs)
         #: False while an epoch was started and its end not read (then it cannot start another).
@@ -108,7 +109,7 @@ class _Stream:
         self._release_hook = None if self.shm is not None else receiver.release
         self._layout = slot_layout(
             [(o.name, tuple(o.shape), DTYPE_NAMES[o.dtype]) for o in reply.outputs],
-            max(1, int(reply.batch_size)),
+            self.batch_rows,
         )
         self._full: list[TensorInfo] | None = None
         #: Coalesced waits: whether this stream may nap, its average period between batches

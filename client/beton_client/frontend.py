@@ -154,6 +154,9 @@ class Feed(Protocol):
     num_batches: int
     #: Samples this rank visits per epoch (for ``state_dict``).
     num_samples: int
+    #: The most samples one batch holds (``beton_wire.loader_state.batch_rows``): what batch
+    #: buffers are sized for.
+    batch_rows: int
 
     @property
     def outputs(self) -> Sequence[OutputInfo]:
@@ -495,7 +498,7 @@ class FrontEnd:
         if outputs is self._tails_for:
             return
         try:
-            self._tails = build_output_tails(outputs, self._plans, self.batch_size)
+            self._tails = build_output_tails(outputs, self._plans, feed.batch_rows)
         except client_errors.SpecError as exc:
             raise self._as(exc) from None
         self._tails_for = outputs

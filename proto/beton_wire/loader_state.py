@@ -125,6 +125,17 @@ def samples_per_rank(n: int, *, distributed: bool, world_size: int) -> int:
     return int(n)
 
 
+def batch_rows(batch_size: int, num_samples: int) -> int:
+    """The most samples one batch holds when an epoch visits ``num_samples`` (at least 1).
+
+    Batch buffers, plans and rings are sized for this, not for ``batch_size``: a batch size
+    far above the epoch (a small validation set at a training batch size, or an absurd
+    request) allocates only what its one batch can hold. Batching itself (``len``,
+    ``drop_last``, QUASI_RANDOM's windows) still uses ``batch_size``.
+    """
+    return max(1, min(int(batch_size), int(num_samples)))
+
+
 def indices_digest(indices: Sequence[int] | NDArray[Any] | None) -> str | None:
     """A fingerprint of a subset, order included: BLAKE2b-128 of the ids as little-endian uint64.
 

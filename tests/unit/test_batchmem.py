@@ -151,8 +151,9 @@ def test_an_absurd_batch_size_is_a_spec_error(fixtures_dir: Path) -> None:
     """The Loader's advice for slots it cannot allocate survives the mapped slots."""
     from beton_serve.errors import SpecError
 
-    # 65,536 (the largest batch_size) x 4096² RGB: 3.3 TB per slot
-    pipes = {"image": [RandomResizedCropRGBImageDecoder((4096, 4096))], "label": [IntDecoder()]}
+    # The file's 64 samples (buffers hold the epoch, not the 65,536 asked for) x 60000² RGB:
+    # 691 GB per slot
+    pipes = {"image": [RandomResizedCropRGBImageDecoder((60000, 60000))], "label": [IntDecoder()]}
     ld = Loader(
         str(fixtures_dir / "images_jpg.beton"), batch_size=65536, num_workers=1,
         order=OrderOption.SEQUENTIAL, drop_last=False, pipelines=pipes,

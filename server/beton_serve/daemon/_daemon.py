@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from beton_wire.limits import MAX_BATCH_SIZE, human_bytes, usable_cpus
+from beton_wire.loader_state import batch_rows
 from beton_wire.slots import SlotLayout
 
 from beton_serve.daemon._backend import Backend, BatchSourceLike, EngineBackend, EngineLike
@@ -358,8 +359,10 @@ class Daemon:
         ds = await self.opener.dataset_for(req, same_host)
         validate_request(req, ds)
         neg, factory = self._negotiate(req.offer)
-        entry, cached = await self.plans.get(req, ds)
-        layout = batch_layout(entry.outputs, req.batch_size)
+        # Plan and ring hold the largest batch of the epoch, not a batch_size far above it.
+        rows = batch_rows(req.batch_size, _samples_per_epoch(req, ds))
+        entry, cached = await self.plans.get(req, ds, rows)
+        layout = batch_layout(entry.outputs, rows)
         stream = self._new_stream(req, ds, entry, layout, neg, factory, same_host)
         setup = self._offer_notices(stream, stream.ring.setup())
         self.streams.add(stream)
@@ -370,7 +373,7 @@ class Daemon:
             setup=setup,
             rejected=neg.rejected,
             num_batches=stream.num_batches,
-            batch_size=req.batch_size,
+            batch_size=rows,
             num_samples=_samples_per_epoch(req, ds),
             plan_cached=cached,
             max_credits=stream.ring.slot_count,
@@ -506,7 +509,7 @@ class Daemon:
         return shared(
             source,
             self.sharing,
-            self.plans.spec_key(req, ds),
+            self.plans.spec_key(req, ds, layout.batch_size),
             req,
             ds.key,
             arena,

@@ -178,8 +178,9 @@ class PlanRegistry:
         """Why this request's peer may not make the daemon import op modules (or ``None``)."""
         return self.op_imports.refusal(owner_peer=req.owner_peer, peer_uid=req.offer.identity.uid)
 
-    def spec_key(self, req: StreamRequest, ds: Dataset) -> str:
-        """The key of ``req``'s plan over ``ds`` (also its sharing groups' pipeline key)."""
+    def spec_key(self, req: StreamRequest, ds: Dataset, rows: int) -> str:
+        """The key of ``req``'s plan over ``ds`` for batches of at most ``rows`` samples (also
+        its sharing groups' pipeline key)."""
         spec = [
             [
                 p.name,
@@ -195,22 +196,24 @@ class PlanRegistry:
         allowed = imports and self.import_refusal(req) is None
         # The plan holds the dataset's reader: keyed by the dataset's identity, not only its schema
         # (train and val files share a schema; issue 11).
-        text = json.dumps([ds.key, ds.schema_key, req.batch_size, spec, allowed], sort_keys=True)
+        text = json.dumps([ds.key, ds.schema_key, rows, spec, allowed], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
-    async def get(self, req: StreamRequest, ds: Dataset) -> tuple[PlanEntry, bool]:
-        """``req``'s plan over ``ds``, and whether it was cached (compiled, or compiling).
+    async def get(self, req: StreamRequest, ds: Dataset, rows: int) -> tuple[PlanEntry, bool]:
+        """``req``'s plan over ``ds`` for batches of at most ``rows`` samples
+        (``beton_wire.loader_state.batch_rows``), and whether it was cached (compiled, or
+        compiling).
 
         Raises:
             SpecError: an op cannot be built; PipelineError: the pipeline failed to compile.
         """
-        key = self.spec_key(req, ds)
+        key = self.spec_key(req, ds, rows)
         fut = self._plans.get(key)
         if fut is not None:
             if not fut.done() or fut.exception() is None:
                 self._plans.move_to_end(key)
                 return await asyncio.shield(fut), True
-        fut = self.on_compile_thread(self._compile_sync, req, ds)
+        fut = self.on_compile_thread(self._compile_sync, req, ds, rows)
         self._plans[key] = fut
         self._plans.move_to_end(key)
         self._owner[key] = ds.key
@@ -245,7 +248,7 @@ class PlanRegistry:
             if f.done() and not f.cancelled() and f.exception() is None
         ]
 
-    def _compile_sync(self, req: StreamRequest, ds: Dataset) -> PlanEntry:
+    def _compile_sync(self, req: StreamRequest, ds: Dataset, rows: int) -> PlanEntry:
         pipelines: dict[str, Any] = {}  # ops, a PipelineSpec (another output), or None
         local: dict[str, tuple[str, dict[str, Any]] | None] = {}
         refusal = self.import_refusal(req)
@@ -278,7 +281,7 @@ class PlanRegistry:
                 pipelines[p.name] = self.backend.branch_output(source, built[p.name])
         _check_branch_families(req.pipelines, local)
         check = {} if ds.checksums is None else {"sample_check": ds.checksums.check}
-        plan = self.backend.compile(ds.reader, pipelines, req.batch_size, **check)
+        plan = self.backend.compile(ds.reader, pipelines, rows, **check)
         tail = self.backend.client_tail(plan)
         outputs = []
         for o in self.backend.outputs(plan):

@@ -44,6 +44,7 @@ from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import numpy as np
+from beton_wire.loader_state import batch_rows
 from numpy.typing import NDArray
 
 from beton_serve.engine._decode_groups import bind_decode_groups, unbind
@@ -105,7 +106,8 @@ class BatchSource:
 
     Args:
         engine: the worker pool.
-        plan: from ``compile_pipelines``; its ``batch_size`` must be at least ``batch_size``.
+        plan: from ``compile_pipelines``; its ``batch_size`` must hold the largest batch,
+            ``batch_rows(batch_size, samples in epoch 0)``.
         order: an :class:`OrderOption` or a :class:`TraversalOrder` instance.
         batch_size, seed, indices, drop_last, distributed, rank, world_size: as in FFCV's Loader
             (``indices=None`` means every sample of the plan's reader).
@@ -132,10 +134,6 @@ class BatchSource:
         bad_sample_budget: int = 0,
         slices: int = 1,
     ) -> None:
-        if batch_size > plan.batch_size:
-            raise SpecError(
-                f"batch_size {batch_size} exceeds the plan's batch_size {plan.batch_size}"
-            )
         if batches_ahead < 1:
             raise SpecError(f"batches_ahead must be >= 1, got {batches_ahead}")
         if bad_sample_budget < 0 or slices < 1:
@@ -183,7 +181,14 @@ class BatchSource:
         self._credit = threading.BoundedSemaphore(self.batches_ahead)
         self._orders: OrderedDict[int, NDArray[np.uint64]] = OrderedDict()
         self._keys: OrderedDict[int, NDArray[np.uint64]] = OrderedDict()
-        self._len = epoch_length(len(self.sample_order(0)), self.batch_size, self.drop_last)
+        ordered = len(self.sample_order(0))
+        self._len = epoch_length(ordered, self.batch_size, self.drop_last)
+        rows = batch_rows(self.batch_size, ordered)
+        if rows > plan.batch_size:
+            raise SpecError(
+                f"batches of {rows} samples (batch_size {self.batch_size}) exceed the plan's "
+                f"batch_size {plan.batch_size}"
+            )
         #: Issue 16: the decode groups of its ``share_decode`` decoders (None: decodes alone).
         self.decode_binding = bind_decode_groups(self)
         # The plan keeps its batch workspaces while a source runs it: until close(), or until

@@ -54,7 +54,7 @@ from beton_client.frontend import (
     gc_paused,
 )
 from beton_wire.limits import short_repr, usable_cpus
-from beton_wire.loader_state import samples_per_rank
+from beton_wire.loader_state import batch_rows, samples_per_rank
 
 from beton_serve._batchmem import batch_empty
 from beton_serve.engine import (
@@ -174,10 +174,19 @@ class EngineBackend:
     def open(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> EngineFeed:
         indices = self._indices(args)
         order = self._order(args)
+        num_samples = samples_per_rank(
+            len(indices), distributed=args.distributed, world_size=args.world_size
+        )
+        # Buffers for the largest batch the epoch has (a custom order's length is its own).
+        rows = (
+            batch_rows(args.batch_size, num_samples)
+            if isinstance(order, OrderOption)
+            else args.batch_size
+        )
         plan = compile_pipelines(
             self.reader,
             engine_pipelines(plans),
-            batch_size=args.batch_size,
+            batch_size=rows,
             custom_fields=args.custom_fields,
             cache=self.plan_cache,
             sample_check=self.sample_check,
@@ -200,9 +209,6 @@ class EngineBackend:
             batches_ahead=args.batches_ahead + 1,
             bad_sample_budget=self.bad_sample_budget,
             slices=workers if self.slices is None else self.slices,
-        )
-        num_samples = samples_per_rank(
-            len(indices), distributed=args.distributed, world_size=args.world_size
         )
         return EngineFeed(self, args, plans, plan, source, workers, num_samples)
 
@@ -255,6 +261,7 @@ class EngineFeed:
         self.workers = workers
         self.num_batches = len(source)
         self.num_samples = num_samples
+        self.batch_rows = plan.batch_size
         #: The ops compiled, by identity: the user changing an op's attributes (progressive
         #: resizing) is seen by ``plan.refresh``; other ops need a new plan.
         self._ops = _identity(plans)
@@ -343,7 +350,7 @@ class EngineFeed:
         self._planned = True
         if changed or self._slots is None:
             slots = self.args.batches_ahead + 2
-            batch = self.args.batch_size
+            batch = plan.batch_size  # the largest batch of the epoch (batch_rows)
             try:
                 self._slots = [
                     [batch_empty((batch, *o.shape), o.dtype) for o in plan.outputs]
@@ -663,7 +670,10 @@ class Loader(FrontEnd):
         only: dict[str, list[Any] | None] = dict.fromkeys(self.reader.field_names)
         only[field_name] = [self.reader.handlers[field_name].get_decoder_class()()]
         plan = compile_pipelines(
-            self.reader, only, batch_size=self.batch_size, sample_check=self._backend.sample_check
+            self.reader,
+            only,
+            batch_size=batch_rows(self.batch_size, len(self.indices)),
+            sample_check=self._backend.sample_check,
         )
         keep: list[int] = []
         with Engine(1) as eng:
