@@ -361,10 +361,9 @@ def check_args(
     distributed = bool(distributed)
     if seed is None:
         # FFCV's rule: a fresh seed, except for distributed RANDOM, where every rank must draw
-        # the same permutation.
-        seed = (
-            0 if (distributed and order_name == "RANDOM") else int(np.random.randint(0, 2**31 - 1))
-        )
+        # the same permutation. Our distributed QUASI_RANDOM (FFCV has none) needs it too.
+        shuffled = order_name in ("RANDOM", "QUASI_RANDOM")
+        seed = 0 if (distributed and shuffled) else int(np.random.randint(0, 2**31 - 1))
     rank, world = rank_world(environ, spec) if distributed else (0, 1)
     if not 1 <= world <= MAX_WORLD_SIZE or not 0 <= rank < world:
         raise spec(
