@@ -935,6 +935,11 @@ class EpochIterator:
             if not self.done:
                 self._interrupted()  # nothing was yielded: the next call makes this batch again
             raise
+        except StopIteration:
+            raise
+        except BaseException as err:
+            self._failed(err)
+            raise
         # The batch counts as yielded only here, with no call between these steps and the
         # return (Python runs signal handlers at calls and loops, not between plain stores).
         # An interrupt before this point leaves the batch to be made again by the next call.
@@ -945,6 +950,21 @@ class EpochIterator:
         if b >= last:
             self.done = True  # the buffers stay valid until the next epoch or close
         return out
+
+    def _failed(self, err: BaseException) -> None:
+        """An error ended the epoch: later ``next()`` calls raise again, naming it, instead of
+        a ``StopIteration`` that a loop catching the error would read as a whole epoch."""
+        if not self.done or self.cut_short is not None:
+            return  # the backend may retry it, or something else already cut the epoch
+        errors = self.loader._errors
+        kind = errors.spec if isinstance(err, errors.spec) else errors.pipeline
+        what = str(err)
+        what = what if len(what) <= 300 else what[:297] + "..."
+        self.cut_short = (
+            kind,
+            f"when batch {self.batch} failed ({type(err).__name__}: {what}); iterate the "
+            "Loader again for the next epoch",
+        )
 
     def _yield(self, raw: RawBatch | None) -> tuple[Any, ...]:
         """The batch to yield from ``raw`` (through the tails); :meth:`__next__` counts it."""

@@ -269,6 +269,38 @@ def test_an_epoch_cut_short_by_close_says_so(
         next(whole)
 
 
+def _fails_on_batch_3(x: Any) -> Any:
+    """A tail op failing on batch 3 of a SEQUENTIAL epoch of batch size 5 (labels 1015..1019)."""
+    if int(x.min()) == BASE + 15:
+        raise ValueError("no batch 3 today")
+    return x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_epoch_ended_by_a_failed_batch_says_so_again(
+    data: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """A batch failed, and a loop that caught the error called ``next()`` again: it got
+    ``StopIteration`` and took an epoch of 3 batches out of 8 for a whole one. Now each later
+    ``next()`` raises the Loader's pipeline error, naming the batch and the cause."""
+    pipelines = {"vec": None, "label": [IntDecoder(), ToTensor(), _fails_on_batch_3]}
+    kw = {"batch_size": 5, "order": "SEQUENTIAL", "drop_last": False}
+    with make_loader(backend, data, pipelines, address=daemon.address, **kw) as ld:
+        it = iter(ld)
+        got = [int(next(it)[0].min()) for _ in range(3)]
+        assert got == [BASE, BASE + 5, BASE + 10]
+        with pytest.raises(Exception, match="no batch 3 today") as first:
+            next(it)
+        assert type(first.value).__name__ == "PipelineError", first.value
+        for _ in range(2):
+            with pytest.raises(
+                type(first.value),
+                match=r"epoch 0 stopped after 3 of its 8 batches, when batch 3 failed "
+                r"\(PipelineError: .*ValueError: no batch 3 today\); iterate the Loader again",
+            ):
+                next(it)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_next_epoch_is_checked_and_the_last_epochs_match_in_process(
     data: Path, daemon: DaemonProcess, backend: str
