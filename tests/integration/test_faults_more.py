@@ -153,6 +153,35 @@ def test_a_file_truncated_while_served_ends_its_streams_only(
         ok.close()
 
 
+def test_a_file_rewritten_in_place_while_served_ends_its_streams(
+    daemon_factory, short_tmp: Path, fixtures_dir: Path
+) -> None:
+    """Another file of the same size copied over a served one in place: every mapped page stays
+    valid, so the old header and allocation table were applied to the new bytes and clients got
+    the other file's samples with no error. The modification time now ends the streams."""
+    victim = short_tmp / "victim.beton"
+    shutil.copy(fixtures_dir / "images_jpg.beton", victim)
+    os.utime(victim, ns=(1_000_000_000, 1_000_000_000))
+    d = daemon_factory([victim])
+    ld = Loader("victim", batch_size=4, pipelines=_images(), server=d.address, batches_ahead=1)
+    try:
+        it = iter(ld)
+        next(it)
+        data = victim.read_bytes()
+        with open(victim, "r+b") as f:  # the same bytes: only the write itself is seen
+            f.write(data)
+        assert victim.stat().st_size == len(data)
+        with pytest.raises(DataError, match="it was written to"):
+            for _ in range(3):
+                for _ in it:
+                    pass
+                it = iter(ld)
+        assert d.proc.poll() is None
+        assert "it was written to" in d.log()
+    finally:
+        ld.close()
+
+
 def test_eight_clients_three_epochs_each_sample_once_per_epoch(
     daemon_factory, fixtures_dir: Path
 ) -> None:

@@ -22,8 +22,6 @@ def test_file_watch_detects_shrinking_and_sticks(tmp_path: Path) -> None:
     w = FileWatch([str(f), str(tmp_path / "missing")], min_interval=0)
     try:
         w.check("a")
-        with open(f, "ab") as fh:  # growing is harmless
-            fh.write(b"y")
         w.check("a")
         os.truncate(f, 100)
         with pytest.raises(FormatError, match="shrank from 4096 to 100") as info:
@@ -34,6 +32,29 @@ def test_file_watch_detects_shrinking_and_sticks(tmp_path: Path) -> None:
             w.check("a")
     finally:
         w.close()
+        w.close()
+
+
+@pytest.mark.parametrize("how", ["same_size_rewrite", "append"])
+def test_file_watch_detects_any_write_and_sticks(tmp_path: Path, how: str) -> None:
+    """A same-size rewrite keeps every mapped page valid, but the header and allocation table
+    read at open no longer describe the bytes: another dataset copied over a served file in
+    place was served as the old one's samples, with no error."""
+    f = tmp_path / "a.beton"
+    f.write_bytes(b"x" * 4096)
+    os.utime(f, ns=(1_000_000_000, 1_000_000_000))  # an old file: any write changes its mtime
+    w = FileWatch([str(f)], min_interval=0)
+    try:
+        w.check("a")
+        with open(f, "r+b" if how == "same_size_rewrite" else "ab") as fh:
+            fh.write(b"y" * 4096)
+        assert f.stat().st_size == (4096 if how == "same_size_rewrite" else 8192)
+        with pytest.raises(FormatError, match="it was written to") as info:
+            w.check("a")
+        assert info.value.path == str(f)
+        with pytest.raises(FormatError, match="restart the daemon"):  # it sticks
+            w.check("a")
+    finally:
         w.close()
 
 

@@ -1,10 +1,12 @@
-"""Watching served files for changes that would crash the daemon (truncation under the mmap).
+"""Watching served files for changes that would crash the daemon (truncation under the mmap) or
+serve another file's samples (a rewrite in place).
 
 Readers map each ``.beton`` file. If the file is truncated while it is mapped, touching a page
 past the new end raises **SIGBUS**, which kills the whole daemon (every dataset, every client).
 :class:`FileWatch` keeps a descriptor of each served file (the inode that is mapped, even if the
-path is later replaced) and, before each batch is submitted, compares its ``fstat`` size with the
-size at open time. A file that shrank makes :meth:`FileWatch.check` raise
+path is later replaced) and, before each batch is submitted, compares its ``fstat`` size and
+modification time with those at open time. A file that shrank, or was written to at all, makes
+:meth:`FileWatch.check` raise
 :class:`~beton_serve.errors.FormatError` (``DATA_LOSS`` on the wire, ``FormatError``, a
 ``DataError``, in the client): the affected dataset's streams end with a clear error, and the dataset stays refused
 until the daemon is restarted; other datasets carry on.
@@ -22,7 +24,11 @@ What is *not* covered (residual risk, DESIGN.md §8):
 * pages that become unreadable (an I/O error on the device) also raise SIGBUS on access, and
   are caught by the same guard.
 
-Growing files (appended bytes) are ignored: the mapped range stays valid.
+A write that keeps the size (another dataset copied over the file in place, say) leaves every
+mapped page valid, but the header, field types and allocation table read at open no longer
+describe the bytes: clients would get the other file's samples, or samples cut at the old
+offsets, with no error. So any change of the modification time counts (appending or ``touch``
+too: a ``.beton`` is never edited while it is served).
 """
 
 from __future__ import annotations
@@ -55,17 +61,19 @@ class FileWatch:
     def __init__(self, paths: Sequence[str], min_interval: float = MIN_INTERVAL_S) -> None:
         self.min_interval = min_interval
         self._last = -float("inf")
-        self._files: list[tuple[str, int, int]] = []  # (path, fd, size at open)
+        self._files: list[tuple[str, int, int, int]] = []  # (path, fd, size, mtime_ns) at open
         for p in paths:
             try:
                 fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 continue
-            self._files.append((p, fd, os.fstat(fd).st_size))
+            st = os.fstat(fd)
+            self._files.append((p, fd, st.st_size, st.st_mtime_ns))
         self.broken: tuple[str, int, str] | None = None  # (path, offset, reason) once broken
 
     def check(self, dataset: str) -> None:
-        """Raise if a file shrank since it was opened (the first failure sticks).
+        """Raise if a file shrank or was written to since it was opened (the first failure
+        sticks).
 
         Raises:
             FormatError: naming the file, both sizes and what to do.
@@ -76,20 +84,31 @@ class FileWatch:
         if now_t - self._last < self.min_interval:
             return
         self._last = now_t
-        for path, fd, size in self._files:
+        for path, fd, size, mtime in self._files:
+            why: str | None = None
             try:
-                now = os.fstat(fd).st_size
+                st = os.fstat(fd)
             except OSError as exc:
-                now, why = -1, f"cannot stat it ({exc})"
+                now, why = 0, f"cannot stat it ({exc})"
             else:
-                why = f"it shrank from {size} to {now} bytes"
-            if now < size:
+                now = st.st_size
+                if now < size:
+                    why = (
+                        f"it shrank from {size} to {now} bytes (reading past the new end would "
+                        "crash the daemon)"
+                    )
+                elif st.st_mtime_ns != mtime:
+                    why = (
+                        "it was written to (its modification time changed): its header and "
+                        "allocation table, read at open, may no longer describe its bytes"
+                    )
+            if why is not None:
                 self.broken = (
                     path,
-                    max(now, 0),
-                    f"changed while dataset {dataset!r} is served: {why}; its streams are ended "
-                    "(reading past the new end would crash the daemon). Restore the file and "
-                    "restart the daemon; never rewrite a served .beton in place",
+                    min(now, size),
+                    f"changed while dataset {dataset!r} is served: {why}; its streams are ended. "
+                    "Restore the file and restart the daemon; never rewrite a served .beton in "
+                    "place",
                 )
                 log.error("dataset %s: %s %s; its streams are ended", dataset, path, why)
                 raise FormatError(*self.broken)
@@ -97,6 +116,6 @@ class FileWatch:
     def close(self) -> None:
         """Close the descriptors (idempotent)."""
         files, self._files = self._files, []
-        for _, fd, _ in files:
+        for _, fd, _, _ in files:
             with contextlib.suppress(OSError):
                 os.close(fd)
