@@ -21,7 +21,7 @@ from beton_client import DataError, Loader, OrderOption, PipelineError
 from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
 from beton_serve.format import BetonReader
 from beton_serve.transforms import ToTensor
-from helpers.daemon import DaemonProcess, daemon_factory, short_tmp  # noqa: F401
+from helpers.daemon import DaemonProcess, daemon_factory, short_tmp, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -250,6 +250,23 @@ def test_sighup_reloads_safe_keys_and_refuses_the_others(daemon_factory, short_t
     with Loader("mixed_fields", batch_size=10, pipelines=INT_ONLY, server=d.address) as ld:
         assert sum(len(b[0]) for b in ld) == 50
     assert [n for n, *_ in [(x.name,) for x in d.stats().datasets]] == ["mixed_fields"]
+
+
+def test_sighup_with_a_fifo_for_a_config_keeps_serving(daemon_factory, short_tmp, fixtures_dir):
+    """The config path replaced by a FIFO: the reload read it on the event loop and blocked
+    there, so no batch, health check or SIGTERM was served until a writer came. Now the file is
+    read on a thread, and a path that is not a regular file is refused at once."""
+    cfg = short_tmp / "c.toml"
+    cfg.write_text(f'files = ["{fixtures_dir / "mixed_fields.beton"}"]\n')
+    d = daemon_factory([], args=["--config", str(cfg)])
+    cfg.unlink()
+    os.mkfifo(cfg)
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "not a regular file" in d.log(), 20)
+    assert "config not reloaded" in d.log()
+    with Loader("mixed_fields", batch_size=10, pipelines=INT_ONLY, server=d.address) as ld:
+        assert sum(len(b[0]) for b in ld) == 50
+    assert d.stop() == 0
 
 
 def _rss_mib(pid: int) -> float:

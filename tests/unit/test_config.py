@@ -11,7 +11,7 @@ from beton_serve.cli import build_parser
 from beton_serve.cli._serve import resolve_socket
 from beton_serve.cli.config import KEYS, ServeConfig, load_config, merge_flags
 from beton_serve.daemon import expand_dataset_args
-from beton_serve.errors import ConfigError
+from beton_serve.errors import ConfigError, FormatError
 from beton_wire.address import default_socket_path, socket_path_of, unix_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +45,12 @@ def test_defaults_and_full_file(tmp_path: Path) -> None:
         ("log_format = 'xml'\n", ["log_format"]),
         ("unattached_timeout = 0\n", ["unattached_timeout must be > 0 seconds"]),
         ("unattached_timeout = nan\n", ["unattached_timeout must be > 0 seconds"]),
+        ("idle_close = nan\n", ["idle_close must be > 0 seconds"]),
+        ("idle_timeout = nan\n", ["idle_timeout must be >= 0 seconds"]),
+        ("workers = true\n", ["workers must be a int, not bool"]),  # it ran with 1 worker
+        ("metrics_port = true\n", ["metrics_port must be a int, not bool"]),  # it bound port 1
+        ("metrics_host = ''\n", ["metrics_host is empty", "every interface"]),
+        ("metrics_host = '  '\n", ["metrics_host is empty"]),
         ("[[broken\n", ["not valid TOML"]),
     ],
 )
@@ -120,14 +126,34 @@ def test_dataset_arguments(tmp_path: Path) -> None:
     # daemon's start then hung in open() for good.
     os.mkfifo(tmp_path / "s-2.beton")
     (tmp_path / "d.beton").mkdir()
-    with pytest.raises(ConfigError, match=r"s-2\.beton is not a regular file"):
+    # A missing or unusable file is a FormatError (exit status 65), as a damaged one is.
+    with pytest.raises(FormatError, match=r"s-2\.beton: dataset file .* is not a regular file"):
         expand_dataset_args([], [f"all={tmp_path}/s-*.beton"])
-    with pytest.raises(ConfigError, match=r"s-2\.beton is not a regular file"):
+    with pytest.raises(FormatError, match=r"s-2\.beton: dataset file is not a regular file"):
         expand_dataset_args([str(tmp_path / "s-2.beton")], [])
-    with pytest.raises(ConfigError, match=r"d\.beton is a directory"):
+    with pytest.raises(FormatError, match=r"d\.beton: dataset file is a directory"):
         expand_dataset_args([str(tmp_path / "d.beton")], [])
-    with pytest.raises(ConfigError, match=r"none\.beton does not exist"):
+    with pytest.raises(FormatError, match=r"none\.beton: dataset file does not exist"):
         expand_dataset_args([str(tmp_path / "none.beton")], [])
+    from beton_serve.cli import main
+
+    assert main(["serve", str(tmp_path / "none.beton")]) == 65
+
+
+@pytest.mark.parametrize("arg", ["=x.beton", "name=", "=", "nonsense"])
+def test_a_malformed_dataset_flag_is_refused(arg: str) -> None:
+    """``--dataset =FILE`` and ``--dataset NAME=`` were dropped without a word, and the daemon
+    started without that dataset."""
+    from beton_serve.cli._serve import run
+
+    args = build_parser().parse_args(["serve", "--dataset", arg])
+    with pytest.raises(ConfigError, match="expected NAME=GLOB"):
+        run(args, environ={})
+
+
+def test_an_empty_metrics_host_flag_is_refused() -> None:
+    with pytest.raises(ConfigError, match="metrics_host is empty"):
+        merge_flags(ServeConfig(), {"metrics_host": ""})
 
 
 def test_metrics_keys_and_flags(tmp_path: Path, fixtures_dir: Path) -> None:

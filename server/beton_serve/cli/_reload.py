@@ -9,14 +9,25 @@ Every other key (datasets, files, sockets, addresses, workers, plugins, TLS, tok
 off) needs a restart: a change to one of them is logged as refused, naming the keys, and the
 daemon keeps its running value.
 
-Flags win over the file, at start and on reload: a key whose value at start differed from the
-file's (so a command-line flag set it) keeps the flag's value.
+Flags win over the file, at start and on reload: a key given as a command-line flag keeps the
+flag's value, even where the file later says otherwise.
+
+Each reload compares the file with what the daemon runs: a refused change is refused again (and
+logged again) at every SIGHUP until the file is put back, and putting it back is no change.
+
+The file is read on a thread of its own (:meth:`ConfigReloader.on_signal`), never on the event
+loop: a config path that blocks on read (a FIFO, a hung network mount) used to stall every
+stream, health check and SIGTERM until the read returned. ``load_config`` also refuses a path
+that is not a regular file.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import threading
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from beton_serve.cli._logging import configure_logging
@@ -44,31 +55,83 @@ RELOADABLE = (
 
 
 class ConfigReloader:
-    """Call it (from the event loop's SIGHUP handler) to reload ``path`` into ``daemon``.
+    """Reloads ``path`` into ``daemon``: :meth:`on_signal` is the event loop's SIGHUP handler
+    (it reads the file on a thread); calling the object reads and applies at once.
 
     Args:
         daemon: the running :class:`~beton_serve.daemon.Daemon`.
         cfg: the configuration it started with (file + flags).
         path: the config file (``None``: nothing to reload; SIGHUP is logged and ignored).
+        flagged: the keys given as command-line flags (they keep the flag's value); ``None``:
+            the keys whose value at start differs from the file's.
     """
 
-    def __init__(self, daemon: Daemon, cfg: ServeConfig, path: str | None) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        cfg: ServeConfig,
+        path: str | None,
+        flagged: Collection[str] | None = None,
+    ) -> None:
         self.daemon = daemon
         self.cfg = cfg
         self.path = path
+        #: The file's values the daemon runs with (a refused change never becomes one).
         self._file = load_config(path)
         #: Keys a flag set at start (they keep the flag's value).
-        self.flagged = {k for k in KEYS if getattr(cfg, k) != getattr(self._file, k)}
+        self.flagged = (
+            {k for k in KEYS if getattr(cfg, k) != getattr(self._file, k)}
+            if flagged is None
+            else set(flagged)
+        )
+        self._reading = False
+
+    def on_signal(self) -> None:
+        """SIGHUP, on the event loop: read the file on a daemon thread, then apply it on the
+        loop. A read that never returns holds that thread only (and not the daemon's exit); a
+        SIGHUP while one is reading is logged and ignored."""
+        if self.path is None:
+            log.warning("SIGHUP: no --config file, nothing to reload")
+            return
+        if self._reading:
+            log.warning("SIGHUP ignored: still reading %s for the last one", self.path)
+            return
+        self._reading = True
+        loop = asyncio.get_running_loop()
+
+        def read() -> None:
+            try:
+                result: ServeConfig | ConfigError = load_config(self.path)
+            except ConfigError as exc:
+                result = exc
+            except BaseException as exc:  # never lost silently on a thread
+                result = ConfigError(f"cannot read config {self.path}: {exc!r}")
+            try:
+                loop.call_soon_threadsafe(self._read_done, result)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: the daemon is gone
+
+        threading.Thread(target=read, name="beton-config-reload", daemon=True).start()
+
+    def _read_done(self, result: ServeConfig | ConfigError) -> None:
+        self._reading = False
+        self._reload(result)
 
     def __call__(self) -> dict[str, Any]:
-        """Reload; returns the applied changes (logged, never raises)."""
+        """Read the file here and apply it; returns the applied changes (logged, never
+        raises)."""
         if self.path is None:
             log.warning("SIGHUP: no --config file, nothing to reload")
             return {}
         try:
-            new = load_config(self.path)
+            new: ServeConfig | ConfigError = load_config(self.path)
         except ConfigError as exc:
-            log.error("SIGHUP: config not reloaded, the file is invalid: %s", exc)
+            new = exc
+        return self._reload(new)
+
+    def _reload(self, new: ServeConfig | ConfigError) -> dict[str, Any]:
+        if isinstance(new, ConfigError):
+            log.error("SIGHUP: config not reloaded, the file is invalid: %s", new)
             return {}
         changed = {k for k in KEYS if getattr(new, k) != getattr(self._file, k)}
         refused = sorted(changed - set(RELOADABLE))
@@ -85,7 +148,7 @@ class ConfigReloader:
         except ConfigError as exc:
             log.error("SIGHUP: config not reloaded: %s", exc)
             return {}
-        self._file = new
+        self._file = dataclasses.replace(self._file, **apply)
         self.cfg = dataclasses.replace(self.cfg, **apply)
         log.info(
             "config reloaded path=%s changed=%s",

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from beton_wire.private_dir import names_file
 
 from beton_serve.cli._logging import add_logging_args, configure_logging
-from beton_serve.cli.config import ServeConfig, load_config, merge_flags
+from beton_serve.cli.config import ServeConfig, given_flags, load_config, merge_flags
 from beton_serve.errors import AddressInUse, ConfigError
 
 if TYPE_CHECKING:
@@ -349,49 +349,46 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     env = os.environ if environ is None else environ
     from beton_serve.daemon import expand_dataset_args
 
-    cfg = merge_flags(
-        load_config(args.config),
-        {
-            "files": tuple(args.files),
-            "datasets": {
-                k: tuple(v.split(","))
-                for k, _, v in (a.partition("=") for a in args.dataset)
-                if k and v
-            },
-            "socket": args.socket,
-            "unix_socket": False if getattr(args, "no_socket", False) else None,
-            "listen": tuple(args.listen),
-            "workers": args.workers,
-            "plugins": tuple(args.plugin),
-            "idle_timeout": args.idle_timeout,
-            "log_format": getattr(args, "log_format", None),
-            "log_level": getattr(args, "log_level", None),
-            "share": False if getattr(args, "no_share", False) else None,
-            "share_max_lag": getattr(args, "share_max_lag", None),
-            "share_retain": getattr(args, "share_retain", None),
-            "decode_cache_bytes": getattr(args, "decode_cache_bytes", None),
-            "bad_sample_budget": getattr(args, "bad_sample_budget", None),
-            "max_ring_bytes": getattr(args, "max_ring_bytes", None),
-            "max_idle_buffer_bytes": getattr(args, "max_idle_buffer_bytes", None),
-            "verify_checksums": getattr(args, "verify_checksums", None),
-            "data_roots": tuple(args.data_root) if getattr(args, "data_root", None) else None,
-            "open_on_demand": False if getattr(args, "no_open_on_demand", False) else None,
-            "idle_close": getattr(args, "idle_close", None),
-            "unattached_timeout": getattr(args, "unattached_timeout", None),
-            "allow_op_imports": getattr(args, "allow_op_imports", None),
-            "tls_cert": getattr(args, "tls_cert", None),
-            "tls_key": getattr(args, "tls_key", None),
-            "tls_client_ca": getattr(args, "tls_client_ca", None),
-            "token_file": getattr(args, "token_file", None),
-            "insecure": getattr(args, "insecure", None),
-            "grpc_compression": _codec_list(getattr(args, "grpc_compression", None)),
-            "metrics_port": getattr(args, "metrics_port", None),
-            "metrics_host": getattr(args, "metrics_host", None),
-        },
-    )
     for a in args.dataset:
-        if "=" not in a:
+        name, sep, patterns = a.partition("=")
+        if not (name and sep and patterns):
             raise ConfigError(f"--dataset {a!r}: expected NAME=GLOB (e.g. imagenet=train-*.beton)")
+    flags = {
+        "files": tuple(args.files),
+        "datasets": {
+            k: tuple(v.split(",")) for k, _, v in (a.partition("=") for a in args.dataset)
+        },
+        "socket": args.socket,
+        "unix_socket": False if getattr(args, "no_socket", False) else None,
+        "listen": tuple(args.listen),
+        "workers": args.workers,
+        "plugins": tuple(args.plugin),
+        "idle_timeout": args.idle_timeout,
+        "log_format": getattr(args, "log_format", None),
+        "log_level": getattr(args, "log_level", None),
+        "share": False if getattr(args, "no_share", False) else None,
+        "share_max_lag": getattr(args, "share_max_lag", None),
+        "share_retain": getattr(args, "share_retain", None),
+        "decode_cache_bytes": getattr(args, "decode_cache_bytes", None),
+        "bad_sample_budget": getattr(args, "bad_sample_budget", None),
+        "max_ring_bytes": getattr(args, "max_ring_bytes", None),
+        "max_idle_buffer_bytes": getattr(args, "max_idle_buffer_bytes", None),
+        "verify_checksums": getattr(args, "verify_checksums", None),
+        "data_roots": tuple(args.data_root) if getattr(args, "data_root", None) else None,
+        "open_on_demand": False if getattr(args, "no_open_on_demand", False) else None,
+        "idle_close": getattr(args, "idle_close", None),
+        "unattached_timeout": getattr(args, "unattached_timeout", None),
+        "allow_op_imports": getattr(args, "allow_op_imports", None),
+        "tls_cert": getattr(args, "tls_cert", None),
+        "tls_key": getattr(args, "tls_key", None),
+        "tls_client_ca": getattr(args, "tls_client_ca", None),
+        "token_file": getattr(args, "token_file", None),
+        "insecure": getattr(args, "insecure", None),
+        "grpc_compression": _codec_list(getattr(args, "grpc_compression", None)),
+        "metrics_port": getattr(args, "metrics_port", None),
+        "metrics_host": getattr(args, "metrics_host", None),
+    }
+    cfg = merge_flags(load_config(args.config), flags)
     configure_logging(cfg.log_format, cfg.log_level)
     if env.get("BETON_SERVE_UNATTACHED_TIMEOUT_S"):  # the variable this key replaced
         log.warning(
@@ -471,7 +468,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         )
         from beton_serve.cli._reload import ConfigReloader
 
-        daemon.reloader = ConfigReloader(daemon, cfg, args.config)
+        daemon.reloader = ConfigReloader(daemon, cfg, args.config, given_flags(flags)).on_signal
         if cfg.precompile:  # [[precompile]] tables: compiled on the compile thread meanwhile
             from beton_serve.daemon import start_precompile
 

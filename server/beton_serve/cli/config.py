@@ -45,6 +45,9 @@ Unknown keys and wrong types are errors (:class:`~beton_serve.errors.ConfigError
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -162,13 +165,13 @@ class ServeConfig:
             raise ConfigError(
                 f"workers must be in 0..{MAX_WORKERS} (0 = one per core), got {self.workers}"
             )
-        if self.idle_close <= 0:
+        if not self.idle_close > 0:  # NaN too
             raise ConfigError(f"idle_close must be > 0 seconds, got {self.idle_close}")
         if not self.unattached_timeout > 0:  # NaN too
             raise ConfigError(
                 f"unattached_timeout must be > 0 seconds, got {self.unattached_timeout}"
             )
-        if self.idle_timeout < 0:
+        if not self.idle_timeout >= 0:  # NaN too
             raise ConfigError(f"idle_timeout must be >= 0 seconds, got {self.idle_timeout}")
         for key in (
             "share_max_lag",
@@ -186,6 +189,11 @@ class ServeConfig:
             )
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be -1 (off) or 0..65535, got {self.metrics_port}")
+        if not self.metrics_host.strip():
+            raise ConfigError(
+                "metrics_host is empty, which would bind the unauthenticated metrics endpoint on "
+                "every interface: name the address (127.0.0.1, the default; 0.0.0.0 for all)"
+            )
         if self.log_format not in ("kv", "json"):
             raise ConfigError(f"log_format must be 'kv' or 'json', got {self.log_format!r}")
         if not isinstance(self.log_level, str) or self.log_level.lower() not in LOG_LEVELS:
@@ -236,6 +244,8 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {key} must be true or false, not {type(value).__name__}")
         return value
+    if isinstance(value, bool):  # an int to Python, not to a reader of the file
+        raise ConfigError(f"{where}: {key} must be a {type(default).__name__}, not bool")
     if not isinstance(value, type(default)):
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
@@ -255,15 +265,43 @@ def load_config(path: str | Path | None) -> ServeConfig:
         return ServeConfig()
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(_read_regular(p))
     except OSError as exc:
         raise ConfigError(f"cannot read config {p}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p} is not valid TOML: not UTF-8 text ({exc.reason})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p} is not valid TOML: {exc}") from None
     unknown = sorted(set(data) - set(KEYS))
     if unknown:
         raise ConfigError(f"{p}: unknown key(s) {unknown}; known keys are {sorted(KEYS)}")
     return ServeConfig(**{k: _coerce(k, v, str(p)) for k, v in data.items()})
+
+
+#: A config file larger than this is refused (a real one is a few KB).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_regular(p: Path) -> str:
+    """The text of ``p``, which must be a regular file of at most :data:`MAX_CONFIG_BYTES`.
+
+    Opened without blocking, so that a FIFO (or a device) is refused instead of waiting for a
+    writer: SIGHUP reads the file again while the daemon serves.
+    """
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise OSError(errno.EFBIG, f"larger than {MAX_CONFIG_BYTES} bytes")
+    return data.decode("utf-8")
+
+
+def given_flags(flags: Mapping[str, Any]) -> frozenset[str]:
+    """The keys of ``flags`` that were given (what :func:`merge_flags` lets override)."""
+    return frozenset(k for k, v in flags.items() if not (v is None or v == () or v == []))
 
 
 def merge_flags(base: ServeConfig, flags: Mapping[str, Any]) -> ServeConfig:
@@ -275,7 +313,7 @@ def merge_flags(base: ServeConfig, flags: Mapping[str, Any]) -> ServeConfig:
     for key, value in flags.items():
         if key not in KEYS:
             raise ConfigError(f"unknown setting {key!r}")
-        if value is None or value == () or value == []:
+        if key not in given_flags({key: value}):
             continue
         if key == "files":
             value = (*base.files, *value)

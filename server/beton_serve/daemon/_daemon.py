@@ -162,7 +162,8 @@ class Daemon:
     #: Bytes of ring buffers all open streams may hold together (``--max-ring-bytes``, resolved
     #: by :func:`ring_budget`); 0: no bound (a daemon built without ``create``).
     max_ring_bytes: int = 0
-    #: Called on SIGHUP by ``beton-serve serve`` (``cli._reload.ConfigReloader``), if set.
+    #: Called on SIGHUP, on the event loop, by ``beton-serve serve``
+    #: (``cli._reload.ConfigReloader.on_signal``), if set.
     reloader: Callable[[], object] | None = None
     #: CUDA facts not gathered yet: done by the first stream that wants CUDA (``_transports``).
     cuda_pending: bool = False

@@ -30,7 +30,7 @@ from beton_wire.limits import short_repr
 
 from beton_serve.daemon._backend import Backend
 from beton_serve.daemon._health import FileWatch
-from beton_serve.errors import ConfigError, SpecError, UnknownDataset
+from beton_serve.errors import ConfigError, FormatError, SpecError, UnknownDataset
 
 __all__ = ["Dataset", "DatasetTable", "expand_dataset_args"]
 
@@ -121,8 +121,10 @@ def expand_dataset_args(files: Sequence[str], named: Sequence[str]) -> dict[str,
     """Map dataset names to files from positional files and ``NAME=GLOB[,GLOB...]`` arguments.
 
     Raises:
-        ConfigError: a glob matches nothing, a file is missing, an argument is malformed, or two
-            datasets get the same name (the message names both).
+        ConfigError: a glob matches nothing, an argument is malformed, or two datasets get the
+            same name (the message names both).
+        FormatError: a named or matched file is missing, or not a regular file (exit status
+            65, as for a damaged file: the reader's error).
     """
     table: dict[str, list[str]] = {}
     origin: dict[str, str] = {}
@@ -140,7 +142,7 @@ def expand_dataset_args(files: Sequence[str], named: Sequence[str]) -> dict[str,
         p = Path(f)
         why = _not_a_dataset_file(p)
         if why is not None:
-            raise ConfigError(f"dataset file {f} {why}")
+            raise FormatError(f, None, f"dataset file {why}")
         add(p.stem, [os.fspath(p)], f)
     for arg in named:
         name, sep, patterns = arg.partition("=")
@@ -156,7 +158,7 @@ def expand_dataset_args(files: Sequence[str], named: Sequence[str]) -> dict[str,
             for m in matched:
                 why = _not_a_dataset_file(Path(m))
                 if why is not None:
-                    raise ConfigError(f"--dataset {arg!r}: {m} {why}")
+                    raise FormatError(m, None, f"dataset file of --dataset {arg!r} {why}")
             paths.extend(matched)
         add(name, paths, patterns)
     return table
