@@ -76,16 +76,51 @@ __all__ = ["DaemonCollector", "MetricsExporter", "metric_families", "serve_daemo
 log = logging.getLogger(__name__)
 
 
+#: Seconds a metrics connection may take to send its request (and to take the reply): an idle
+#: connection held a thread and a descriptor of the daemon for good.
+HTTP_TIMEOUT_S = 10.0
+#: Metrics connections served at once; more are closed as they arrive (a scraper needs one;
+#: this bounds the threads and descriptors that connections can take from the daemon).
+MAX_HTTP_CONNECTIONS = 32
+
+
 class _QuietHandler(WSGIRequestHandler):
-    """Request handler that does not write an access log line to stderr for every scrape."""
+    """Request handler that does not write an access log line to stderr for every scrape, with
+    a socket timeout (:data:`HTTP_TIMEOUT_S`)."""
+
+    timeout = HTTP_TIMEOUT_S
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """One thread per connection, at most :data:`MAX_HTTP_CONNECTIONS` of them: a local user
+    opening hundreds of idle connections took the daemon to hundreds of threads and out of
+    descriptors."""
+
     daemon_threads = True
     allow_reuse_address = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_HTTP_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # closed at once: the scraper retries
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _ThreadingServer6(_ThreadingServer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -222,6 +223,36 @@ def test_stop_frees_the_port_and_joins_the_thread() -> None:
         again.start_http(port)  # the port is free again
     finally:
         again.stop()
+
+
+def test_idle_connections_time_out_and_are_bounded(
+    exporter_of, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connections that send nothing held a thread and a descriptor each, for good: 500 of them
+    took the daemon to 513 threads. Now each times out, and at most MAX_HTTP_CONNECTIONS are
+    served at once (more are closed as they arrive)."""
+    import socket
+
+    from beton_serve import metrics
+
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 0.5)
+    _, port = exporter_of(lambda: _stats([], [], workers=3))
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() - before <= metrics.MAX_HTTP_CONNECTIONS
+        over = idle[-1]
+        over.settimeout(5)
+        assert over.recv(1) == b""  # closed by the server, beyond the bound
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10  # the handlers' timeouts free their threads
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
+    assert scrape(port)[("beton_workers", ())] == 3  # still scraped
 
 
 def test_port_in_use_and_double_start_are_config_errors(exporter_of) -> None:
