@@ -269,6 +269,33 @@ def test_sighup_with_a_fifo_for_a_config_keeps_serving(daemon_factory, short_tmp
     assert d.stop() == 0
 
 
+def test_a_metrics_port_in_use_fails_the_start_before_serving(short_tmp, fixtures_dir):
+    """The metrics endpoint was started after the daemon answered SERVING and logged "serving":
+    a client could connect, then the daemon exited under it. Now the start fails first."""
+    import socket as socket_mod
+
+    from helpers.daemon import start_daemon
+
+    with socket_mod.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        d = start_daemon(
+            [fixtures_dir / "mixed_fields.beton"],
+            short_tmp,
+            args=["--metrics-port", str(port)],
+            wait=False,
+        )
+        try:
+            rc = d.proc.wait(60)
+        finally:
+            d.stop()
+    assert rc != 0
+    assert "pick another --metrics-port" in d.log()
+    assert "serving addresses" not in d.log()
+    assert not Path(d.socket).exists()
+
+
 def _rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

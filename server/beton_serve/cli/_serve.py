@@ -575,8 +575,15 @@ async def _serve(
     try:
         if socket_path:
             os.chmod(socket_path, stat.S_IRUSR | stat.S_IWUSR)
-        await handle.set_serving(True)
         daemon.start()
+        if cfg.metrics_port >= 0:  # before SERVING: a port in use fails the start, not later
+            from beton_serve.metrics import serve_daemon_metrics
+
+            metrics, bound = serve_daemon_metrics(
+                daemon.stats, asyncio.get_running_loop(), cfg.metrics_port, cfg.metrics_host
+            )
+            log.info("metrics url=http://%s:%d/metrics", cfg.metrics_host, bound)
+        await handle.set_serving(True)
         addresses = ([f"unix://{os.path.abspath(socket_path)}"] if socket_path else []) + [
             a.rsplit(":", 1)[0] + f":{handle.port}" if a.endswith(":0") else a for a in cfg.listen
         ]
@@ -590,13 +597,6 @@ async def _serve(
             daemon.max_ring_bytes,
             workspace_memory().limit_bytes,
         )
-        if cfg.metrics_port >= 0:
-            from beton_serve.metrics import serve_daemon_metrics
-
-            metrics, bound = serve_daemon_metrics(
-                daemon.stats, asyncio.get_running_loop(), cfg.metrics_port, cfg.metrics_host
-            )
-            log.info("metrics url=http://%s:%d/metrics", cfg.metrics_host, bound)
         for ds in daemon.all_datasets():
             log.info(
                 "dataset name=%s samples=%d shards=%d fields=%s",
