@@ -191,6 +191,41 @@ def test_round_trip_every_field_type(tmp_path: Path, mode: str) -> None:
         assert modes == want
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_unseeded_proportion_draws_like_ffcv_and_again_on_a_spill(
+    tmp_path: Path, workers: int
+) -> None:
+    """FFCV's one worker draws ``np.random.rand()`` in write order when it encodes a sample, and
+    encodes a sample that spills to a new page again, drawing again. Ours drew once, in the
+    prepare threads: from the first spill on, every raw/JPEG choice was one draw out of step
+    with FFCV's file (and with more workers, in no fixed order)."""
+    n, p = 12, 0.5
+    # Small images then an 800 kB blob: two samples per 2 MiB page, so the blob of every even
+    # sample from 2 on spills (after its image was stored on the old page).
+    items = [(_smooth(i, 10, 20), np.full(800_000, i, np.uint8)) for i in range(n)]
+    fields = {"im": RGBImageField("proportion", compress_probability=p), "b": BytesField()}
+    np.random.seed(7)
+    want = []
+    for i in range(n):
+        jpeg = np.random.rand() < p
+        if i >= 2 and i % 2 == 0:
+            jpeg = np.random.rand() < p  # the second try's draw decides
+        want.append(0 if jpeg else 1)
+    np.random.seed(7)
+    out = tmp_path / "p.beton"
+    DatasetWriter(out, fields, page_size=2 * MiB, num_workers=workers).from_indexed_dataset(
+        ListDS(items), chunksize=3
+    )
+    with BetonReader(out) as r:
+        assert r.field_metadata("im")["mode"].tolist() == want
+        ptrs = r.field_metadata("b")["ptr"] // (2 * MiB)
+        assert (ptrs - ptrs[0]).tolist() == [i // 2 for i in range(n)]  # the model's spills
+        for k, (im, b) in enumerate(items):
+            assert r.sample_bytes(k, "b").tobytes() == b.tobytes()
+            if want[k] == 1:
+                assert np.array_equal(r.sample_bytes(k, "im").reshape(im.shape), im)
+
+
 def test_seed_makes_output_independent_of_workers(tmp_path: Path) -> None:
     items = [(_smooth(i, 20 + i % 7, 30),) for i in range(40)]
     fields = {"im": RGBImageField("proportion", compress_probability=0.5)}

@@ -19,7 +19,10 @@ Encoding one image (what FFCV 1.0.2 does, plus the documented conversions):
    ``H * W * 3 > smart_threshold`` (only then is the JPEG encoded; FFCV always encodes);
    ``proportion`` = JPEG iff ``rng.random() < compress_probability``, where ``rng`` is the
    per-sample generator the writer derives from its seed, or FFCV's global ``np.random`` without
-   a seed.
+   a seed. Without a seed the draw is made when the sample is stored (``encode_prepared``, on
+   the writer's packing thread, in write order), once per try as in FFCV: a sample that spills
+   to a new page is encoded again and draws again, so the global stream stays in step with
+   FFCV's one-worker writer (and the JPEG of such a sample is encoded on that thread).
 4. JPEG: ``cv2.imencode(".jpg", BGR image, [IMWRITE_JPEG_QUALITY, q])``, as FFCV.
 5. Width and height are stored as ``u16``: a stored side above 65535 raises ``ValueError``.
 """
@@ -40,8 +43,12 @@ _MODES = ("raw", "jpg", "smart", "proportion")
 _MAX_SIDE = 65535
 
 
+#: ``_Prepared.mode`` of an unseeded ``proportion`` image: drawn when stored (module docstring).
+_UNDRAWN = -1
+
+
 class _Prepared(NamedTuple):
-    mode: int  # 0 = jpg, 1 = raw
+    mode: int  # 0 = jpg, 1 = raw, _UNDRAWN = raw data, the mode drawn when stored
     height: int
     width: int
     data: NDArray[np.uint8]  # 1-D, the bytes to store
@@ -163,11 +170,19 @@ class RGBImageField(Field):
             )
         if h == 0 or w == 0:
             raise ValueError(f"image of {h}x{w} (HxW) is empty")
+        if self.write_mode == "proportion" and rng is None:
+            return _Prepared(_UNDRAWN, h, w, np.ascontiguousarray(image).reshape(-1))
         if self._wants_jpeg(image, rng):
             return _Prepared(0, h, w, encode_jpeg(image, self.jpeg_quality))
         return _Prepared(1, h, w, np.ascontiguousarray(image).reshape(-1))
 
     def encode_prepared(self, destination: np.ndarray, prepared: Any, malloc: Malloc) -> None:
+        if prepared.mode == _UNDRAWN:  # FFCV's draw, now, in write order (once per try)
+            h, w, data = prepared.height, prepared.width, prepared.data
+            if self._wants_jpeg(data, None):
+                prepared = _Prepared(0, h, w, encode_jpeg(data.reshape(h, w, 3), self.jpeg_quality))
+            else:
+                prepared = _Prepared(1, h, w, data)
         ptr, buf = malloc(int(prepared.data.size))
         buf[:] = prepared.data
         destination["mode"] = prepared.mode
