@@ -254,12 +254,17 @@ class DatasetWriter:
             )
         if message := workers_out_of_range(num_workers, "all usable CPUs"):
             raise WriterError(message)
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0
+        ):
+            # numpy's generators take no negative seed: every sample then failed, blaming a field
+            raise WriterError(f"seed must be None or an int >= 0, got {seed!r}")
         self.fname = os.fspath(fname)
         self.fields = dict(fields)
         self.page_size = page_size
         workers = operator.index(num_workers)
         self.num_workers = usable_cpus() if workers < 1 else workers
-        self.seed = seed
+        self.seed = None if seed is None else int(seed)
         self.progress = sys.stderr.isatty() if progress is None else bool(progress)
         self.concurrent_reads = bool(concurrent_reads)
         #: Serialises ``dataset[i]`` and its snapshot unless ``concurrent_reads``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +164,37 @@ def test_convert_follows_a_link_loop_once(tmp_path: Path, capsys) -> None:
         labels = r.field_metadata("label").tolist()
         assert labels == [lab for _, lab in expected[:3]] + [1] * 5
         assert np.array_equal(r.sample_bytes(7, "image").reshape(extra.shape), extra)
+
+
+def test_convert_orders_nested_directories_as_torchvision(tmp_path: Path) -> None:
+    """torchvision's ImageFolder sorts ``os.walk``'s tuples by path: ``x-z`` (``-`` is 0x2d)
+    before ``x/y`` (``/`` is 0x2f). Ours walked each directory's children right after it, so
+    sample i was not ``ImageFolder(root).samples[i]`` and index lists made with torchvision
+    pointed at other images (with their right labels)."""
+    from beton_serve.cli._convert import ImageFolder
+
+    for rel in ("cat/x/1.png", "cat/x/y/2.png", "cat/x-z/3.png", "cat/x.a/4.png", "dog/0.png"):
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"")
+    got = [
+        (os.path.relpath(path, tmp_path), label)
+        for path, label in ImageFolder(str(tmp_path)).samples
+    ]
+    # torchvision.datasets.folder.make_dataset's rule, restated
+    want = []
+    for label, cls in enumerate(["cat", "dog"]):
+        for root, _, files in sorted(os.walk(tmp_path / cls)):
+            want += [
+                (os.path.relpath(os.path.join(root, f), tmp_path), label) for f in sorted(files)
+            ]
+    assert got == want
+    assert [g for g, _ in got][:4] == [
+        "cat/x/1.png",
+        "cat/x-z/3.png",
+        "cat/x.a/4.png",
+        "cat/x/y/2.png",
+    ]
 
 
 def test_convert_refuses_a_class_without_images(tmp_path: Path, capsys) -> None:

@@ -497,6 +497,15 @@ def test_ffcv_read_path_reads_everything_we_write(tmp_path: Path) -> None:
     assert JSONField.unpack(jrows) == [it[5] for it in items]
 
 
+@pytest.mark.parametrize("seed", [-1, 1.5, "3", True])
+def test_a_bad_seed_is_refused_before_writing(tmp_path: Path, seed) -> None:
+    """``seed=-1`` was taken, then every sample failed, blaming a field (numpy's generators take
+    no negative seed)."""
+    with pytest.raises(WriterError, match=r"seed must be None or an int >= 0"):
+        DatasetWriter(tmp_path / "x.beton", {"x": IntField()}, seed=seed)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("workers", [100_000, 2.5, "8"])
 def test_an_absurd_or_non_int_worker_count_is_refused_before_writing(tmp_path: Path, workers):
     with pytest.raises(WriterError, match=r"num_workers .* is out of range: use an int up to 1024"):

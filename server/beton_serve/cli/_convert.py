@@ -47,6 +47,9 @@ class ImageFolder:
         for label, cls in enumerate(self.classes):
             before = len(self.samples)
             seen: set[tuple[int, int]] = set()  # (device, inode) of the directories walked
+            # torchvision's order: sorted(os.walk(...)), i.e. by directory path ("x-z" before
+            # "x/y"), then file names; a walk visited each directory's children right after it.
+            found: list[tuple[str, list[str]]] = []
             for dirpath, dirnames, files in os.walk(os.path.join(root, cls), followlinks=True):
                 st = os.stat(dirpath)
                 if (st.st_dev, st.st_ino) in seen:  # reached again through another link
@@ -59,10 +62,12 @@ class ImageFolder:
                     if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
                         dirnames.remove(name)  # a link to a directory that contains it: a loop
                         self.loops.append(os.path.join(dirpath, name))
-                dirnames.sort()
-                for fname in sorted(files):
-                    if fname.lower().endswith(IMG_EXTENSIONS):
-                        self.samples.append((os.path.join(dirpath, fname), label))
+                dirnames.sort()  # which of two links to one directory is kept: the first
+                found.append(
+                    (dirpath, [f for f in sorted(files) if f.lower().endswith(IMG_EXTENSIONS)])
+                )
+            for dirpath, fnames in sorted(found, key=lambda t: t[0]):
+                self.samples.extend((os.path.join(dirpath, f), label) for f in fnames)
             if len(self.samples) == before:
                 empty.append(cls)
         if not self.samples:
