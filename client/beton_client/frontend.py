@@ -298,12 +298,30 @@ def rank_world(environ: Mapping[str, str], spec: type[Exception]) -> tuple[int, 
 def _indices(indices: Any, spec: type[Exception]) -> np.ndarray | None:
     if indices is None:
         return None
-    arr = np.asarray(indices).reshape(-1)
+    if isinstance(indices, set | frozenset | Mapping):
+        raise spec(
+            f"indices must be an ordered sequence of sample ids (a list, range or 1-D array), "
+            f"not a {type(indices).__name__}: the order of the ids is the order of the epoch"
+        )
+    if isinstance(indices, Iterator):
+        indices = list(indices)  # a generator: read once, here
+    arr = np.asarray(indices)
+    if arr.ndim > 1:
+        raise spec(f"indices must be 1-D, not an array of shape {arr.shape}")
+    arr = arr.reshape(-1)
+    if arr.dtype.kind == "f" and not isinstance(indices, np.ndarray):
+        # [np.uint64(1), 2]: numpy makes float64 of that mix; judge the values themselves
+        arr = np.array(list(indices), dtype=object)
     if arr.size == 0:
         raise spec("indices=[] selects no samples; pass indices=None for every sample")
     if arr.dtype.kind not in "iu":
-        if arr.dtype.kind != "O" or not all(is_int(i) for i in arr.tolist()):
+        if arr.dtype.kind != "O":
             raise spec(f"indices must be integer sample ids, not {arr.dtype} values")
+        bad = next((i for i in arr.tolist() if not is_int(i)), None)
+        if bad is not None:
+            raise spec(
+                f"indices must be integer sample ids; got {short_repr(bad)} ({type(bad).__name__})"
+            )
         if min(arr.tolist()) < 0 or max(arr.tolist()) >= 2**64:
             raise spec("indices must be integer sample ids in [0, 2**64)")
         return np.array(arr.tolist(), dtype=np.uint64)

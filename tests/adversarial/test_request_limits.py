@@ -15,6 +15,7 @@ fail with another error.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import grpc
@@ -298,6 +299,33 @@ def test_negative_out_of_range_or_fractional_indices_are_refused_in_process(
     # process (a daemon checks it against its file).
     with pytest.raises(SpecError, match=r"indices must be integer sample ids"):
         InProcessLoader(fixtures_dir / "mixed_fields.beton", 4, indices=indices, pipelines=INT_ONLY)
+
+
+@pytest.mark.parametrize(
+    ("indices", "words"),
+    [
+        ({3, 1}, "an ordered sequence of sample ids"),  # "not object values" before
+        (np.zeros((2, 2), np.int64), "indices must be 1-D"),  # flattened without a word
+        ([1.5, 2.0], "got 1.5 (float)"),
+    ],
+)
+def test_unordered_or_2d_indices_are_refused_in_process_as_served(
+    fixtures_dir, indices, words
+) -> None:
+    with pytest.raises(SpecError, match=re.escape(words)):
+        InProcessLoader(fixtures_dir / "mixed_fields.beton", 4, indices=indices, pipelines=INT_ONLY)
+    with pytest.raises(ClientSpecError, match=re.escape(words)):
+        ServedLoader("mixed_fields", 4, indices=indices, server=NOWHERE, spawn=False)
+
+
+def test_mixed_integer_types_and_generators_are_indices(fixtures_dir) -> None:
+    """``[np.uint64(1), 2]`` (numpy makes float64 of the mix) was refused as "float64 values"."""
+    path = fixtures_dir / "mixed_fields.beton"
+    for indices in ([np.uint64(1), 2, np.int32(7)], (i for i in (1, 2, 7))):
+        with InProcessLoader(
+            path, 4, indices=indices, pipelines=INT_ONLY, order=OrderOption.SEQUENTIAL
+        ) as ld:
+            assert ld.indices.tolist() == [1, 2, 7]
 
 
 def _grpc_stream(stub) -> tuple[str, str]:
