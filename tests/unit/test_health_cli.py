@@ -321,3 +321,20 @@ def test_the_loader_does_not_connect_to_a_missing_socket(tmp_path) -> None:
             "anything", 4, serve=ServeOptions(server=f"unix://{sock}", spawn=False, reconnect=False)
         )
     assert not sock.parent.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["health", "--timeout", "inf"],  # reported a live daemon as unreachable
+        ["health", "--timeout", "-1"],
+        ["health", "--timeout", "nan"],
+        ["stats", "--timeout", "inf"],
+        ["stats", "--count", "-1"],  # never stopped
+    ],
+)
+def test_absurd_timeouts_and_counts_are_usage_errors(argv: list[str], capsys) -> None:
+    from beton_serve.cli import main
+
+    assert main(argv) == 2
+    assert "must be" in capsys.readouterr().err

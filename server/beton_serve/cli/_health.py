@@ -27,6 +27,7 @@ The address uses gRPC target syntax (``unix:///path/to.sock`` or ``host:port``).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -46,6 +47,17 @@ __all__ = [
 EXIT_SERVING = 0
 EXIT_NOT_SERVING = 1
 EXIT_UNREACHABLE = 2
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (``inf`` and ``nan`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -73,7 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default="",
         help="health service name to check; '' (the default) means the whole server",
     )
-    p.add_argument("--timeout", type=float, default=3.0, help="deadline in seconds (default 3)")
+    p.add_argument(
+        "--timeout", type=positive_seconds, default=3.0, help="deadline in seconds (default 3)"
+    )
     add_socket_owner_argument(p)
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA that signed the daemon's cert")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate (mTLS)")

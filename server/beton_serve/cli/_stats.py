@@ -44,7 +44,7 @@ from typing import Any
 
 from beton_wire.limits import human_bytes
 
-from beton_serve.cli._health import add_socket_owner_argument
+from beton_serve.cli._health import add_socket_owner_argument, positive_seconds
 from beton_serve.errors import TransportError
 
 __all__ = ["fetch_stats", "register", "render", "run", "snapshot_dict"]
@@ -68,19 +68,19 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_socket_owner_argument(p)
     p.add_argument(
         "--interval",
-        type=_positive_float,
+        type=positive_seconds,
         default=1.0,
         metavar="S",
         help="seconds between refreshes of the live view (default 1)",
     )
     p.add_argument(
         "--count",
-        type=int,
+        type=_count,
         default=0,
         metavar="N",
         help="stop after N refreshes of the live view (default 0: until Ctrl-C)",
     )
-    p.add_argument("--timeout", type=_positive_float, default=5.0, help="RPC deadline in seconds")
+    p.add_argument("--timeout", type=positive_seconds, default=5.0, help="RPC deadline in seconds")
     p.add_argument(
         "--token-file",
         default=None,
@@ -103,13 +103,13 @@ def _token(path: str | None, environ: Mapping[str, str]) -> str | None:
     return environ.get("BETON_SERVE_TOKEN") or None
 
 
-def _positive_float(text: str) -> float:
+def _count(text: str) -> int:
     try:
-        value = float(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: until Ctrl-C), got {text}")
     return value
 
 
