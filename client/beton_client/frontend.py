@@ -395,6 +395,11 @@ def check_args(
                 f"custom_fields[{short_repr(name)}] must be a Field class (FFCV passes the class, "
                 f"not an instance), not {short_repr(cls)}"
             )
+        if not callable(getattr(cls, "from_binary", None)):  # int, str...: not a Field at all
+            raise spec(
+                f"custom_fields[{short_repr(name)}] must be a Field class (a subclass of "
+                f"beton_serve.fields.Field, with from_binary), not {cls.__qualname__}"
+            )
     return LoaderArgs(
         batch_size=int(batch_size),
         num_workers=int(num_workers),

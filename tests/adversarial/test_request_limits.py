@@ -318,6 +318,17 @@ def test_unordered_or_2d_indices_are_refused_in_process_as_served(
         ServedLoader("mixed_fields", 4, indices=indices, server=NOWHERE, spawn=False)
 
 
+def test_a_custom_field_that_is_not_a_field_is_a_spec_error_on_both_backends(fixtures_dir):
+    """``custom_fields={"int": int}`` was a FormatError in process, blaming the (valid) file."""
+    words = "custom_fields['int'] must be a Field class"
+    with pytest.raises(SpecError, match=re.escape(words)):
+        InProcessLoader(
+            fixtures_dir / "mixed_fields.beton", 4, custom_fields={"int": int}, pipelines=INT_ONLY
+        )
+    with pytest.raises(ClientSpecError, match=re.escape(words)):
+        ServedLoader("mixed_fields", 4, custom_fields={"int": int}, server=NOWHERE, spawn=False)
+
+
 def test_mixed_integer_types_and_generators_are_indices(fixtures_dir) -> None:
     """``[np.uint64(1), 2]`` (numpy makes float64 of the mix) was refused as "float64 values"."""
     path = fixtures_dir / "mixed_fields.beton"
