@@ -433,22 +433,33 @@ class DaemonBackend:
         )
 
     def _plain_to_tls(self, exc: BetonClientError) -> BetonClientError:
-        """A plain-text client's "Socket closed" from a ``host:port`` daemon, with the likely
-        reason: the daemon serves TLS (``--tls-cert``) and closed the unencrypted connection.
-        (With ``tls_ca`` given, gRPC's own message already names a failed TLS handshake.)"""
+        """A "Socket closed" from a ``host:port`` daemon, with the likely reason: a plain-text
+        client's daemon serves TLS (``--tls-cert``) and closed the unencrypted connection; a TLS
+        client's daemon requires a client certificate (``--tls-client-ca``) and refused the
+        one it got, or none. (A server certificate the client refuses is named by gRPC.)"""
         if (
             not isinstance(exc, ServerUnavailable)
-            or self._tls[0] is not None
             or self.server.startswith("unix:")
             or "Socket closed" not in str(exc)
         ):
             return exc
-        return ServerUnavailable(
-            f"{exc}; if that daemon serves TLS (--tls-cert), pass the CA that signed its "
-            "certificate: ServeOptions(tls_ca=...)",
-            code=exc.code,
-            server_error=exc.server_error,
-        )
+        ca, cert, _ = self._tls
+        if ca is None:
+            hint = (
+                "if that daemon serves TLS (--tls-cert), pass the CA that signed its "
+                "certificate: ServeOptions(tls_ca=...)"
+            )
+        else:
+            hint = (
+                "the daemon closed the TLS connection: if it requires client certificates "
+                "(--tls-client-ca), "
+                + (
+                    "pass one it trusts: ServeOptions(tls_cert=..., tls_key=...)"
+                    if cert is None
+                    else "it refused this one (signed by another CA, or expired?)"
+                )
+            )
+        return ServerUnavailable(f"{exc}; {hint}", code=exc.code, server_error=exc.server_error)
 
     def close(self) -> None:
         if self._finalizer is not None:

@@ -123,7 +123,8 @@ def test_tls_and_mutual_tls_handshakes(daemon_factory, short_tmp: Path, fixtures
         transport="grpc",
     ) as ld:
         assert _one_epoch(ld) > 0
-    with pytest.raises(ServerUnavailable):  # no client certificate
+    # No client certificate: it looked like no daemon at all ("Socket closed"); now it says why.
+    with pytest.raises(ServerUnavailable, match=r"requires client certificates .*tls_cert="):
         Loader("mixed_fields", 16, server=mtarget, tls_ca=files.ca_cert, transport="grpc")
 
 
