@@ -110,7 +110,7 @@ class SharedSource:
 
     Args:
         source: the stream's own ``BatchSource`` (``submit``, ``batch_ids``, ``len``, and
-            optionally ``promote``, ``plan.outputs`` and ``batch_size``, which size the pool).
+            optionally ``promote``, ``plan.outputs`` and ``plan.batch_size``, which size the pool).
         registry: the daemon's registry of sharing groups, one per :class:`ShareKey`.
         key: what makes this stream identical to others.
         pool_size: group buffers this stream keeps for reuse; more are allocated on demand and
@@ -146,7 +146,10 @@ class SharedSource:
         registry.add_member(key)
         plan = getattr(source, "plan", None)
         outputs = getattr(plan, "outputs", None)
-        bs = getattr(source, "batch_size", None)
+        # The largest batch (the plan's rows, ``batch_rows``), not a batch_size above the epoch.
+        bs = getattr(plan, "batch_size", None)
+        if not isinstance(bs, int):
+            bs = getattr(source, "batch_size", None)
         self._shapes: list[tuple[tuple[int, ...], np.dtype[Any]]] | None = None
         if outputs is not None and isinstance(bs, int):
             self._shapes = [((bs, *tuple(o.shape)), np.dtype(o.dtype)) for o in outputs]
