@@ -47,6 +47,7 @@ from beton_wire.limits import (
     MAX_BATCHES_AHEAD,
     MAX_EPOCH,
     MAX_WORLD_SIZE,
+    cap_message,
     short_repr,
     workers_out_of_range,
 )
@@ -981,8 +982,7 @@ class EpochIterator:
             return  # the backend may retry it, or something else already cut the epoch
         errors = self.loader._errors
         kind = errors.spec if isinstance(err, errors.spec) else errors.pipeline
-        what = str(err)
-        what = what if len(what) <= 300 else what[:297] + "..."
+        what = cap_message(str(err), 300)
         self.cut_short = (
             kind,
             f"when batch {self.batch} failed ({type(err).__name__}: {what}); iterate the "

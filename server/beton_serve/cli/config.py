@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
-import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -283,16 +281,12 @@ MAX_CONFIG_BYTES = 1 << 20
 
 
 def _read_regular(p: Path) -> str:
-    """The text of ``p``, which must be a regular file of at most :data:`MAX_CONFIG_BYTES`.
+    """The text of ``p``, which must be a regular file (``open_regular``, as the reader's: a
+    FIFO would wait for a writer, and SIGHUP reads the file again while the daemon serves) of
+    at most :data:`MAX_CONFIG_BYTES`."""
+    from beton_serve.format import open_regular
 
-    Opened without blocking, so that a FIFO (or a device) is refused instead of waiting for a
-    writer: SIGHUP reads the file again while the daemon serves.
-    """
-    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
+    with open_regular(str(p)) as f:
         data = f.read(MAX_CONFIG_BYTES + 1)
     if len(data) > MAX_CONFIG_BYTES:
         raise OSError(errno.EFBIG, f"larger than {MAX_CONFIG_BYTES} bytes")
@@ -310,10 +304,11 @@ def merge_flags(base: ServeConfig, flags: Mapping[str, Any]) -> ServeConfig:
     Positional files and ``--dataset`` arguments are added to the file's, not replacing them.
     """
     changes: dict[str, Any] = {}
+    given = given_flags(flags)
     for key, value in flags.items():
         if key not in KEYS:
             raise ConfigError(f"unknown setting {key!r}")
-        if key not in given_flags({key: value}):
+        if key not in given:
             continue
         if key == "files":
             value = (*base.files, *value)

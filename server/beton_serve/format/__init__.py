@@ -23,6 +23,7 @@ from beton_serve.format._checksum import (
     sidecar_path,
     write_sidecar,
 )
+from beton_serve.format._files import NotRegularFile, open_regular
 from beton_serve.format._guard import Region as MappedRegion
 from beton_serve.format._guard import guard as guard_mapping
 from beton_serve.format._layout import (
@@ -50,6 +51,8 @@ from beton_serve.format._memory import memory_read
 from beton_serve.format._reader import BetonReader, Header, default_field_types
 
 __all__ = [
+    "NotRegularFile",
+    "open_regular",
     "ALLOC_ENTRY_DTYPE",
     "ARGS_SIZE",
     "BYTES_META_DTYPE",
