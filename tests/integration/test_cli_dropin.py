@@ -317,6 +317,62 @@ def test_listen_keeps_the_per_user_socket_then_status_and_stop(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_during_startup_stops_cleanly(short_tmp: Path, sig: str) -> None:
+    """A SIGTERM/SIGINT before the event loop's handlers (here: while a plugin is imported)
+    stops the daemon cleanly: exit 0, no socket and no lock file left (it was 143 and a lock
+    file)."""
+    runtime = short_tmp / "run"
+    runtime.mkdir(mode=0o700)
+    env = _env(runtime)
+    data = write_labelled(short_tmp / "rows.beton", 20, 0)
+    plug = short_tmp / "kill_self.py"
+    plug.write_text(f"import os, signal\nos.kill(os.getpid(), signal.{sig})\n")
+    log = short_tmp / "daemon.log"
+    proc = _launch(["--plugin", str(plug), str(data)], env, log)
+    try:
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert f"{sig} during start-up (before opening the datasets): stopping" in text, text
+    assert os.listdir(runtime / "beton-serve") == []  # no socket, no .lock
+    assert "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_a_sighup_during_startup_reloads_once_serving(short_tmp: Path) -> None:
+    """A SIGHUP before the loop's handlers does not end the daemon (its default action): the
+    config is reloaded once serving, so an edit made meanwhile is not missed."""
+    runtime = short_tmp / "run"
+    runtime.mkdir(mode=0o700)
+    env = _env(runtime)
+    data = write_labelled(short_tmp / "rows.beton", 20, 0)
+    conf = short_tmp / "d.toml"
+    conf.write_text("bad_sample_budget = 3\n")
+    # The plugin edits the config, then signals: the reload must read the edit.
+    plug = short_tmp / "hup_self.py"
+    plug.write_text(
+        "import os, signal\n"
+        f"open({str(conf)!r}, 'w').write('bad_sample_budget = 7\\n')\n"
+        "os.kill(os.getpid(), signal.SIGHUP)\n"
+    )
+    log = short_tmp / "daemon.log"
+    proc = _launch(["--config", str(conf), "--plugin", str(plug), str(data)], env, log)
+    try:
+        from beton_wire.address import default_socket_path
+
+        wait_until_serving("unix://" + default_socket_path(env), proc, 60)
+        wait_for(lambda: "config reloaded" in log.read_text(), 20)
+        assert proc.poll() is None
+    finally:
+        assert _stop(proc) == 0
+    text = log.read_text()
+    assert "SIGHUP during start-up: reloading the config now" in text
+    assert "changed=bad_sample_budget=7" in text, text
+
+
+@pytest.mark.slow
 def test_no_socket_serves_tcp_only_and_a_taken_default_socket_is_a_warning(
     short_tmp: Path,
 ) -> None:

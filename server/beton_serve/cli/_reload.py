@@ -64,6 +64,8 @@ class ConfigReloader:
         path: the config file (``None``: nothing to reload; SIGHUP is logged and ignored).
         flagged: the keys given as command-line flags (they keep the flag's value); ``None``:
             the keys whose value at start differs from the file's.
+        file_cfg: the file as the daemon read it at start (``None``: read it now). Pass it: the
+            file may have changed since, and a change read here would never be applied.
     """
 
     def __init__(
@@ -72,12 +74,13 @@ class ConfigReloader:
         cfg: ServeConfig,
         path: str | None,
         flagged: Collection[str] | None = None,
+        file_cfg: ServeConfig | None = None,
     ) -> None:
         self.daemon = daemon
         self.cfg = cfg
         self.path = path
         #: The file's values the daemon runs with (a refused change never becomes one).
-        self._file = load_config(path)
+        self._file = load_config(path) if file_cfg is None else file_cfg
         #: Keys a flag set at start (they keep the flag's value).
         self.flagged = (
             {k for k in KEYS if getattr(cfg, k) != getattr(self._file, k)}

@@ -347,6 +347,63 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     exit status into -15 (see :func:`_signal_while_stopping`).
     """
     env = os.environ if environ is None else environ
+    previous = _catch_startup_signals()
+    try:
+        status = _run(args, env)
+    except BaseException:
+        _restore_signals(previous)
+        raise
+    # Everything is freed. The interpreter's own exit (joining threads) takes a while, and it
+    # restores the default action of every Python-level handler, so a late SIGTERM would turn a
+    # clean exit into -15; an ignored signal it leaves as it is (SIGKILL still ends a stuck exit).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return status
+
+
+# Signals that arrived before the event loop's own handlers were installed (start-up), acted on
+# as if they had arrived once serving: SIGTERM/SIGINT stop the daemon cleanly at the next
+# checkpoint, and a SIGHUP reloads the config once serving.
+_startup_signals: list[int] = []
+_STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _remember_signal(signum: int, frame: Any) -> None:
+    """A signal during start-up: remembered (no logging here: not reentrant)."""
+    _startup_signals.append(signum)
+
+
+def _catch_startup_signals() -> dict[int, Any]:
+    """Install :func:`_remember_signal` for SIGTERM/SIGINT/SIGHUP; returns the handlers it
+    replaced.
+
+    Without it, a SIGTERM (or a SIGHUP) in the first moments (config, plugins, opening the
+    datasets) took the default action: exit status 143 (129) and the address lock file left
+    behind.
+    """
+    _startup_signals.clear()
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _remember_signal) for sig in _STARTUP_SIGNALS}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _stopped_during_startup(stage: str) -> bool:
+    """Whether a SIGTERM/SIGINT arrived during start-up; logs it, naming the stage it stops at."""
+    stops = [s for s in _startup_signals if s != signal.SIGHUP]
+    if not stops:
+        return False
+    log.info("%s during start-up (%s): stopping", signal.Signals(stops[0]).name, stage)
+    return True
+
+
+def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from beton_serve.daemon import expand_dataset_args
 
     for a in args.dataset:
@@ -388,7 +445,8 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         "metrics_port": getattr(args, "metrics_port", None),
         "metrics_host": getattr(args, "metrics_host", None),
     }
-    cfg = merge_flags(load_config(args.config), flags)
+    file_cfg = load_config(args.config)
+    cfg = merge_flags(file_cfg, flags)
     configure_logging(cfg.log_format, cfg.log_level)
     if env.get("BETON_SERVE_UNATTACHED_TIMEOUT_S"):  # the variable this key replaced
         log.warning(
@@ -436,6 +494,8 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
                     ",".join(cfg.listen),
                 )
                 socket_path = None
+        if _stopped_during_startup("before opening the datasets"):
+            return 0
         from beton_serve.daemon import Daemon
         from beton_serve.fields.decode_cache import DecodeCache, set_default_decode_cache
 
@@ -468,7 +528,9 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         )
         from beton_serve.cli._reload import ConfigReloader
 
-        daemon.reloader = ConfigReloader(daemon, cfg, args.config, given_flags(flags)).on_signal
+        daemon.reloader = ConfigReloader(
+            daemon, cfg, args.config, given_flags(flags), file_cfg
+        ).on_signal
         if cfg.precompile:  # [[precompile]] tables: compiled on the compile thread meanwhile
             from beton_serve.daemon import start_precompile
 
@@ -483,11 +545,6 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         log.info("stopped")
         if socket_path:
             _remove_spawn_log(socket_path)  # still holding the lock: no new daemon writes it yet
-    # Everything is freed. The interpreter's own exit (joining threads) takes a while, and it
-    # restores the default action of every Python-level handler, so a late SIGTERM would turn a
-    # clean exit into -15; an ignored signal it leaves as it is (SIGKILL still ends a stuck exit).
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
     return 0
 
 
@@ -611,6 +668,11 @@ async def _serve(
             loop.add_signal_handler(sig, stop.set)
         if daemon.reloader is not None:  # SIGHUP reloads the config (_reload)
             loop.add_signal_handler(signal.SIGHUP, daemon.reloader)
+        if _stopped_during_startup("before serving"):
+            stop.set()
+        elif signal.SIGHUP in _startup_signals and daemon.reloader is not None:
+            log.info("SIGHUP during start-up: reloading the config now")
+            daemon.reloader()
         idle = loop.create_task(_idle_watch(daemon, cfg.idle_timeout, stop))
         await stop.wait()
         for sig in (signal.SIGTERM, signal.SIGINT):
