@@ -98,3 +98,29 @@ def test_shards_with_different_schemas_are_refused_naming_the_field(tmp_path: Pa
     with pytest.raises(ConfigError) as info:
         DatasetTable({"x": [str(a), str(b)]}, EngineBackend())
     assert "'arr'" in str(info.value) and "b.beton" in str(info.value)
+
+
+def test_a_dataset_served_again_under_its_name_goes_on_from_its_counters(tmp_path: Path) -> None:
+    """An on-demand dataset closed when idle and opened again keeps counting from where it was:
+    its exported counters (samples, batches, distinct bad samples) never go down."""
+    base = _write(tmp_path / "base.beton", 0, 4)
+    val = _write(tmp_path / "val.beton", 100, 6)
+    table = DatasetTable({"base": [str(base)]}, EngineBackend())
+    try:
+        ds = table.adopt(table.open_file(str(val)))
+        ds.count(batches=2, samples=6)
+        ds.note_bad([1, 2])
+        ds.note_bad([2])  # distinct ids: still 2
+        assert ds.counts() == (6, 2, 2)
+        table.remove(ds)
+        again = table.adopt(table.open_file(str(val)))
+        assert again.name == "val" and again is not ds
+        assert again.counts() == (6, 2, 2)
+        again.count(batches=1, samples=3)
+        again.note_bad([2, 5])  # a new life: its ids counted on top of the 2 before
+        assert again.counts() == (9, 3, 4)
+        # Another name starts at 0.
+        other = table.adopt(table.open_file(str(base)))
+        assert other.name == "base@2" and other.counts() == (0, 0, 0)
+    finally:
+        table.close()

@@ -109,7 +109,22 @@ class Dataset:
         with self._count_lock:
             seen: set[int] = self._extra.setdefault("bad_ids", set())
             seen.update(sample_ids)
-            self.bad_samples = len(seen)
+            self.bad_samples = self._extra.get("bad_base", 0) + len(seen)
+
+    def carry_counts(self, retired: tuple[int, int, int]) -> None:
+        """Start the counters from ``(samples, batches, bad)`` of an earlier dataset served under
+        this name (closed when idle, reopened since): exported counters never go down."""
+        samples, batches, bad = retired
+        with self._count_lock:
+            self.samples_decoded += samples
+            self.batches_decoded += batches
+            self.bad_samples += bad
+            self._extra["bad_base"] = self._extra.get("bad_base", 0) + bad
+
+    def counts(self) -> tuple[int, int, int]:
+        """``(samples_decoded, batches_decoded, bad_samples)``."""
+        with self._count_lock:
+            return self.samples_decoded, self.batches_decoded, self.bad_samples
 
     def check_files(self) -> None:
         """Raise ``FormatError`` if a file shrank while served (see ``_health``)."""
@@ -201,6 +216,9 @@ class DatasetTable:
             raise ConfigError("no dataset to serve: give at least one .beton file")
         self._backend = backend
         self._by_name: dict[str, Dataset] = {}
+        #: The counters of datasets no longer served (on-demand ones closed when idle), by name:
+        #: a dataset served again under that name goes on from them (``Dataset.carry_counts``).
+        self._retired: dict[str, tuple[int, int, int]] = {}
         try:
             for name, paths in datasets.items():
                 self._by_name[name] = self._open(name, list(paths))
@@ -335,6 +353,9 @@ class DatasetTable:
         while ds.name in self._by_name:
             n += 1
             ds.name = f"{stem}@{n}"
+        retired = self._retired.pop(ds.name, None)
+        if retired is not None:
+            ds.carry_counts(retired)
         self._by_name[ds.name] = ds
         return ds
 
@@ -342,6 +363,7 @@ class DatasetTable:
         """Stop serving ``ds`` and close its readers (its streams must be gone)."""
         if self._by_name.get(ds.name) is ds:
             del self._by_name[ds.name]
+            self._retired[ds.name] = ds.counts()
         _close_dataset(ds)
 
     def get(self, name: str) -> Dataset:
