@@ -673,16 +673,35 @@ class FrontEnd:
 
         Accepts version 2, version 1 and version-less states, from any backend.
 
+        An epoch being iterated stops, as at ``iter()``: asking its iterator for another batch
+        raises ``RuntimeError`` if its epoch was not finished. (It went on yielding batches of
+        the old position, which the resumed epoch then yielded again.)
+
         Raises:
             SpecError: an unknown version, or the state comes from a Loader with other
                 arguments (the message names the one that differs).
+            RuntimeError: another thread is inside ``iter()`` or ``next()`` of this Loader.
         """
         try:
             epoch, batch = check_state(state, self._state_identity())
         except StateError as exc:
             raise self._errors.spec(str(exc)) from None
-        self.next_epoch, self._resume_batch = epoch, batch
-        self._position = None
+        busy = self._take_busy()
+        try:
+            prev = self._current() if self._current is not None else None
+            if prev is not None:
+                if not prev.done:
+                    prev.cut_short = (
+                        RuntimeError,
+                        f"when load_state_dict() moved its Loader to epoch {epoch}, batch "
+                        f"{batch}: iter(loader) goes on from there",
+                    )
+                prev.close()
+            self._current = None
+            self.next_epoch, self._resume_batch = epoch, batch
+            self._position = None
+        finally:
+            busy.release()
 
     def _state_identity(self) -> StateIdentity:
         """What a state must match; ``num_samples`` is the backend's count for this rank."""

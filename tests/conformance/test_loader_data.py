@@ -549,6 +549,32 @@ def test_resume_mid_epoch_across_backends(
     assert_same_batches(after, reference[2], f"{dst}: the epoch after the resumed one")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_state_dict_stops_the_epoch_being_iterated(
+    data: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """``load_state_dict()`` while an iterator is live stops it, as ``iter()`` does. It went on
+    yielding batches of the old position, which the resumed epoch then yielded again, and
+    ``state_dict()`` then reported that old position."""
+    case = Case(data, daemon, order="RANDOM", seed=5)
+    reference = case.run("inproc", 2)
+    with case.loader(backend) as ld:
+        it = iter(ld)
+        head = epoch(it, 2)
+        state = ld.state_dict()
+        assert (state["epoch"], state["batch"]) == (0, 2)
+        epoch(it, 1)  # a third batch, then back to the checkpoint
+        ld.load_state_dict(state)
+        with pytest.raises(RuntimeError, match=r"stopped after 3 of .*load_state_dict\(\)"):
+            next(it)
+        assert (ld.state_dict()["epoch"], ld.state_dict()["batch"]) == (0, 2)
+        rest = epoch(ld)
+        after = epoch(ld)
+        assert (ld.state_dict()["epoch"], ld.state_dict()["batch"]) == (2, 0)
+    assert_same_batches(head + rest, reference[0], f"{backend}: epoch 0, resumed at batch 2")
+    assert_same_batches(after, reference[1], f"{backend}: epoch 1")
+
+
 @pytest.mark.parametrize("backend", SERVED)
 def test_state_dicts_are_identical(data: Path, daemon: DaemonProcess, backend: str) -> None:
     case = Case(data, daemon, order="QUASI_RANDOM", seed=3, indices=SUBSET)
