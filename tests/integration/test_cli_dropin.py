@@ -373,6 +373,37 @@ def test_a_sighup_during_startup_reloads_once_serving(short_tmp: Path) -> None:
 
 
 @pytest.mark.slow
+def test_reload_subcommand_makes_the_daemon_reread_its_config(
+    short_tmp: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``beton-serve reload`` sends SIGHUP to the per-user daemon (it was read as "serve a file
+    called reload"); exit 3 when none runs."""
+    runtime = short_tmp / "run"
+    runtime.mkdir(mode=0o700)
+    env = _env(runtime)
+    from beton_wire.address import default_socket_path
+
+    sock = default_socket_path(env)
+    data = write_labelled(short_tmp / "rows.beton", 20, 0)
+    conf = short_tmp / "d.toml"
+    conf.write_text("bad_sample_budget = 3\n")
+    log = short_tmp / "daemon.log"
+    proc = _launch(["--config", str(conf), str(data)], env, log)
+    try:
+        wait_until_serving("unix://" + sock, proc, 60)
+        conf.write_text("bad_sample_budget = 9\n")
+        assert main(["reload", "--socket", sock]) == 0
+        assert f"reload requested: pid {proc.pid}" in capsys.readouterr().out
+        wait_for(lambda: "config reloaded" in log.read_text(), 20)
+        assert "changed=bad_sample_budget=9" in log.read_text()
+        assert proc.poll() is None
+    finally:
+        assert _stop(proc) == 0
+    assert main(["reload", "--socket", sock]) == 3
+    assert "not running" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_no_socket_serves_tcp_only_and_a_taken_default_socket_is_a_warning(
     short_tmp: Path,
 ) -> None:

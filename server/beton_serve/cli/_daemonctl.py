@@ -1,4 +1,4 @@
-"""``beton-serve status`` and ``beton-serve stop``: the per-user daemon, found by its socket.
+"""``beton-serve status``, ``stop`` and ``reload``: the per-user daemon, found by its socket.
 
 Which daemon: the one serving ``--socket PATH``, else ``BETON_SERVE_ADDRESS`` when it is a
 ``unix:`` target, else the per-user default socket (:mod:`beton_wire.address`), the order the
@@ -53,6 +53,7 @@ __all__ = [
     "daemon_pid",
     "register",
     "resolve_socket_path",
+    "run_reload",
     "run_status",
     "run_stop",
 ]
@@ -63,7 +64,7 @@ EXIT_STOP_TIMEOUT = 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``status`` and ``stop`` on the ``beton-serve`` subcommand parser."""
+    """Register ``status``, ``stop`` and ``reload`` on the ``beton-serve`` subcommand parser."""
     p = subparsers.add_parser(
         "status",
         help="is the per-user daemon running: pid, address, uptime, datasets, streams "
@@ -95,6 +96,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds to wait for it to exit (default 30); exit 1 after that",
     )
     q.set_defaults(func=run_stop)
+    r = subparsers.add_parser(
+        "reload",
+        help="make the per-user daemon re-read its --config file (SIGHUP; exit 0 sent, 3 not "
+        "running)",
+        description="Send SIGHUP to the daemon serving the per-user socket (or --socket PATH): "
+        "it re-reads its --config file and logs the keys it applied or refused. Exit 0 when "
+        "the signal was sent, 3 when no daemon runs there.",
+    )
+    _socket_arg(r)
+    r.set_defaults(func=run_reload)
 
 
 def _socket_arg(p: argparse.ArgumentParser) -> None:
@@ -255,27 +266,15 @@ def run_stop(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
     if pid is None:
         sys.stdout.write(f"not running: no beton-serve daemon serves {target}\n")
         return 0
-    pidfd: int | None = None
-    with contextlib.suppress(AttributeError, OSError):  # no pidfd: Linux < 5.3
-        pidfd = os.pidfd_open(pid)
+    pidfd = _pidfd(pid)
     try:
         if pidfd is not None and daemon_pid(sock) != pid:
             # It exited between the two looks (and the pid may be reused): nothing to stop.
             sys.stdout.write(f"not running: no beton-serve daemon serves {target}\n")
             return 0
-        try:
-            if pidfd is not None:
-                signal.pidfd_send_signal(pidfd, signal.SIGTERM)
-            else:
-                os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
+        if not _send(pid, pidfd, signal.SIGTERM, target, "stopped"):
             sys.stdout.write(f"stopped: pid {pid} had already exited ({target})\n")
             return 0
-        except PermissionError:
-            raise ConfigError(
-                f"the daemon at {target} (pid {pid}) belongs to another user; it cannot be "
-                "stopped from this account"
-            ) from None
         if not _wait_exit(pid, pidfd, args.timeout):
             sys.stderr.write(
                 f"error: the daemon at {target} (pid {pid}) has not exited {args.timeout:g} s "
@@ -286,4 +285,67 @@ def run_stop(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
         if pidfd is not None:
             os.close(pidfd)
     sys.stdout.write(f"stopped: pid {pid} ({target})\n")
+    return 0
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid`` (signalling through it never reaches a reused pid); ``None`` where
+    the kernel has none (Linux < 5.3) or the process is gone."""
+    with contextlib.suppress(AttributeError, OSError):
+        return os.pidfd_open(pid)
+    return None
+
+
+def _send(pid: int, pidfd: int | None, sig: signal.Signals, target: str, verb: str) -> bool:
+    """Send ``sig`` to the daemon; ``False`` when it had already exited.
+
+    Raises:
+        ConfigError: it belongs to another user (the message says it cannot be ``verb``).
+    """
+    try:
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        raise ConfigError(
+            f"the daemon at {target} (pid {pid}) belongs to another user; it cannot be {verb} "
+            "from this account"
+        ) from None
+    return True
+
+
+def run_reload(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """``beton-serve reload``: SIGHUP the daemon holding the socket's lock, which re-reads its
+    ``--config`` file (on a thread of its own) and logs what it applied or refused.
+
+    Returns:
+        0 when the signal was sent, 3 (:data:`EXIT_NOT_RUNNING`) when no daemon runs there.
+
+    Raises:
+        ConfigError: the daemon belongs to another user.
+    """
+    from beton_wire.address import unix_target
+
+    env = os.environ if environ is None else environ
+    sock = resolve_socket_path(args.socket, env)
+    target = unix_target(sock)
+    pid = daemon_pid(sock)
+    pidfd = None if pid is None else _pidfd(pid)
+    try:
+        if pid is None or (pidfd is not None and daemon_pid(sock) != pid):
+            sys.stderr.write(f"not running: no beton-serve daemon serves {target}\n")
+            return EXIT_NOT_RUNNING
+        if not _send(pid, pidfd, signal.SIGHUP, target, "reloaded"):
+            sys.stderr.write(f"not running: pid {pid} had already exited ({target})\n")
+            return EXIT_NOT_RUNNING
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    sys.stdout.write(
+        f"reload requested: pid {pid} ({target}); its log says what changed "
+        "('config reloaded ...') or why not\n"
+    )
     return 0
