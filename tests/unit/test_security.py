@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -180,3 +181,48 @@ def test_client_token_helpers() -> None:
         client_sec.token_metadata("a b")
     ch = client_sec.secure_or_plain_channel("127.0.0.1:1", token="abc")
     ch.close()
+
+
+@pytest.mark.skipif(not tls_certs.available(), reason="needs the cryptography package or openssl")
+def test_a_key_of_another_certificate_is_named_as_such(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It was reported as gRPC's "Failed to bind to address"; now the files are checked first,
+    and an expired certificate is logged (clients would refuse it with no word from the daemon)."""
+    files = tls_certs.make_tls_files(tmp_path)
+    wrong = sec.TlsConfig(cert_file=files.server_cert, key_file=files.client_key)
+    with pytest.raises(ConfigError, match=r"--tls-key .*not the certificate's"):
+        sec.server_credentials(wrong)
+    bad_ca = tmp_path / "ca.pem"
+    bad_ca.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ConfigError, match="--tls-client-ca: OpenSSL cannot load"):
+        sec.check_server_files(
+            sec.TlsConfig(
+                cert_file=files.server_cert, key_file=files.server_key, client_ca_file=str(bad_ca)
+            )
+        )
+    good = sec.TlsConfig(cert_file=files.server_cert, key_file=files.server_key)
+    with caplog.at_level(logging.WARNING, logger=sec.__name__):
+        sec.check_server_files(good)
+        assert not caplog.records
+        sec.check_server_files(good, now=time.time() + 100 * 365 * 86400)
+    assert "expired on" in caplog.text and files.server_cert in caplog.text
+
+
+def test_a_password_protected_key_is_refused_by_name(tmp_path: Path) -> None:
+    serialization = pytest.importorskip("cryptography.hazmat.primitives.serialization")
+    if not tls_certs.available():
+        pytest.skip("needs the cryptography package or openssl")
+    files = tls_certs.make_tls_files(tmp_path)
+    key = serialization.load_pem_private_key(Path(files.server_key).read_bytes(), password=None)
+    enc = tmp_path / "enc.key"
+    enc.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
+    tls = sec.TlsConfig(cert_file=files.server_cert, key_file=str(enc))
+    with pytest.raises(ConfigError, match="password-protected"):
+        sec.server_credentials(tls)

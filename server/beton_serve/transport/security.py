@@ -17,6 +17,7 @@ API::
     is_loopback_address(address) -> bool
     TlsConfig(cert_file, key_file, client_ca_file=None)                 # validated when built
     server_credentials(tls: TlsConfig) -> grpc.ServerCredentials         # mutual TLS with a CA
+    check_server_files(tls: TlsConfig) -> None                           # key matches the cert
     read_token_file(path) -> str
     BearerTokenInterceptor(token, exempt=HEALTH_METHODS)                 # threaded grpc.Server
     AioBearerTokenInterceptor(token, exempt=HEALTH_METHODS)              # grpc.aio.Server
@@ -49,6 +50,7 @@ __all__ = [
     "enforce_listen_policy",
     "is_loopback_address",
     "read_token_file",
+    "check_server_files",
     "server_credentials",
 ]
 
@@ -185,13 +187,89 @@ def _read(path: str, what: str) -> bytes:
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    """Server credentials for ``add_secure_port``; requires client certificates with a CA."""
+    """Server credentials for ``add_secure_port``; requires client certificates with a CA.
+
+    The files are checked first (:func:`check_server_files`), so a key that does not match its
+    certificate is reported as that, not as gRPC's "Failed to bind to address".
+    """
     cert = _read(tls.cert_file, "--tls-cert")
     key = _read(tls.key_file, "--tls-key")
     ca = _read(tls.client_ca_file, "--tls-client-ca") if tls.client_ca_file else None
+    check_server_files(tls)
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
     )
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_password() -> bytes:
+    raise _EncryptedKey
+
+
+def check_server_files(tls: TlsConfig, now: float | None = None) -> None:
+    """Check that the key matches the certificate and the CA bundle loads; warn when the
+    certificate has expired or is not valid yet (clients will refuse it, but an operator may be
+    renewing it).
+
+    Raises:
+        ConfigError: a key of another certificate, a password-protected key (gRPC cannot read
+            it), or a file OpenSSL cannot load; the message names the file and the flag.
+    """
+    import ssl
+    import time
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(tls.cert_file, tls.key_file, password=_no_password)
+    except _EncryptedKey:
+        raise ConfigError(
+            f"--tls-key: {tls.key_file!r} is password-protected, which gRPC cannot read; "
+            "write it unencrypted (openssl pkey -in KEY -out KEY.plain) and keep it mode 0600"
+        ) from None
+    except ssl.SSLError as exc:
+        why = (
+            "the key is not the certificate's (KEY_VALUES_MISMATCH): give the key the "
+            "certificate was made for"
+            if "KEY_VALUES_MISMATCH" in str(exc)
+            else f"OpenSSL cannot load them: {exc}"
+        )
+        raise ConfigError(
+            f"--tls-cert {tls.cert_file!r} / --tls-key {tls.key_file!r}: {why}"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"--tls-cert/--tls-key: cannot read: {exc}") from None
+    if tls.client_ca_file:
+        try:
+            ctx.load_verify_locations(cafile=tls.client_ca_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"--tls-client-ca: OpenSSL cannot load {tls.client_ca_file!r}: {exc}"
+            ) from None
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:  # pragma: no cover - CPython has it
+        return
+    try:
+        info = decode(tls.cert_file)
+        not_before = ssl.cert_time_to_seconds(info["notBefore"])
+        not_after = ssl.cert_time_to_seconds(info["notAfter"])
+    except Exception:  # pragma: no cover - the warning is a courtesy; gRPC reads the file
+        return
+    t = time.time() if now is None else now
+    if t > not_after:
+        log.warning(
+            "--tls-cert %s expired on %s: TLS clients will refuse this daemon until it is renewed",
+            tls.cert_file,
+            info["notAfter"],
+        )
+    elif t < not_before:
+        log.warning(
+            "--tls-cert %s is not valid before %s: TLS clients will refuse this daemon until then",
+            tls.cert_file,
+            info["notBefore"],
+        )
 
 
 def _check_token(token: str) -> bytes:
