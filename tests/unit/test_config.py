@@ -61,6 +61,7 @@ def test_errors_name_the_key(tmp_path: Path, text: str, words: list[str]) -> Non
         load_config(f)
     for w in words:
         assert w in str(info.value)
+    assert str(f) in str(info.value)  # which file (range errors did not say)
 
 
 def test_flags_override_the_file() -> None:

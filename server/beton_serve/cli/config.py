@@ -257,7 +257,8 @@ def load_config(path: str | Path | None) -> ServeConfig:
     """Read a TOML config (``None``: the defaults).
 
     Raises:
-        ConfigError: unreadable file, invalid TOML, unknown key or wrong type (naming the key).
+        ConfigError: unreadable file, invalid TOML, unknown key, wrong type or a value out of
+            range (naming the file and the key).
     """
     if path is None:
         return ServeConfig()
@@ -273,7 +274,11 @@ def load_config(path: str | Path | None) -> ServeConfig:
     unknown = sorted(set(data) - set(KEYS))
     if unknown:
         raise ConfigError(f"{p}: unknown key(s) {unknown}; known keys are {sorted(KEYS)}")
-    return ServeConfig(**{k: _coerce(k, v, str(p)) for k, v in data.items()})
+    values = {k: _coerce(k, v, str(p)) for k, v in data.items()}
+    try:
+        return ServeConfig(**values)
+    except ConfigError as exc:  # a value out of range: say which file holds it
+        raise ConfigError(f"{p}: {exc}") from None
 
 
 #: A config file larger than this is refused (a real one is a few KB).
