@@ -137,6 +137,29 @@ def test_convert_unreadable_image_reports_path(tmp_path: Path, capsys) -> None:
     assert not out.exists()
 
 
+def test_convert_errors_about_one_image_name_its_file(tmp_path: Path, capsys) -> None:
+    """A side over 65535 px and a raw image larger than a page named the sample index only;
+    now the file too, and the page-size error names convert's flag."""
+    import cv2
+
+    (tmp_path / "wide" / "a").mkdir(parents=True)
+    wide = tmp_path / "wide" / "a" / "wide.png"
+    cv2.imwrite(str(wide), np.zeros((1, 70000, 3), np.uint8))
+    out = tmp_path / "o1.beton"
+    assert main(["convert", "imagefolder", str(tmp_path / "wide"), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert str(wide) in err and "65535" in err and not out.exists()
+
+    (tmp_path / "big" / "a").mkdir(parents=True)
+    big = tmp_path / "big" / "a" / "big.png"
+    cv2.imwrite(str(big), np.full((1000, 1000, 3), 7, np.uint8))  # 3 MB raw
+    out = tmp_path / "o2.beton"
+    args = ["convert", "imagefolder", str(tmp_path / "big"), str(out), "--write-mode", "raw"]
+    assert main([*args, "--page-size", str(1 << 21)]) == 1
+    err = capsys.readouterr().err
+    assert str(big) in err and "--page-size, now 2097152" in err and not out.exists()
+
+
 def test_convert_empty_or_missing_dir(tmp_path: Path, capsys) -> None:
     assert main(["convert", "imagefolder", str(tmp_path / "nope"), str(tmp_path / "o")]) == 1
     assert "not a directory" in capsys.readouterr().err

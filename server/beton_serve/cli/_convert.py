@@ -120,6 +120,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from beton_serve.errors import ConfigError
     from beton_serve.fields import IntField, RGBImageField
+    from beton_serve.errors import WriterError
     from beton_serve.writer import DatasetWriter
 
     dataset = ImageFolder(args.dir)
@@ -143,9 +144,29 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         concurrent_reads=True,  # ImageFolder.__getitem__ keeps no state: thread-safe
     )
-    writer.from_indexed_dataset(dataset)
+    try:
+        writer.from_indexed_dataset(dataset)
+    except WriterError as exc:
+        raise _naming_the_file(exc, dataset, args.page_size) from exc
     print(
         f"wrote {len(dataset)} images in {len(dataset.classes)} classes to {args.out}",
         file=sys.stderr,
     )
     return 0
+
+
+def _naming_the_file(exc: Any, dataset: ImageFolder, page_size: int) -> Any:
+    """``exc`` (a ``WriterError`` naming a sample index) naming that sample's image file too,
+    and ``--page-size`` where the writer says to raise the page size."""
+    from beton_serve.errors import WriterError
+
+    i = exc.index
+    if i is None or not 0 <= i < len(dataset.samples):
+        return exc
+    path = dataset.samples[i][0]
+    text = str(exc).removeprefix(f"sample {i}: ")
+    if path in text:
+        return exc
+    if "raise page_size" in text:
+        text += f" (--page-size, now {page_size}; a power of two)"
+    return WriterError(f"{path}: {text}", i)
