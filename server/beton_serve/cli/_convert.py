@@ -118,9 +118,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from beton_serve.errors import ConfigError
+    from beton_serve.errors import ConfigError, WriterError
     from beton_serve.fields import IntField, RGBImageField
-    from beton_serve.errors import WriterError
     from beton_serve.writer import DatasetWriter
 
     dataset = ImageFolder(args.dir)
