@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -307,3 +309,27 @@ def test_a_vanished_shared_batch_segment_is_segment_gone_and_ends_the_stream() -
     alive = SimpleNamespace(_call=SimpleNamespace(done=lambda: False), recv=recv, target="t")
     err = _Stream.lost(alive, SegmentGone("gone"), wait_s=0.05)  # type: ignore[arg-type]
     assert type(err) is ServerUnavailable and err.server_error == "" and "gone" in str(err)
+
+
+def test_sweep_removes_an_old_unheld_hidden_marker(tmp_path: Path) -> None:
+    """A daemon killed between creating its hidden marker and linking it into place left a
+    0-byte ``.beton-...-live`` that no sweep removed. One older than the grace time, held by
+    nobody, goes; a fresh one (a daemon starting now), a held one and other hidden names stay."""
+    from beton_serve.transport.shm import HIDDEN_MARKER_GRACE_S
+
+    old = time.time() - HIDDEN_MARKER_GRACE_S - 5
+    stale = tmp_path / f".beton-{os.getpid()}-{'c' * 16}-live"
+    fresh = tmp_path / f".beton-{os.getpid()}-{'d' * 16}-live"
+    held = tmp_path / f".beton-{os.getpid()}-{'e' * 16}-live"
+    other = tmp_path / f".beton-{os.getpid()}-{'f' * 16}-ring-0"
+    for f in (stale, fresh, held, other):
+        f.write_bytes(b"")
+    for f in (stale, held, other):
+        os.utime(f, (old, old))
+    fd = os.open(held, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert sweep_stale_segments(tmp_path) == [stale.name]
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(tmp_path)) == sorted([fresh.name, held.name, other.name])

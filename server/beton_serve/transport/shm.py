@@ -39,6 +39,7 @@ import re
 import secrets
 import stat
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +222,10 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR, *, keep: str = "") -> list[str
     markers: list[Path] = []
     for entry in shm_dir.iterdir():
         name = entry.name
+        if name.startswith(".") and _stale_hidden_marker(entry, uid, keep):
+            if _unlink(entry):
+                removed.append(name)
+            continue
         m = _NAME.match(name)
         if m is None or (keep and name.startswith(keep)):
             continue
@@ -250,6 +255,32 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR, *, keep: str = "") -> list[str
     if removed:
         log.info("swept %d stale shared-memory segment(s): %s", len(removed), ", ".join(removed))
     return removed
+
+
+#: A hidden live marker (``_make_live_marker``'s creation name) older than this, and locked by
+#: nobody, was left by a daemon killed in the microseconds between creating and linking it.
+HIDDEN_MARKER_GRACE_S = 60.0
+
+
+def _stale_hidden_marker(entry: Path, uid: int, keep: str) -> bool:
+    """Whether ``entry`` is a ``.beton-<pid>-<instance>-live`` creation name of this user that
+    nobody holds and that is older than :data:`HIDDEN_MARKER_GRACE_S` (a daemon that is starting
+    holds it, linked, within microseconds; the age keeps a sweep from racing that moment)."""
+    name = entry.name[1:]
+    m = _NAME.match(name)
+    if m is None or m.group(2) is None or name != m.group(0) + LIVE:
+        return False
+    if keep and name.startswith(keep):
+        return False
+    try:
+        st = entry.lstat()
+    except OSError:
+        return False
+    if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+        return False
+    if time.time() - st.st_mtime < HIDDEN_MARKER_GRACE_S:
+        return False
+    return _marker_held(entry) is False
 
 
 def _unlink(entry: Path) -> bool:
