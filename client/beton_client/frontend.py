@@ -359,13 +359,16 @@ def check_args(
         errors.spec: an argument is out of range or of the wrong type.
     """
     spec = errors.spec
-    if not is_int(batch_size) or not 1 <= batch_size <= MAX_BATCH_SIZE:
+    for name, value in (("batch_size", batch_size), ("batches_ahead", batches_ahead)):
+        if not is_int(value):
+            raise spec(f"{name} must be an int, not {short_repr(value)} ({type(value).__name__})")
+    if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise spec(
             f"batch_size {short_repr(batch_size)} is out of range: use an int in "
             f"1..{MAX_BATCH_SIZE} (the daemon also refuses batches larger than its slot "
             "memory allows)"
         )
-    if not is_int(batches_ahead) or not 1 <= batches_ahead <= MAX_BATCHES_AHEAD:
+    if not 1 <= batches_ahead <= MAX_BATCHES_AHEAD:
         raise spec(
             f"batches_ahead {short_repr(batches_ahead)} is out of range: use an int in "
             f"1..{MAX_BATCHES_AHEAD}"

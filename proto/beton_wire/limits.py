@@ -53,6 +53,7 @@ import json
 import math
 import operator
 import os
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -77,6 +78,8 @@ __all__ = [
     "MAX_WORLD_SIZE",
     "cap_message",
     "human_bytes",
+    "indices_outside",
+    "no_such_field",
     "parse_params",
     "short_repr",
     "workers_out_of_range",
@@ -138,6 +141,26 @@ def cap_message(message: str, limit: int = MAX_ERROR_CHARS) -> str:
     if len(message) <= limit:
         return message
     return f"{message[:limit]}... ({len(message) - limit} more characters cut)"
+
+
+def indices_outside(num_samples: int, lo: int, hi: int) -> str:
+    """The message for ``indices`` with values outside ``[0, num_samples)``, from ``lo`` to
+    ``hi`` (the in-process Loader and the daemon say the same)."""
+    return (
+        f"indices must be integer sample ids in [0, {num_samples}); got values from "
+        f"{short_repr(lo)} to {short_repr(hi)}"
+    )
+
+
+def no_such_field(key: str, field_names: Sequence[str]) -> str:
+    """The message for a ``pipelines`` key that names no field of the file (``field_names``,
+    in file order) and is not a ``PipelineSpec`` (the in-process Loader and the daemon say the
+    same)."""
+    return (
+        f"pipelines[{short_repr(key)}]: no field is named {short_repr(key)} (fields: "
+        f"{list(field_names)}); to add an output, use PipelineSpec(source=<field name or op>, "
+        "transforms=[...])"
+    )
 
 
 def workers_out_of_range(value: object, below_one: str) -> str | None:

@@ -193,7 +193,7 @@ class _FakeOp:
     ("kwargs", "cls", "words"),
     [
         ({"fname_or_dataset": "nope"}, SpecError, ["unknown dataset 'nope'", "mixed_fields"]),
-        ({"pipelines": {"colour": [IntDecoder()]}}, SpecError, ["no field 'colour'"]),
+        ({"pipelines": {"colour": [IntDecoder()]}}, SpecError, ["no field is named 'colour'"]),
         ({"pipelines": {"int": [_FakeOp("NoSuchOp", {})]}}, SpecError, ["NoSuchOp"]),
         (
             {"pipelines": {"int": [_FakeOp("NDArrayDecoder", {"bogus": 1})]}},

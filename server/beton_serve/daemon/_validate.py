@@ -24,6 +24,8 @@ from beton_wire.limits import (
     MAX_BATCHES_AHEAD,
     MAX_INDICES,
     MAX_WORLD_SIZE,
+    indices_outside,
+    no_such_field,
     short_repr,
 )
 from beton_wire.slots import SlotLayout, slot_layout
@@ -124,6 +126,8 @@ def _check_pipelines(req: StreamRequest, ds: Dataset) -> None:
                     f"pipeline {short_repr(p.name)} branches from pipeline "
                     f"{short_repr(p.branch_of)}, which this request does not have"
                 )
+        elif fld not in names and p.field in (None, "", p.name):
+            raise SpecError(no_such_field(p.name, [n for n, _ in ds.fields]))
         elif fld not in names:
             raise SpecError(
                 f"dataset {ds.name!r} has no field {short_repr(fld)}; its fields are "
@@ -145,5 +149,4 @@ def _check_indices(indices: tuple[int, ...] | NDArray[np.uint64], num_samples: i
         raise SpecError(f"indices must be integers, not {ids.dtype}")
     outside = (ids < 0) | (ids >= num_samples) if ids.dtype.kind == "i" else (ids >= num_samples)
     if outside.any():
-        bad = ids[outside][:5].tolist()
-        raise SpecError(f"indices {bad} are outside the dataset's {num_samples} samples")
+        raise SpecError(indices_outside(num_samples, int(ids.min()), int(ids.max())))

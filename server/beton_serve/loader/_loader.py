@@ -53,7 +53,7 @@ from beton_client.frontend import (
     check_args,
     gc_paused,
 )
-from beton_wire.limits import short_repr, usable_cpus
+from beton_wire.limits import indices_outside, usable_cpus
 from beton_wire.loader_state import batch_rows, samples_per_rank
 
 from beton_serve._batchmem import batch_empty
@@ -164,9 +164,7 @@ class EngineBackend:
         else:
             if int(args.indices.max()) >= n:
                 raise SpecError(
-                    f"indices must be integer sample ids in [0, {n}); got values from "
-                    f"{short_repr(int(args.indices.min()))} to "
-                    f"{short_repr(int(args.indices.max()))}"
+                    indices_outside(n, int(args.indices.min()), int(args.indices.max()))
                 )
             self.indices = args.indices
         return self.indices

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from beton_wire.limits import no_such_field
+
 from beton_serve.errors import SpecError
 from beton_serve.pipeline._boundary import ModuleWrapper, ToTensor
 from beton_serve.pipeline.operation import Operation
@@ -128,10 +130,7 @@ def build_graph(
         if key in field_names:
             continue
         if not isinstance(raw, PipelineSpec):
-            raise SpecError(
-                f"pipelines[{key!r}]: no field is named {key!r} (fields: {list(field_names)}); "
-                f"to add an output, use PipelineSpec(source=<field name or op>, transforms=[...])"
-            )
+            raise SpecError(no_such_field(key, list(field_names)))
         specs.append((key, raw, False))
 
     seen: dict[int, str] = {}
