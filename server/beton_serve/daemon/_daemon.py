@@ -241,6 +241,7 @@ class Daemon:
         files = FilePolicy.build(
             enabled=open_on_demand, data_roots=data_roots, idle_close_s=idle_close_s
         )
+        streams = StreamTable(unattached_timeout_s=unattached_timeout_s)
         return cls(
             datasets=table,
             backend=backend,
@@ -249,13 +250,20 @@ class Daemon:
             facts=facts,
             factories=fac,
             plans=plans,
-            opener=DatasetOpener(table, backend, files, plans, verify_checksums=verify_checksums),
+            opener=DatasetOpener(
+                table,
+                backend,
+                files,
+                plans,
+                verify_checksums=verify_checksums,
+                busy=lambda: {id(s.dataset) for s in streams},
+            ),
             stats_book=StatsBook(workers=workers),
             sharing=sharing_registry(share_max_lag, share_retain) if share else None,
             bad_sample_budget=max(0, int(bad_sample_budget)),
             max_ring_bytes=ring_budget(max_ring_bytes),
             cuda_pending=cuda_pending,
-            streams=StreamTable(unattached_timeout_s=unattached_timeout_s),
+            streams=streams,
         )
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,10 @@ from beton_serve.daemon._backend import Backend
 from beton_serve.daemon._health import FileWatch
 from beton_serve.errors import ConfigError, FormatError, SpecError, UnknownDataset
 
-__all__ = ["Dataset", "DatasetTable", "expand_dataset_args"]
+__all__ = ["Dataset", "DatasetTable", "Visible", "expand_dataset_args"]
+
+#: Which datasets a peer may see: the others are neither found nor listed to it.
+Visible = Callable[["Dataset"], bool]
 
 
 @dataclass(kw_only=True)
@@ -71,6 +74,13 @@ class Dataset:
     custom: tuple[str, ...] = ()
     #: When its last stream ended (monotonic seconds; ``None`` while it has streams).
     idle_since: float | None = None
+    #: Where its files were when opened, symlinks resolved, from the mapped descriptors (what
+    #: the data roots are checked against: ``FilePolicy.serve_refusal``).
+    real_paths: tuple[str, ...] = ()
+    #: Served to every peer that reaches the daemon: a dataset it was started with, or one
+    #: read with custom field classes over such a dataset's files. A file opened on demand is
+    #: served only to the peers that may open it (``FilePolicy``).
+    open_to_all: bool = True
     _extra: dict[str, Any] = field(default_factory=dict)
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -229,6 +239,26 @@ class DatasetTable:
     def _open(
         self, name: str, paths: list[str], custom_fields: Mapping[str, type] | None = None
     ) -> Dataset:
+        """Open ``paths`` as one dataset whose mapped files, identities and watched files are
+        the same files: a file replaced by rename while it is opened (each of them opens the
+        path) is opened again, and after :data:`OPEN_TRIES` tries it is an error."""
+        for _ in range(OPEN_TRIES - 1):
+            ds = self._open_once(name, paths, custom_fields)
+            if _consistent(ds):
+                return ds
+            _close_dataset(ds)
+        ds = self._open_once(name, paths, custom_fields)
+        if _consistent(ds):
+            return ds
+        _close_dataset(ds)
+        raise SpecError(
+            f"dataset {name!r}: {', '.join(paths)} kept being replaced while the daemon opened it "
+            f"({OPEN_TRIES} tries); open it again once it is in place"
+        )
+
+    def _open_once(
+        self, name: str, paths: list[str], custom_fields: Mapping[str, type] | None = None
+    ) -> Dataset:
         b = self._backend
         readers: list[Any] = []
         try:
@@ -261,19 +291,31 @@ class DatasetTable:
             watch=FileWatch(paths),
             files=tuple(_identity(p) for p in paths),
             custom=tuple(sorted(f"{k}={_class_path(v)}" for k, v in (custom_fields or {}).items())),
+            real_paths=tuple(
+                getattr(r, "real_path", None) or os.path.realpath(p)
+                for p, r in zip(paths, readers, strict=True)
+            ),
         )
 
     def find_file(
-        self, file: FileIdentity, *, same_host: bool, custom: tuple[str, ...] = ()
+        self,
+        file: FileIdentity,
+        *,
+        same_host: bool,
+        custom: tuple[str, ...] = (),
+        visible: Visible | None = None,
     ) -> Dataset | None:
         """The served dataset whose one file *is* ``file`` (by identity), opened with the custom
         field classes ``custom`` (sorted ``name=module:qualname``), or ``None``.
+
+        Args:
+            visible: the datasets this peer may see (``None``: all); the others are not found.
 
         Raises:
             SpecError: ``file`` is one shard of a sharded dataset (open it by name).
         """
         for ds in self._by_name.values():
-            if ds.custom != custom:
+            if ds.custom != custom or (visible is not None and not visible(ds)):
                 continue
             for i, ident in enumerate(ds.files):
                 if not ident.same_file(file, same_host=same_host):
@@ -287,7 +329,13 @@ class DatasetTable:
         return None
 
     def resolve(
-        self, name: str, file: FileIdentity | None, *, same_host: bool, why_not_open: str = ""
+        self,
+        name: str,
+        file: FileIdentity | None,
+        *,
+        same_host: bool,
+        why_not_open: str = "",
+        visible: Visible | None = None,
     ) -> Dataset:
         """The dataset a client asked for: by ``name``, or, when it named a file, the dataset
         whose file *is* that file (see the module docstring); never one with the same stem.
@@ -295,6 +343,8 @@ class DatasetTable:
         Args:
             why_not_open: when the file is not served, why the daemon did not open it on demand
                 (added to the message).
+            visible: the datasets this peer may see (``None``: all); the others are neither
+                found nor listed.
 
         Raises:
             SpecError: no served dataset has that name or file; the file is one shard of a
@@ -302,21 +352,25 @@ class DatasetTable:
                 message names both paths).
         """
         if file is None:
-            return self.get(name)
-        found = self.find_file(file, same_host=same_host)
+            return self.get(name, visible)
+        found = self.find_file(file, same_host=same_host, visible=visible)
         if found is not None:
             return found
         how = "device, inode, size and mtime" if same_host else "size and content fingerprint"
         note = f" ({why_not_open})" if why_not_open else ""
         other = self._by_name.get(name)
-        if other is not None:
+        if other is not None and (visible is None or visible(other)):
             theirs = ", ".join(f.describe() for f in other.files)
             raise SpecError(
                 f"this Loader names {file.describe()}, but the daemon's dataset {name!r} is another "
                 f"file: {theirs} ({how} differ){note}. Serve the file you mean (beton-serve "
                 f"{_short(file.path)}), or open the daemon's dataset by its name"
             )
-        served = "; ".join(f"{d.name!r}: {', '.join(d.paths)}" for d in self._by_name.values())
+        served = "; ".join(
+            f"{d.name!r}: {', '.join(d.paths)}"
+            for d in self._by_name.values()
+            if visible is None or visible(d)
+        )
         raise SpecError(
             f"this daemon does not serve {file.describe()} (compared by {how}){note}; it serves "
             f"{served}. Serve the file (beton-serve {_short(file.path)}) or open a served "
@@ -336,13 +390,14 @@ class DatasetTable:
         paths = [path] if isinstance(path, str) else list(path)
         ds = self._open(Path(paths[0]).stem, paths, custom_fields)
         ds.on_demand = True
+        ds.open_to_all = False  # the opener says otherwise for a variant of such a dataset
         return ds
 
     def find_variant(self, paths: Sequence[str], custom: tuple[str, ...]) -> Dataset | None:
         """The dataset over exactly ``paths`` opened with the custom classes ``custom``."""
-        want = [os.path.realpath(p) for p in paths]
+        want = [_real(p) for p in paths]
         for ds in self._by_name.values():
-            if ds.custom == custom and [os.path.realpath(p) for p in ds.paths] == want:
+            if ds.custom == custom and [_real(p) for p in ds.paths] == want:
                 return ds
         return None
 
@@ -366,15 +421,14 @@ class DatasetTable:
             self._retired[ds.name] = ds.counts()
         _close_dataset(ds)
 
-    def get(self, name: str) -> Dataset:
+    def get(self, name: str, visible: Visible | None = None) -> Dataset:
         """The dataset called ``name``; raises ``UnknownDataset`` (a ``SpecError``) listing the
-        served names."""
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise UnknownDataset(
-                f"unknown dataset {short_repr(name)}; this daemon serves {sorted(self._by_name)}"
-            ) from None
+        served names (``visible``: the datasets this peer may see; ``None``: all)."""
+        ds = self._by_name.get(name)
+        if ds is not None and (visible is None or visible(ds)):
+            return ds
+        names = sorted(n for n, d in self._by_name.items() if visible is None or visible(d))
+        raise UnknownDataset(f"unknown dataset {short_repr(name)}; this daemon serves {names}")
 
     def __iter__(self) -> Iterable[Dataset]:  # type: ignore[override]
         return iter(list(self._by_name.values()))
@@ -387,6 +441,34 @@ class DatasetTable:
         for ds in self._by_name.values():
             _close_dataset(ds)
         self._by_name = {}
+
+
+def _real(path: str) -> str:
+    """``realpath``, or the path as given when it changes while resolved (``EINVAL``)."""
+    try:
+        return os.path.realpath(path)
+    except OSError:
+        return os.path.abspath(path)
+
+
+#: How many times a dataset whose files are replaced while it is opened is opened again.
+OPEN_TRIES = 3
+
+
+def _consistent(ds: Dataset) -> bool:
+    """Whether the files ``ds`` maps, identifies and watches are one file each (a reader of a
+    test backend without ``identity`` counts as consistent)."""
+    watched = ds.watch.watched() if ds.watch is not None else {}
+    for p, r, ident in zip(ds.paths, ds.readers, ds.files, strict=True):
+        mapped = getattr(r, "identity", None)
+        if mapped is None:
+            continue
+        if tuple(mapped) != (ident.device, ident.inode, ident.size, ident.mtime_ns):
+            return False
+        w = watched.get(p)
+        if w is not None and w != tuple(mapped):
+            return False
+    return True
 
 
 def _close_dataset(ds: Dataset) -> None:

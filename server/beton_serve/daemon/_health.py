@@ -113,6 +113,17 @@ class FileWatch:
                 log.error("dataset %s: %s %s; its streams are ended", dataset, path, why)
                 raise FormatError(*self.broken)
 
+    def watched(self) -> dict[str, tuple[int, int, int, int]]:
+        """``path -> (device, inode, size, mtime_ns)`` of each watched file, as opened."""
+        out: dict[str, tuple[int, int, int, int]] = {}
+        for path, fd, size, mtime in self._files:
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                continue
+            out[path] = (st.st_dev, st.st_ino, size, mtime)
+        return out
+
     def close(self) -> None:
         """Close the descriptors (idempotent)."""
         files, self._files = self._files, []

@@ -47,7 +47,20 @@ from beton_wire.limits import short_repr
 from beton_serve.daemon._messages import OpRequest
 from beton_serve.errors import SpecError
 
-__all__ = ["CLIENT_OP", "IMPORT_OP", "LOCAL_MARKER", "FilePolicy", "OpImportPolicy", "resolve_ops"]
+__all__ = [
+    "CLIENT_OP",
+    "IMPORT_OP",
+    "LOCAL_MARKER",
+    "MAX_OPEN_ON_DEMAND",
+    "FilePolicy",
+    "OpImportPolicy",
+    "real_path",
+    "resolve_ops",
+]
+
+#: The default :attr:`FilePolicy.max_open`: each open file holds a descriptor and a mapping, and
+#: a client naming file after file must not take the daemon to its descriptor limit.
+MAX_OPEN_ON_DEMAND = 256
 
 #: The wire names of ``beton_serve.pipeline.registry`` (repeated here: the daemon does not import
 #: the pipeline layer; a unit test checks they agree).
@@ -56,6 +69,18 @@ CLIENT_OP = "@client"
 #: The first of an output's ``client_ops`` when the client must run ops of its pipeline itself:
 #: ``(LOCAL_MARKER, {"from": index of the first such op in the sent pipeline, "why": [reasons]})``.
 LOCAL_MARKER = "@local"
+
+
+def real_path(path: str) -> str:
+    """``os.path.realpath(path)``, as a ``SpecError`` when the path changes while it is resolved
+    (a directory swapped for a symlink between its ``lstat`` and ``readlink``: ``EINVAL``)."""
+    try:
+        return os.path.realpath(path)
+    except OSError as exc:
+        raise SpecError(
+            f"cannot resolve {short_repr(path)} ({exc.strerror or exc}): was it being moved? "
+            "open it again once it is in place"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +96,9 @@ class FilePolicy:
     enabled: bool = True
     data_roots: tuple[str, ...] = ()
     idle_close_s: float = 300.0
+    #: At most this many datasets opened on demand at once: beyond it, the ones idle longest are
+    #: closed first, and when every one has a stream, opening another is refused.
+    max_open: int = MAX_OPEN_ON_DEMAND
 
     @classmethod
     def build(cls, *, enabled: bool, data_roots: Sequence[str], idle_close_s: float) -> FilePolicy:
@@ -86,7 +114,25 @@ class FilePolicy:
             return "only .beton files are opened on demand"
         if owner_peer:
             return None
-        real = os.path.realpath(file.path)
+        return self._outside_roots(real_path(file.path))
+
+    def serve_refusal(self, ds: Any, *, owner_peer: bool) -> str | None:
+        """Why dataset ``ds`` may not be served to this peer, or ``None`` when it may.
+
+        A dataset the daemon was started with is served to every peer (``ds.open_to_all``); a
+        file opened on demand only to the daemon's own user and to peers for whom every one of
+        its files, where it was when opened (``ds.real_paths``, from the mapped descriptors),
+        lies under a data root. That the daemon's user opened it does not open it to others.
+        """
+        if owner_peer or getattr(ds, "open_to_all", True):
+            return None
+        for real in ds.real_paths:
+            why = self._outside_roots(real)
+            if why is not None:
+                return why
+        return None
+
+    def _outside_roots(self, real: str) -> str | None:
         for root in self.data_roots:
             if os.path.commonpath([root, real]) == root:
                 return None

@@ -22,13 +22,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from beton_serve.daemon._backend import Backend
-from beton_serve.daemon._datasets import Dataset, DatasetTable
+from beton_serve.daemon._datasets import Dataset, DatasetTable, Visible
 from beton_serve.daemon._messages import StreamRequest
-from beton_serve.daemon._on_demand import FilePolicy, resolve_field_classes
+from beton_serve.daemon._on_demand import FilePolicy, real_path, resolve_field_classes
 from beton_serve.daemon._plans import PlanRegistry
 from beton_serve.errors import SpecError
 
@@ -56,8 +55,11 @@ class DatasetOpener:
         plans: PlanRegistry,
         *,
         verify_checksums: bool = False,
+        busy: Callable[[], set[int]] = set,
     ) -> None:
         self.datasets = datasets
+        #: The ``id`` of every dataset a stream reads now (the daemon's streams).
+        self.busy = busy
         self.backend = backend
         self.files = files
         self.plans = plans
@@ -74,19 +76,24 @@ class DatasetOpener:
             FormatError: the file is invalid.
         """
         if req.custom_fields:
-            return await self._custom_dataset_for(req, same_host)
+            variant = await self._custom_dataset_for(req, same_host)
+            return self._served_to(variant, req)
         f = req.file
+        visible = self._visible(req.owner_peer)
         if f is None:
-            return self.datasets.resolve(req.dataset, None, same_host=same_host)
-        found = self.datasets.find_file(f, same_host=same_host)
+            return self.datasets.resolve(req.dataset, None, same_host=same_host, visible=visible)
+        found = self.datasets.find_file(f, same_host=same_host, visible=visible)
         if found is not None:
             return found
         why = self.files.refusal(f, owner_peer=req.owner_peer)
         if why is not None:
-            return self.datasets.resolve(req.dataset, f, same_host=same_host, why_not_open=why)
-        real = os.path.realpath(f.path)
+            return self.datasets.resolve(
+                req.dataset, f, same_host=same_host, why_not_open=why, visible=visible
+            )
+        real = real_path(f.path)
         fut = self._opening.get(real)
         if fut is None:
+            self._make_room()
             fut = self.plans.on_compile_thread(self._open_sync, real)
             self._opening[real] = fut
             try:
@@ -113,7 +120,60 @@ class DatasetOpener:
                 f"this Loader names {f.describe()}, but the file at that path is now "
                 f"{ds.files[0].describe()} (it was replaced); open it again"
             )
+        return self._served_to(ds, req)
+
+    def _visible(self, owner_peer: bool) -> Visible | None:
+        """The datasets a peer may see (``None``: all, for the daemon's own user)."""
+        if owner_peer:
+            return None
+        files = self.files
+        return lambda ds: files.serve_refusal(ds, owner_peer=False) is None
+
+    def _served_to(self, ds: Dataset, req: StreamRequest) -> Dataset:
+        """``ds``, when this peer may read it: checked on where its files were when opened
+        (from the descriptors), so a path that named a file inside a data root when checked
+        but another one when opened (a directory swapped for a symlink) is refused."""
+        why = self.files.serve_refusal(ds, owner_peer=req.owner_peer)
+        if why is not None:
+            log.warning(
+                "refused dataset %s to a peer that may not read it: %s (was a path under a "
+                "data root changed while it was opened?)",
+                ds.name,
+                why,
+            )
+            raise SpecError(f"this daemon does not serve that file to this client ({why})")
         return ds
+
+    def _make_room(self) -> None:
+        """Before opening another file on demand: close the ones idle longest while
+        :attr:`FilePolicy.max_open` are open; refuse when every one has a stream.
+
+        Raises:
+            SpecError: ``max_open`` files opened on demand, each with a stream.
+        """
+        opened = [ds for ds in self.datasets if ds.on_demand]  # type: ignore[attr-defined]
+        excess = len(opened) + len(self._opening) - self.files.max_open + 1
+        if excess <= 0:
+            return
+        busy = self.busy()
+        idle = sorted(
+            (ds for ds in opened if id(ds) not in busy),
+            key=lambda d: (d.idle_since is None, d.idle_since or 0.0),
+        )
+        for ds in idle[:excess]:
+            self.plans.drop(ds)
+            self.datasets.remove(ds)
+            log.info(
+                "dataset %s closed: %d files are open on demand, the most this daemon keeps",
+                ds.name,
+                self.files.max_open,
+            )
+        if len(idle) < excess:
+            raise SpecError(
+                f"this daemon already has {len(opened)} files opened on demand, each read by a "
+                f"stream (at most {self.files.max_open}); open this file when one of them is done, "
+                "or serve it by name from the start"
+            )
 
     async def _custom_dataset_for(self, req: StreamRequest, same_host: bool) -> Dataset:
         """The dataset ``req`` names, read with its ``custom_fields`` classes: a variant of the
@@ -130,12 +190,15 @@ class DatasetOpener:
         )
         custom = tuple(sorted(f"{k}={c.__module__}:{c.__qualname__}" for k, c in classes.items()))
         f = req.file
+        visible = self._visible(req.owner_peer)
+        open_to_all = False
         if f is None:
-            paths = list(self.datasets.get(req.dataset).paths)
+            base = self.datasets.get(req.dataset, visible)
+            paths, open_to_all = list(base.paths), base.open_to_all
         else:
-            served = self.datasets.find_file(f, same_host=same_host)
+            served = self.datasets.find_file(f, same_host=same_host, visible=visible)
             if served is not None:
-                paths = list(served.paths)
+                paths, open_to_all = list(served.paths), served.open_to_all
             else:
                 why = self.files.refusal(f, owner_peer=req.owner_peer)
                 if why is not None:
@@ -143,12 +206,13 @@ class DatasetOpener:
                         f"this daemon does not serve {f.describe()} and does not open it for this "
                         f"client ({why})"
                     )
-                paths = [os.path.realpath(f.path)]
+                paths = [real_path(f.path)]
         found = self.datasets.find_variant(paths, custom)
         if found is None:
-            key = json.dumps([[os.path.realpath(p) for p in paths], list(custom)])
+            key = json.dumps([[real_path(p) for p in paths], list(custom)])
             fut = self._opening.get(key)
             if fut is None:
+                self._make_room()
                 fut = self.plans.on_compile_thread(self._open_sync, paths, classes)
                 self._opening[key] = fut
                 try:
@@ -158,6 +222,7 @@ class DatasetOpener:
                         del self._opening[key]
                 found = self.datasets.find_variant(paths, custom)
                 if found is None:
+                    opened.open_to_all = open_to_all  # a variant of a dataset every peer reads
                     found = self.datasets.adopt(opened)
                     log.info(
                         "dataset %s opened with custom fields %s: %s",

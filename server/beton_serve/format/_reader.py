@@ -145,6 +145,10 @@ class BetonReader:
                     st.st_size,
                     st.st_mtime_ns,
                 )
+                #: Where the mapped file was when it was opened, symlinks resolved, from the
+                #: descriptor itself (a path checked and then opened again may name another
+                #: file by then: a directory swapped for a symlink in between).
+                self.real_path: str = _descriptor_path(f.fileno(), self.path)
                 if size < HEADER_SIZE:
                     raise FormatError(
                         self.path, 0, f"file is {size} bytes, shorter than the 24-byte header"
@@ -555,3 +559,13 @@ class BetonReader:
             f"BetonReader({self.path!r}, samples={self.num_samples}, "
             f"fields={dict(zip(self.field_names, self.type_ids, strict=True))})"
         )
+
+
+def _descriptor_path(fd: int, path: str) -> str:
+    """The real path of the file open as ``fd`` (``/proc/self/fd``); ``realpath(path)`` where
+    there is no ``/proc``."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+    return target if target.startswith("/") else os.path.realpath(path)

@@ -30,6 +30,7 @@ notice pump, ``daemon._pump``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import logging
@@ -283,6 +284,16 @@ def _stale_hidden_marker(entry: Path, uid: int, keep: str) -> bool:
     return _marker_held(entry) is False
 
 
+def _out_of_descriptors(exc: OSError) -> str:
+    """The hint for a process out of file descriptors (``EMFILE``/``ENFILE``), else ``""``."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return (
+            "; the daemon is out of file descriptors (not of /dev/shm space): raise its limit "
+            "(ulimit -n, LimitNOFILE=) or close streams"
+        )
+    return ""
+
+
 def _unlink(entry: Path) -> bool:
     try:
         entry.unlink()
@@ -304,16 +315,18 @@ def create_segment(path: Path, size: int) -> mmap.mmap:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
-        raise TransportError(f"cannot create shared-memory segment {path}: {exc}") from exc
+        raise TransportError(
+            f"cannot create shared-memory segment {path}: {exc}{_out_of_descriptors(exc)}"
+        ) from exc
     try:
         os.fchmod(fd, 0o600)  # the umask may have narrowed it; never widen beyond 0600
         os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size, mmap.MAP_SHARED)
     except OSError as exc:
         path.unlink(missing_ok=True)
+        hint = _out_of_descriptors(exc) or "; free space in /dev/shm or lower batches_ahead"
         raise TransportError(
-            f"cannot allocate {size} bytes of shared memory for {path} ({exc}); free space in "
-            "/dev/shm or lower batches_ahead"
+            f"cannot allocate {size} bytes of shared memory for {path} ({exc}){hint}"
         ) from exc
     finally:
         os.close(fd)
