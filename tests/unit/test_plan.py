@@ -217,3 +217,41 @@ def test_shared_state_is_filled_once_per_batch_and_passed_last():
     plan = compile_pipelines(FakeReader(), {"image": None, "label": [AddShared()]}, batch_size=4)
     (lab,) = _run(plan, [1, 2, 3])
     np.testing.assert_array_equal(lab[:, 0], [13, 23, 33])
+
+
+class _RaisesInDeclare(Operation):
+    def declare_state_and_memory(self, previous_state):
+        raise RuntimeError("my op's own bug")
+
+    def generate_code(self):
+        return lambda inp, dst: inp
+
+
+class _HalfWidth(Operation):
+    """Declares its input's shape, returns half of it (a user op's bug)."""
+
+    def declare_state_and_memory(self, previous_state):
+        return previous_state, None
+
+    def generate_code(self):
+        def half(inp, dst):
+            return inp[:, :2]
+
+        return half
+
+
+def test_a_user_op_that_fails_its_declaration_is_named() -> None:
+    """It reached a served client as "internal error: RuntimeError" (the daemon logging an
+    ERROR traceback), and in process as a bare RuntimeError."""
+    with pytest.raises(SpecError, match=r"_RaisesInDeclare.*declare_state_and_memory raised "):
+        compile_pipelines(FakeReader(), {"image": [_RaisesInDeclare()]}, batch_size=2)
+
+
+def test_a_batch_of_another_shape_than_declared_is_the_op_s_failure() -> None:
+    from beton_serve.pipeline._plan import OpFailure
+
+    plan = compile_pipelines(FakeReader(), {"image": [_HalfWidth()], "label": None}, batch_size=2)
+    outs = [np.zeros((2, *o.shape), o.dtype) for o in plan.outputs]
+    with pytest.raises(OpFailure, match=r"_HalfWidth.*returned a batch of \(2, 2, 5, 3\)") as info:
+        _run(plan, [1, 2], outs)
+    assert "but declared (2, 4, 5, 3) uint8" in str(info.value)

@@ -556,6 +556,12 @@ class Plan:
             except (ValueError, TypeError) as exc:
                 hint = " (a torch op must come after ToTensor())" if prev.jit_mode else ""
                 raise SpecError(f"{node.name} rejected its input {prev}: {exc}{hint}") from exc
+            except BetonError:
+                raise
+            except Exception as exc:  # the op's own code failed: name it, not "internal error"
+                raise SpecError(
+                    f"{node.name}: declare_state_and_memory raised {type(exc).__name__}: {exc}"
+                ) from exc
             if not isinstance(state, State):
                 raise SpecError(
                     f"{node.name}: declare_state_and_memory must return (State, allocation)"
@@ -922,9 +928,25 @@ class Plan:
                 continue
             dst = outs[i][:n]
             if not (isinstance(res, np.ndarray) and same_array(res, dst)):
-                np.copyto(dst, res, casting="no")
+                try:
+                    np.copyto(dst, res, casting="no")
+                except (ValueError, TypeError) as exc:  # not what the op declared
+                    raise self._undeclared_output(leaf_pos, res, dst, exc) from exc
             out_arrays.append(dst)
         return out_arrays
+
+    def _undeclared_output(self, pos: int, res: Any, dst: np.ndarray, exc: Exception) -> OpFailure:
+        """The failure of the op at ``pos`` whose batch is not the shape or dtype it declared
+        (named, as a failure of that op, instead of numpy's bare copy error)."""
+        node = next(nd for nd in self.nodes if nd.position == pos)
+        got = f"{getattr(res, 'shape', '?')} {getattr(res, 'dtype', type(res).__name__)}"
+        return OpFailure(
+            node,
+            ValueError(
+                f"it returned a batch of {got}, but declared {dst.shape} {dst.dtype} in "
+                f"declare_state_and_memory ({exc})"
+            ),
+        )
 
     def _build_steps(self) -> list[tuple[Any, ...]]:
         """What :meth:`run` calls, in order, with what only a declaration or a compile
