@@ -162,6 +162,7 @@ class RemoteStream:
             # Not a bound method: the reader must not keep this stream alive (see the finalizer).
             on_daemon_lost=lambda index, exc: _log_lost(targets, reader_ref, index, exc),
             discard=_give_back,
+            names=targets,
         )
         reader_ref = weakref.ref(self.reader)
         self._finalizer = weakref.finalize(
@@ -276,8 +277,7 @@ class RemoteEpochFeed:
             # RetryPolicy(after_shutdown=True) waits for replacements.
             why = {getattr(e, "server_error", "") for e in exc.failures.values()}
             raise ServerUnavailable(
-                f"every daemon of the stream failed ({exc}); batch {self.index} of epoch "
-                f"{self.epoch} was not delivered",
+                f"{exc}; batch {self.index} of epoch {self.epoch} was not delivered",
                 code="UNAVAILABLE",
                 server_error=why.pop() if len(why) == 1 else "",
             ) from exc

@@ -128,7 +128,7 @@ def test_all_daemons_dying_raises_with_the_cause() -> None:
     daemons = [FakeDaemon(0, die_after=2), FakeDaemon(1, die_after=1)]
     reader = MultiDaemonReader(daemons)
     got = []
-    with pytest.raises(AllDaemonsLostError, match="all 2 daemons failed") as info:
+    with pytest.raises(AllDaemonsLostError, match="all 2 daemons failed; the last one, #") as info:
         for b in reader.iter_epoch(0, 20):
             got.append(b.index)
     assert isinstance(info.value.__cause__, ConnectionError)
@@ -228,3 +228,11 @@ def test_argument_validation() -> None:
         MultiDaemonReader([FakeDaemon(0)], credits_per_daemon=0)
     with pytest.raises(ValueError):
         list(MultiDaemonReader([FakeDaemon(0)]).iter_epoch(0, 3, start=4))
+
+
+def test_one_daemon_failing_is_named_by_its_address() -> None:
+    """It read "all 1 daemons failed; the last one, 0, with: ..."."""
+    reader = MultiDaemonReader([FakeDaemon(0, die_after=1)], names=["unix:///run/d.sock"])
+    with pytest.raises(AllDaemonsLostError) as info:
+        list(reader.iter_epoch(0, 8))
+    assert str(info.value).startswith("the daemon unix:///run/d.sock failed: ")

@@ -156,6 +156,7 @@ class MultiDaemonReader(Generic[T]):
         on_daemon_lost: called as ``on_daemon_lost(index, exc)`` when a daemon is declared dead.
         discard: called on batches received but never delivered (when the consumer stops early),
             e.g. to give their buffers back; default: nothing.
+        names: each daemon's address, for messages (default: ``#index``).
     """
 
     def __init__(
@@ -165,12 +166,14 @@ class MultiDaemonReader(Generic[T]):
         credits_per_daemon: int = 2,
         on_daemon_lost: Callable[[int, BaseException], None] | None = None,
         discard: Callable[[T], None] | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         if not links:
             raise ValueError("at least one daemon link is needed")
         if credits_per_daemon < 1:
             raise ValueError("credits_per_daemon must be >= 1")
         self._links = list(links)
+        self._names = list(names) if names is not None else [f"#{i}" for i in range(len(links))]
         self._credits = credits_per_daemon
         self._on_lost = on_daemon_lost
         self._discard: Callable[[T], None] = discard or _keep
@@ -237,10 +240,13 @@ class MultiDaemonReader(Generic[T]):
         if self._on_lost is not None:
             self._on_lost(d, exc)
         if not self._alive:
-            raise AllDaemonsLostError(
-                f"all {len(self._links)} daemons failed; the last one, {d}, with: {exc}",
-                self._failures,
-            ) from exc
+            name = self._names[d] if d < len(self._names) else f"#{d}"
+            text = (
+                f"the daemon {name} failed: {exc}"
+                if len(self._links) == 1
+                else f"all {len(self._links)} daemons failed; the last one, {name}, with: {exc}"
+            )
+            raise AllDaemonsLostError(text, self._failures) from exc
 
     def iter_epoch(self, epoch: int, num_batches: int, start: int = 0) -> Iterator[T]:
         """Yield batches ``start .. num_batches-1`` of ``epoch`` in order, each exactly once.
