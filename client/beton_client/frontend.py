@@ -596,16 +596,11 @@ class FrontEnd:
             raise self._errors.spec(
                 f"next_epoch must be an int in 0..{MAX_EPOCH}, not {short_repr(epoch)}"
             )
-        prev = self._current() if self._current is not None else None
-        if prev is not None:
-            if not prev.done:
-                prev.cut_short = (
-                    RuntimeError,
-                    f"when iter() on its Loader started epoch {int(epoch)}: a Loader yields one "
-                    "epoch at a time (finish or leave an epoch before starting the next, or use "
-                    "one Loader per consumer)",
-                )
-            prev.close()
+        self._stop_current(
+            f"when iter() on its Loader started epoch {int(epoch)}: a Loader yields one "
+            "epoch at a time (finish or leave an epoch before starting the next, or use "
+            "one Loader per consumer)"
+        )
         plans = self._split()
         feed = self._feed_accepting(feed, plans)
         self._plans = plans
@@ -621,6 +616,15 @@ class FrontEnd:
         self._position = (epoch, start)
         self._current = ref
         return it
+
+    def _stop_current(self, why: str) -> None:
+        """Close the latest epoch's iterator; if its epoch was not finished, its next ``next()``
+        raises ``RuntimeError`` saying it stopped ``why``."""
+        prev = self._current() if self._current is not None else None
+        if prev is not None:
+            if not prev.done:
+                prev.cut_short = (RuntimeError, why)
+            prev.close()
 
     def _feed_accepting(self, feed: Feed, plans: Sequence[PipelinePlan]) -> Feed:
         """``feed``, or a re-opened one when it cannot run ``plans`` (an op's parameters
@@ -691,15 +695,10 @@ class FrontEnd:
             raise self._errors.spec(str(exc)) from None
         busy = self._take_busy()
         try:
-            prev = self._current() if self._current is not None else None
-            if prev is not None:
-                if not prev.done:
-                    prev.cut_short = (
-                        RuntimeError,
-                        f"when load_state_dict() moved its Loader to epoch {epoch}, batch "
-                        f"{batch}: iter(loader) goes on from there",
-                    )
-                prev.close()
+            self._stop_current(
+                f"when load_state_dict() moved its Loader to epoch {epoch}, batch {batch}: "
+                "iter(loader) goes on from there"
+            )
             self._current = None
             self.next_epoch, self._resume_batch = epoch, batch
             self._position = None

@@ -46,6 +46,14 @@ class _Plans:
         return None
 
 
+def _run(go: Any, table: DatasetTable, plans: _Plans) -> None:
+    try:
+        asyncio.run(go())
+    finally:
+        table.close()
+        plans.pool.shutdown()
+
+
 def _req(path: Path | None = None, *, owner: bool, dataset: str = "") -> Any:
     f = FileIdentity.of(path) if path is not None else None
     return SimpleNamespace(
@@ -97,11 +105,7 @@ def test_a_file_the_owner_opened_stays_closed_to_other_peers(tree: SimpleNamespa
         inside = await opener.dataset_for(_req(tree.inside, owner=False), same_host=True)
         assert await opener.dataset_for(_req(owner=False, dataset="x"), True) is inside
 
-    try:
-        asyncio.run(go())
-    finally:
-        table.close()
-        plans.pool.shutdown()
+    _run(go, table, plans)
 
 
 def test_a_directory_swapped_for_a_symlink_while_opening_is_refused(
@@ -127,11 +131,7 @@ def test_a_directory_swapped_for_a_symlink_while_opening_is_refused(
         with pytest.raises(UnknownDataset):
             await opener.dataset_for(_req(owner=False, dataset="x"), same_host=True)
 
-    try:
-        asyncio.run(go())
-    finally:
-        table.close()
-        plans.pool.shutdown()
+    _run(go, table, plans)
 
 
 def test_the_mapped_file_decides_not_the_path_that_was_checked(tree: SimpleNamespace) -> None:
@@ -157,11 +157,7 @@ def test_the_mapped_file_decides_not_the_path_that_was_checked(tree: SimpleNames
         with pytest.raises(UnknownDataset):  # adopted for its owner, hidden from this peer
             await opener.dataset_for(_req(owner=False, dataset="x"), same_host=True)
 
-    try:
-        asyncio.run(go())
-    finally:
-        table.close()
-        plans.pool.shutdown()
+    _run(go, table, plans)
 
 
 def test_a_file_replaced_while_opened_is_opened_again(
@@ -211,8 +207,4 @@ def test_files_opened_on_demand_are_bounded(tree: SimpleNamespace) -> None:
         with pytest.raises(SpecError, match=r"already has 2 files opened on demand"):
             await opener.dataset_for(_req(files[3], owner=False), True)
 
-    try:
-        asyncio.run(go())
-    finally:
-        table.close()
-        plans.pool.shutdown()
+    _run(go, table, plans)
