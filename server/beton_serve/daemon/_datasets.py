@@ -74,6 +74,8 @@ class Dataset:
     custom: tuple[str, ...] = ()
     #: When its last stream ended (monotonic seconds; ``None`` while it has streams).
     idle_since: float | None = None
+    #: When it was last handed to a request (monotonic seconds; ``DatasetOpener``).
+    handed_at: float = -float("inf")
     #: Where its files were when opened, symlinks resolved, from the mapped descriptors (what
     #: the data roots are checked against: ``FilePolicy.serve_refusal``).
     real_paths: tuple[str, ...] = ()

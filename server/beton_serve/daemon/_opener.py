@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from beton_serve.daemon._backend import Backend
@@ -34,6 +35,10 @@ from beton_serve.errors import SpecError
 __all__ = ["DatasetOpener"]
 
 log = logging.getLogger("beton_serve.daemon")
+
+#: A dataset handed to a request is not closed to make room for this long: its stream is
+#: registered (and counted as busy) only once its plan is built.
+HANDOUT_GRACE_S = 10.0
 
 
 class DatasetOpener:
@@ -75,6 +80,12 @@ class DatasetOpener:
             SpecError: unknown dataset, a file the peer may not open, or a replaced file.
             FormatError: the file is invalid.
         """
+        ds = await self._dataset_for(req, same_host)
+        # Its stream is not registered yet: _make_room leaves it open for a while.
+        ds.handed_at = time.monotonic()
+        return ds
+
+    async def _dataset_for(self, req: StreamRequest, same_host: bool) -> Dataset:
         if req.custom_fields:
             variant = await self._custom_dataset_for(req, same_host)
             return self._served_to(variant, req)
@@ -156,8 +167,9 @@ class DatasetOpener:
         if excess <= 0:
             return
         busy = self.busy()
+        now = time.monotonic()
         idle = sorted(
-            (ds for ds in opened if id(ds) not in busy),
+            (ds for ds in opened if id(ds) not in busy and now - ds.handed_at >= HANDOUT_GRACE_S),
             key=lambda d: (d.idle_since is None, d.idle_since or 0.0),
         )
         for ds in idle[:excess]:
@@ -171,8 +183,8 @@ class DatasetOpener:
         if len(idle) < excess:
             raise SpecError(
                 f"this daemon already has {len(opened)} files opened on demand, each read by a "
-                f"stream (at most {self.files.max_open}); open this file when one of them is done, "
-                "or serve it by name from the start"
+                f"stream or just handed to one (at most {self.files.max_open}); open this file "
+                "when one of them is done, or serve it by name from the start"
             )
 
     async def _custom_dataset_for(self, req: StreamRequest, same_host: bool) -> Dataset:
