@@ -35,8 +35,8 @@ def report(raw: Path, under: str, top: int = 30) -> None:
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        if len(frames) < 2 or "worker" not in frames[0]:
-            continue
+        if len(frames) < 2 or "worker" not in frames[0] or not count.isdigit():
+            continue  # another thread's, or a line py-spy wrote that is not a sample
         n = int(count)
         total += n
         names = [re.sub(r" \(.*?\)$", "", f) for f in frames[1:]]

@@ -46,6 +46,98 @@ def test_priority_zero_runs_first_and_promote():
     assert order == ["prefetch-b", "waited", "prefetch-a"]
 
 
+class _Owner:
+    """A stand-in submitter (the share is by owner identity)."""
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_an_owner_at_its_share_is_passed_over_for_another_owners_task():
+    """Two workers, a slow owner A holding both, a fast owner B arriving: the first worker that
+    frees runs B's tasks, even prefetch ones behind A's waited-for task, and A keeps one worker
+    while B has work; once B is done, A gets both workers again (work-conserving)."""
+    slow, fast = _Owner(), _Owner()
+    gates = [threading.Event() for _ in range(5)]
+    running: set[int] = set()
+    log: list[str] = []
+    lock = threading.Lock()
+
+    def a_task(i: int) -> None:
+        with lock:
+            running.add(i)
+            log.append(f"a{i}")
+        gates[i].wait(10)
+        with lock:
+            running.discard(i)
+
+    def b_task(i: int) -> None:
+        with lock:
+            log.append(f"b{i}")
+
+    with Engine(2) as eng:
+        a = [eng.submit(a_task, i, owner=slow) for i in range(2)]
+        _wait_for(lambda: running == {0, 1})
+        a += [eng.submit(a_task, i, priority=0, owner=slow) for i in (2, 3, 4)]
+        b = [eng.submit(b_task, i, priority=1, owner=fast) for i in range(3)]
+        gates[0].set()  # one worker frees: B's three tasks run there, A's wait
+        for t in b:
+            t.future.result(10)
+        assert log[:5] == ["a0", "a1", "b0", "b1", "b2"]
+        _wait_for(lambda: 2 in running)  # then A's next, on that worker
+        assert running == {1, 2}  # both workers are A's again: nothing else is queued
+        for g in gates:
+            g.set()
+        for t in a:
+            t.future.result(10)
+        assert eng.tasks_done == 8
+        assert eng._queue._owners == {}  # every count went back to zero
+
+
+def test_one_owner_or_tasks_without_one_get_every_worker():
+    for owner in (None, _Owner()):
+        gate = threading.Event()
+        started = threading.Semaphore(0)
+
+        def task(started: threading.Semaphore, gate: threading.Event) -> None:
+            started.release()
+            gate.wait(10)
+
+        with Engine(3) as eng:
+            tasks = [eng.submit(task, started, gate, owner=owner) for _ in range(3)]
+            for _ in range(3):  # all three run at once
+                assert started.acquire(timeout=10)
+            gate.set()
+            for t in tasks:
+                t.future.result(10)
+
+
+def test_a_promoted_task_and_closed_queues_leave_no_owner_counted():
+    owner = _Owner()
+    gate = threading.Event()
+    with Engine(1) as eng:
+        eng.submit(gate.wait, 5, owner=owner)
+        _wait_for(lambda: eng.queue_depth == 0)
+        waiting = eng.submit(int, 1, owner=owner)
+        waiting.promote()  # two entries; one is skipped by its worker
+        queued = eng.submit(int, 2, owner=_Owner())
+        gate.set()
+        assert waiting.future.result(10) == 1
+        assert queued.future.result(10) == 2
+        _wait_for(lambda: eng._queue._owners == {})
+        gate.clear()
+        eng.submit(gate.wait, 5, owner=owner)
+        _wait_for(lambda: eng.queue_depth == 0)
+        left = eng.submit(int, 3, owner=owner)
+        threading.Timer(0.2, gate.set).start()
+    assert left.future.cancelled()
+    assert eng._queue._owners == {}
+
+
 def test_dead_worker_is_replaced():
     def die():
         raise SystemExit("boom")

@@ -1,10 +1,19 @@
 """The shared worker pool: nogil threads fed by one priority queue.
 
-Data structure: a ``queue.PriorityQueue`` of ``(priority, sequence, task)``. Lower priorities run
-first; ``sequence`` keeps FIFO order within a priority. Priority 0 means a consumer is blocked on
-this task right now; prefetch work uses 1. A queued task can be promoted to 0
-(:meth:`Task.promote`): a second entry is queued and whichever entry a worker pops first runs
-the task, the other is skipped.
+Data structure: a heap of ``(priority, sequence, task)`` (:class:`_Scheduler`). Lower
+priorities run first; ``sequence`` keeps FIFO order within a priority. Priority 0 means a
+consumer is blocked on this task right now; prefetch work uses 1. A queued task can be promoted
+to 0 (:meth:`Task.promote`): a second entry is queued and whichever entry a worker pops first
+runs the task, the other is skipped.
+
+Fair share between owners: a task may name its *owner* (a batch source: one Loader or one
+daemon stream). While several owners have work queued or running, an owner already running
+``ceil(num_workers / owners)`` tasks is passed over for another owner's task, whatever the
+priorities. Without it, a stream whose batches are slow (a custom op of a second per sample)
+held every worker, and each batch of a fast client waited for one of its batches to end (a
+running Numba kernel cannot be interrupted): a plain client took 15-97 s for 8 tiny batches.
+The pool stays work-conserving: when every queued task belongs to an owner at its share, the
+best of them runs anyway, so a single Loader or stream still gets every worker.
 
 Why threads, not processes (DESIGN.md §5.1, measured in ``benchmarks/bench_engine_scaling.py``
 and recorded in ``benchmarks/RESULTS.md``): every op runs either as Numba ``nogil`` code or as a
@@ -51,10 +60,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import heapq
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
@@ -85,15 +94,32 @@ _STOP_PRIORITY = float("inf")
 class Task:
     """One unit of work. ``future`` completes with the function's result or exception."""
 
-    __slots__ = ("_claimed", "_engine", "_running", "args", "deaths", "fn", "future", "seq")
+    __slots__ = (
+        "_claimed",
+        "_engine",
+        "_running",
+        "args",
+        "deaths",
+        "fn",
+        "future",
+        "owner",
+        "seq",
+    )
 
     def __init__(
-        self, engine: Engine, seq: int, fn: Callable[..., Any], args: tuple[Any, ...]
+        self,
+        engine: Engine,
+        seq: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        owner: int | None = None,
     ) -> None:
         self._engine = engine
         self.seq = seq
         self.fn = fn
         self.args = args
+        #: ``id()`` of the submitter whose share this task counts in (see the module docstring).
+        self.owner = owner
         self.future = BatchFuture()
         self._claimed = False
         self._running = False
@@ -120,6 +146,120 @@ class Task:
 
     def __lt__(self, other: Task) -> bool:  # only reached on equal (priority, seq): never
         return self.seq < other.seq
+
+
+#: A queue entry: ``(priority, sequence, task)``; a ``None`` task (at :data:`_STOP_PRIORITY`)
+#: tells a worker to exit.
+_Entry = tuple[float, int, Any]
+
+
+class _Scheduler:
+    """The pool's queue: a heap of entries under one lock, popped by the workers with the fair
+    share between owners of the module docstring.
+
+    Counts per owner (keyed by ``id``, so that the scheduler keeps no submitter alive): entries
+    queued and tasks taken by a worker and not yet :meth:`finished`. An owner with neither is
+    dropped, and the owners listed are the ones that share the workers. A promoted task has two
+    entries; the one popped second is skipped by its worker, which still calls
+    :meth:`finished`, so the counts stay exact.
+    """
+
+    __slots__ = ("_heap", "_lock", "_owners", "_ready", "workers")
+
+    def __init__(self, workers: int) -> None:
+        self.workers = max(1, int(workers))
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._heap: list[_Entry] = []
+        self._owners: dict[int, list[int]] = {}  # id -> [entries queued, tasks running]
+
+    def put(self, entry: _Entry) -> None:
+        """Queue ``entry`` and wake one worker."""
+        with self._lock:
+            heapq.heappush(self._heap, entry)
+            owner = None if entry[2] is None else entry[2].owner
+            if owner is not None:
+                counts = self._owners.get(owner)
+                if counts is None:
+                    self._owners[owner] = [1, 0]
+                else:
+                    counts[0] += 1
+            self._ready.notify()
+
+    def get(self) -> _Entry:
+        """The next entry to run (blocks while the queue is empty)."""
+        with self._lock:
+            while not self._heap:
+                self._ready.wait()
+            return self._take()
+
+    def take_all(self) -> list[_Entry]:
+        """Every queued entry, in priority order; the queue is left empty."""
+        with self._lock:
+            entries = sorted(self._heap)
+            self._heap = []
+            for counts in self._owners.values():
+                counts[0] = 0
+            self._owners = {k: c for k, c in self._owners.items() if c[1]}
+            return entries
+
+    def finished(self, task: Task, busy_s: float, engine: Engine) -> None:
+        """``task``, taken by :meth:`get`, is over (run, or skipped); count ``busy_s`` of work
+        on ``engine`` (under this lock: one lock per task for both)."""
+        with self._lock:
+            if busy_s >= 0.0:
+                engine.tasks_done += 1
+                engine.busy_s += busy_s
+            owner = task.owner
+            if owner is not None:
+                counts = self._owners.get(owner)
+                if counts is not None:
+                    counts[1] -= 1
+                    if counts[1] <= 0 and counts[0] <= 0:
+                        del self._owners[owner]
+
+    def qsize(self) -> int:
+        """Queued entries (a promoted task counts twice until it runs)."""
+        with self._lock:
+            return len(self._heap)
+
+    def _take(self) -> _Entry:
+        heap = self._heap
+        owners = self._owners
+        task = heap[0][2]
+        index = 0
+        if task is not None and task.owner is not None and len(owners) > 1:
+            share = -(-self.workers // len(owners))
+            if owners[task.owner][1] >= share:
+                index = _best_within(heap, owners, share)
+        if index == 0:
+            entry = heapq.heappop(heap)
+        else:
+            entry = heap[index]
+            last = heap.pop()
+            if index < len(heap):
+                heap[index] = last
+                heapq.heapify(heap)
+        task = entry[2]
+        if task is not None and task.owner is not None:
+            counts = owners[task.owner]
+            counts[0] -= 1
+            counts[1] += 1
+        return entry
+
+
+def _best_within(heap: list[_Entry], owners: dict[int, list[int]], share: int) -> int:
+    """The index of the first entry (priority, then sequence) whose task has no owner or an
+    owner running fewer than ``share`` tasks; 0 (the heap's top) when there is none."""
+    best = 0
+    found: _Entry | None = None
+    for i, entry in enumerate(heap):
+        task = entry[2]
+        if task is not None and task.owner is not None and owners[task.owner][1] >= share:
+            continue
+        if found is None or entry[:2] < found[:2]:
+            best, found = i, entry
+    return best
 
 
 class Demand:
@@ -183,7 +323,7 @@ class Engine:
         self.num_workers = int(num_workers)
         self.join_timeout = float(join_timeout)
         self.max_task_retries = max(0, int(max_task_retries))
-        self._queue: queue.PriorityQueue[tuple[float, int, Any]] = queue.PriorityQueue()
+        self._queue = _Scheduler(self.num_workers)
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._names = itertools.count()
@@ -245,6 +385,7 @@ class Engine:
     def _run_task(self, task: Task) -> bool:
         """Run ``task`` if this worker claims it; ``False`` when the worker must exit."""
         if not task.claim():
+            self._queue.finished(task, -1.0, self)
             return True
         t0 = time.perf_counter()
         try:
@@ -262,9 +403,7 @@ class Engine:
             task.future.set_result(result)
             del result
         finally:
-            with self._lock:
-                self.tasks_done += 1
-                self.busy_s += time.perf_counter() - t0
+            self._queue.finished(task, time.perf_counter() - t0, self)
         return True
 
     def _worker_died(self, task: Task, exc: BaseException) -> None:
@@ -323,11 +462,7 @@ class Engine:
         """Empty the queue: cancel each queued task's future, or fail it with ``exc`` (a
         re-queued task's future already runs and can no longer be cancelled; ``None``: with a
         ``PipelineError`` saying the engine closed)."""
-        while True:
-            try:
-                priority, _, task = self._queue.get_nowait()
-            except queue.Empty:
-                return
+        for priority, _, task in self._queue.take_all():
             if priority == _STOP_PRIORITY:
                 continue
             with self._lock:
@@ -342,16 +477,22 @@ class Engine:
             else:
                 _fail_future(task.future, exc)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 1) -> Task:
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, priority: int = 1, owner: object = None
+    ) -> Task:
         """Queue ``fn(*args)``; returns the :class:`Task` (its ``future`` holds the result).
+
+        ``owner`` (a batch source, say) is whose share of the workers the task counts in
+        (module docstring); ``None``: no one's, the task is never passed over.
 
         Raises:
             BetonError: the engine is closed.
         """
+        key = None if owner is None else id(owner)
         with self._lock:
             if self._closed:
                 raise BetonError("the engine is closed; create a new Engine")
-            task = Task(self, next(self._seq), fn, args)
+            task = Task(self, next(self._seq), fn, args, key)
         self._queue.put((int(priority), task.seq, task))
         return task
 
@@ -448,7 +589,7 @@ def _after_fork_in_child() -> None:
     parent's threads may have held them at the fork; they are replaced, not acquired)."""
     for engine in list(_live):
         engine._lock = threading.Lock()
-        engine._queue = queue.PriorityQueue()
+        engine._queue = _Scheduler(engine.num_workers)
         engine._threads = []
         engine._closed = True
     _live.clear()

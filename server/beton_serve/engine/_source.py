@@ -327,7 +327,7 @@ class BatchSource:
         parts = want if (want > 1 and self.plan.sliceable and n >= 2 * want) else 1
         if parts == 1:  # the common case: the task's own future is the batch's future
             task = self.engine.submit(
-                self._run, epoch, ids, 0, n, out, keys, held, found, priority=priority
+                self._run, epoch, ids, 0, n, out, keys, held, found, priority=priority, owner=self
             )
             task.future.tasks.append(task)
             task.future.add_done_callback(_forget_tasks)
@@ -374,6 +374,7 @@ class BatchSource:
                 held,
                 found,
                 priority=priority,
+                owner=self,
             )
             tasks.append(task)
             task.future.add_done_callback(functools.partial(done, part=s))
