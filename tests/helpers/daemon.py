@@ -74,12 +74,12 @@ class DaemonProcess:
         """Every file of this daemon under /dev/shm: rings and the notice socket."""
         return sorted(p.name for p in SHM.glob(f"beton-{self.pid}-*"))
 
-    def stats(self):
-        """The Stats RPC's reply."""
+    def stats(self, address: str | None = None):
+        """The Stats RPC's reply (asked at ``address``: default, the Unix socket)."""
         from beton_wire.v1 import beton_pb2 as pb
         from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-        with grpc.insecure_channel(self.address) as ch:
+        with grpc.insecure_channel(address or self.address) as ch:
             return pb_grpc.BetonServeStub(ch).Stats(pb.StatsRequest(), timeout=5)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:

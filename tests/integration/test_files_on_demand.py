@@ -90,6 +90,16 @@ def test_tcp_clients_open_files_only_under_a_data_root(daemon_factory, tmp_path:
             _labels_served(str(path), tcp)
     # The daemon's own user on the Unix socket may open it.
     assert _labels_served(str(outside), d.address) == _labels_in_process(outside)
+    # ... and the Stats RPC names it, its streams and its counters to that user alone.
+    pipes = {"vec": [NDArrayDecoder(), ToTensor()], "label": [IntDecoder(), ToTensor()]}
+    with ServedLoader(str(outside), BATCH, pipelines=pipes, server=d.address, spawn=False) as ld:
+        next(iter(ld))  # a stream open on it while the stats are asked
+        mine, theirs = d.stats(), d.stats(tcp)
+    assert {x.name for x in mine.datasets} == {"served", "inside", "outside"}
+    assert "outside" in {s.dataset for s in mine.streams}
+    assert {x.name for x in theirs.datasets} == {"served", "inside"}
+    assert "outside" not in {s.dataset for s in theirs.streams}
+    assert "outside" not in str(theirs)
 
 
 def test_a_file_opened_on_demand_is_closed_when_idle_and_reopened(

@@ -552,9 +552,13 @@ class Daemon:
         """Streams accepted over the daemon's life."""
         return self.streams.opened
 
-    def stats(self) -> DaemonStats:
-        """A consistent snapshot (call on the event-loop thread)."""
+    def stats(self, *, owner_peer: bool = True) -> DaemonStats:
+        """A consistent snapshot (call on the event-loop thread). For a peer other than the
+        daemon's own user (``owner_peer=False``: a TCP client), only the datasets it may open
+        are listed, with their streams and decode groups: a file the daemon's user opened on
+        demand is not named to other peers."""
         return self.stats_book.snapshot(
+            visible=self.opener.visible_to(owner_peer),
             streams=self.streams,
             datasets=self.all_datasets(),
             plans=self.plans.compiled(),

@@ -90,7 +90,7 @@ class DatasetOpener:
             variant = await self._custom_dataset_for(req, same_host)
             return self._served_to(variant, req)
         f = req.file
-        visible = self._visible(req.owner_peer)
+        visible = self.visible_to(req.owner_peer)
         if f is None:
             return self.datasets.resolve(req.dataset, None, same_host=same_host, visible=visible)
         found = self.datasets.find_file(f, same_host=same_host, visible=visible)
@@ -133,7 +133,7 @@ class DatasetOpener:
             )
         return self._served_to(ds, req)
 
-    def _visible(self, owner_peer: bool) -> Visible | None:
+    def visible_to(self, owner_peer: bool) -> Visible | None:
         """The datasets a peer may see (``None``: all, for the daemon's own user)."""
         if owner_peer:
             return None
@@ -173,12 +173,8 @@ class DatasetOpener:
             key=lambda d: (d.idle_since is None, d.idle_since or 0.0),
         )
         for ds in idle[:excess]:
-            self.plans.drop(ds)
-            self.datasets.remove(ds)
-            log.info(
-                "dataset %s closed: %d files are open on demand, the most this daemon keeps",
-                ds.name,
-                self.files.max_open,
+            self._close(
+                ds, f"({self.files.max_open} files are open on demand, the most this daemon keeps)"
             )
         if len(idle) < excess:
             raise SpecError(
@@ -202,7 +198,7 @@ class DatasetOpener:
         )
         custom = tuple(sorted(f"{k}={c.__module__}:{c.__qualname__}" for k, c in classes.items()))
         f = req.file
-        visible = self._visible(req.owner_peer)
+        visible = self.visible_to(req.owner_peer)
         open_to_all = False
         if f is None:
             base = self.datasets.get(req.dataset, visible)
@@ -278,6 +274,10 @@ class DatasetOpener:
             if ds.idle_since is None:
                 ds.idle_since = now
             elif now - ds.idle_since >= self.files.idle_close_s:
-                self.plans.drop(ds)
-                self.datasets.remove(ds)
-                log.info("dataset %s closed after %.0f s unused", ds.name, now - ds.idle_since)
+                self._close(ds, f"after {now - ds.idle_since:.0f} s unused")
+
+    def _close(self, ds: Dataset, why: str) -> None:
+        """Close ``ds``, opened on demand, and its plans; log ``why``."""
+        self.plans.drop(ds)
+        self.datasets.remove(ds)
+        log.info("dataset %s closed %s", ds.name, why)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from beton_serve.daemon._backend import EngineLike, PlanLike
@@ -49,17 +49,26 @@ class StatsBook:
         engine: EngineLike | None,
         max_ring_bytes: int = 0,
         ring_bytes: int = 0,
+        visible: Callable[[Dataset], bool] | None = None,
     ) -> DaemonStats:
-        """A snapshot of the daemon made of these parts (``plans``: the compiled ones)."""
+        """A snapshot of the daemon made of these parts (``plans``: the compiled ones).
+
+        ``visible``: the datasets the asking peer may see (``None``: all). The others, their
+        streams and their decode groups are left out of the rows; the totals (memory, queue,
+        utilisation) still count them.
+        """
         from beton_serve.pipeline import workspace_memory
 
         now = time.monotonic()
         buffers = workspace_memory()
+        shown = [s for s in streams if visible is None or visible(s.dataset)]
+        if visible is not None:
+            datasets = [d for d in datasets if visible(d)]
         return DaemonStats(
             pid=os.getpid(),
             uptime_s=now - self.started,
             workers=self.workers,
-            streams=tuple(_stream_row(s, now) for s in streams),
+            streams=tuple(_stream_row(s, now) for s in shown),
             datasets=tuple((d.name, d.samples_decoded, d.batches_decoded) for d in datasets),
             shm_bytes=sum(s.ring.nbytes() for s in streams),
             compiled_plans=len(plans),
@@ -69,7 +78,7 @@ class StatsBook:
             workers_replaced=0 if engine is None else int(engine.workers_replaced),
             bad_samples=tuple((d.name, d.bad_samples) for d in datasets),
             op_seconds=_op_seconds(plans),
-            decode_groups=_decode_groups(),
+            decode_groups=_decode_groups(None if visible is None else datasets),
             max_ring_bytes=max_ring_bytes,
             ring_bytes=ring_bytes,
             buffer_bytes=buffers.live_bytes,
@@ -116,10 +125,16 @@ def _op_seconds(plans: Sequence[PlanLike]) -> tuple[tuple[str, float, int], ...]
     return tuple((op, s, int(n)) for op, (s, n) in sorted(total.items()))
 
 
-def _decode_groups() -> tuple[DecodeGroupRow, ...]:
-    """The process's decode groups (``fields.decode_cache``; imported only when asked)."""
+def _decode_groups(datasets: Sequence[Dataset] | None) -> tuple[DecodeGroupRow, ...]:
+    """The process's decode groups (``fields.decode_cache``; imported only when asked): all
+    of them, or those of ``datasets``' files."""
+    from beton_serve.engine import dataset_identity
     from beton_serve.fields.decode_cache import default_decode_cache
 
+    groups = default_decode_cache().stats()
+    if datasets is not None:
+        idents = {dataset_identity(d.reader) for d in datasets} - {None}
+        groups = [g for g in groups if g.dataset in idents]
     return tuple(
         DecodeGroupRow(
             dataset=g.label or g.dataset[:12],
@@ -135,5 +150,5 @@ def _decode_groups() -> tuple[DecodeGroupRow, ...]:
             live_bytes=g.bytes,
             waits=g.waits,
         )
-        for g in default_decode_cache().stats()
+        for g in groups
     )

@@ -7,6 +7,7 @@ daemon and the in-process Loader.
 
 from __future__ import annotations
 
+from beton_serve.engine._decode_groups import dataset_identity
 from beton_serve.engine._future import BatchFuture, Releasable, SourceCaps, ids_or
 from beton_serve.engine._pool import Demand, Engine, Task
 from beton_serve.engine._source import BadSample, BatchSource, delivered_ids
@@ -31,6 +32,7 @@ __all__ = [
     "SourceCaps",
     "Task",
     "TraversalOrder",
+    "dataset_identity",
     "delivered_ids",
     "distributed_rank_world",
     "epoch_length",

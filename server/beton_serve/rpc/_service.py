@@ -82,7 +82,8 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> Any:
         try:
-            return stats_message(self.daemon.stats())
+            peer = peer_credentials(context.peer())
+            return stats_message(self.daemon.stats(owner_peer=peer.source == "unix socket"))
         except Exception as exc:
             await _abort(context, exc)
 
