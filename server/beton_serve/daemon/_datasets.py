@@ -30,6 +30,7 @@ from beton_wire.limits import short_repr
 
 from beton_serve.daemon._backend import Backend
 from beton_serve.daemon._health import FileWatch
+from beton_serve.daemon._on_demand import real_path
 from beton_serve.errors import ConfigError, FormatError, SpecError, UnknownDataset
 
 __all__ = ["Dataset", "DatasetTable", "Visible", "expand_dataset_args"]
@@ -396,10 +397,16 @@ class DatasetTable:
         return ds
 
     def find_variant(self, paths: Sequence[str], custom: tuple[str, ...]) -> Dataset | None:
-        """The dataset over exactly ``paths`` opened with the custom classes ``custom``."""
-        want = [_real(p) for p in paths]
+        """The dataset over exactly ``paths`` opened with the custom classes ``custom``: its
+        files, where they were when opened (:attr:`Dataset.real_paths`), are ``paths`` with
+        symlinks resolved.
+
+        Raises:
+            SpecError: a path changed while it was resolved (``_on_demand.real_path``).
+        """
+        want = tuple(real_path(p) for p in paths)
         for ds in self._by_name.values():
-            if ds.custom == custom and [_real(p) for p in ds.paths] == want:
+            if ds.custom == custom and ds.real_paths == want:
                 return ds
         return None
 
@@ -443,14 +450,6 @@ class DatasetTable:
         for ds in self._by_name.values():
             _close_dataset(ds)
         self._by_name = {}
-
-
-def _real(path: str) -> str:
-    """``realpath``, or the path as given when it changes while resolved (``EINVAL``)."""
-    try:
-        return os.path.realpath(path)
-    except OSError:
-        return os.path.abspath(path)
 
 
 #: How many times a dataset whose files are replaced while it is opened is opened again.
