@@ -283,6 +283,7 @@ class DaemonBackend:
         tls: tuple[str | None, str | None, str | None],
         socket_owner: int | None,
         reconnect: RetryPolicy,
+        connect_timeout: float = 10.0,
         spawn_args: tuple[str, str] | None,
         custom_fields: Sequence[str],
         owner: object,
@@ -298,6 +299,11 @@ class DaemonBackend:
         self._tls = tls
         self.socket_owner = socket_owner
         self.reconnect_policy = reconnect
+        # gRPC's minimum connection-attempt deadline is this channel argument (default 20 s)
+        self._channel_options = (
+            *_CHANNEL_OPTIONS,
+            ("grpc.min_reconnect_backoff_ms", max(1, round(connect_timeout * 1000))),
+        )
         #: ``(socket, file)`` when this Loader may (re)spawn its daemon (also on reconnect).
         self._spawn_args = spawn_args
         self._custom_fields = list(custom_fields)
@@ -347,7 +353,7 @@ class DaemonBackend:
             cert_file=cert,
             key_file=key,
             token=self.token,
-            options=_CHANNEL_OPTIONS,
+            options=self._channel_options,
         )
 
     # -- the Backend protocol ----------------------------------------------------------------
@@ -689,6 +695,15 @@ class Loader(FrontEnd):
             problem = socket_path_problem(path)
             if problem is not None:
                 raise SpecError(problem)
+        connect_timeout = opts.connect_timeout
+        if (
+            isinstance(connect_timeout, bool)
+            or not isinstance(connect_timeout, (int, float))
+            or not 0 < connect_timeout <= 3600  # NaN fails too
+        ):
+            raise SpecError(
+                f"connect_timeout must be seconds in (0, 3600], not {short_repr(connect_timeout)}"
+            )
         sock = socket_path_of(first)
         spawn_args = None
         if opts.spawn and sock is not None and is_file:
@@ -705,6 +720,7 @@ class Loader(FrontEnd):
             tls=(opts.tls_ca, opts.tls_cert, opts.tls_key),
             socket_owner=None if socket_owner is None else int(socket_owner),
             reconnect=policy,
+            connect_timeout=float(connect_timeout),
             spawn_args=spawn_args,
             custom_fields=_custom_field_specs(args.custom_fields),
             owner=self,

@@ -63,6 +63,11 @@ class ServeOptions:
             socket and for ``server=`` alike; a socket of anyone else raises
             :class:`~beton_client.errors.UntrustedSocketError`. Name another user's uid here to
             trust a daemon that user runs.
+        connect_timeout: seconds one connection attempt may take, TCP or TLS handshake
+            included, before it counts as failed (gRPC's own default is 20 s). An address that
+            accepts connections but never answers (a stopped or wedged daemon, a wrong port)
+            then fails with :class:`~beton_client.errors.ServerUnavailable` after about this
+            long, and ``reconnect`` retries in steps of it.
     """
 
     server: str | Sequence[str] | None = None
@@ -75,6 +80,7 @@ class ServeOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     socket_owner: int | None = None
+    connect_timeout: float = 10.0
 
 
 #: The Loader keywords that are fields of :class:`ServeOptions` (deprecated as keywords).

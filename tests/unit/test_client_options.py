@@ -109,3 +109,33 @@ def test_gRPC_address_lists_and_socket_paths_may_hold_commas(server: str) -> Non
     from beton_client._loader import _server_list
 
     assert _server_list(server, "auto") == ([server], server)
+
+
+@pytest.mark.timeout(60)
+def test_an_address_that_never_answers_fails_after_connect_timeout() -> None:
+    """A port that accepts connections and never speaks gRPC (a stopped daemon, a wrong
+    service) took gRPC's own 20 s connection deadline, plus a retry, to fail."""
+    import socket
+    import time
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        serve = ServeOptions(
+            server=f"127.0.0.1:{port}", spawn=False, reconnect=NO_RETRY, connect_timeout=1.0
+        )
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="no beton-serve daemon answers"):
+            Loader("images_jpg", batch_size=8, serve=serve)
+        assert time.monotonic() - start < 12.0  # a functional bound: the default took 21.5 s
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), 7200, "5", True, None])
+def test_connect_timeout_must_be_positive_seconds(bad: object) -> None:
+    with pytest.raises(SpecError, match="connect_timeout must be seconds"):
+        Loader(
+            "images_jpg",
+            batch_size=8,
+            serve=ServeOptions(server=NOWHERE, spawn=False, connect_timeout=bad),  # type: ignore[arg-type]
+        )
