@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -249,6 +250,40 @@ def test_rgb_pil_input() -> None:
     assert np.array_equal(rgb_mod.to_rgb_array(img), arr[..., :3])
     gray = Image.fromarray(arr[..., 0], mode="L")
     assert np.array_equal(rgb_mod.to_rgb_array(gray)[..., 2], arr[..., 0])
+
+
+class _WidePilImage:
+    """A PIL-like image of more than 8 bits per channel (PIL's ``convert("RGB")`` clips one
+    to 0/255, or zeros a 0..1 float image)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def convert(self, mode: str) -> np.ndarray:
+        return np.full((2, 2, 3), 255, np.uint8)  # what PIL returns: no error, wrong pixels
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I", "F"])
+def test_wide_pil_images_are_refused_not_clipped(mode: str) -> None:
+    """A 16-bit PNG opened with PIL was stored as pixels of 0 and 255 with no error; FFCV
+    refuses it (its array is not uint8), and so does the same data given as an array."""
+    with pytest.raises(ValueError, match=f"PIL image mode '{re.escape(mode)}' has more than 8"):
+        rgb_mod.to_rgb_array(_WidePilImage(mode))
+    with pytest.raises(ValueError, match="more than 8 bits"):
+        RGBImageField().prepare(_WidePilImage(mode))
+
+
+def test_a_float_max_resolution_is_used_as_given_like_ffcv() -> None:
+    """``max_resolution=100.5`` was truncated to 100 first: a 52x102 image came out 50x100,
+    where FFCV's ``100.5 / 102`` ratio stores 51x100."""
+    field = RGBImageField("raw", max_resolution=100.5)
+    prepared = field.prepare(np.zeros((52, 102, 3), np.uint8))
+    ratio = 100.5 / 102
+    assert (prepared.height, prepared.width) == (int(ratio * 52), int(ratio * 102)) == (51, 100)
+    assert RGBImageField(max_resolution=256.0).max_resolution == 256  # integral stays int
+    for bad in (0, 0.5, -3, float("nan"), float("inf"), True, (256, 256), "256"):
+        with pytest.raises(ValueError, match="max_resolution must be"):
+            RGBImageField(max_resolution=bad)  # type: ignore[arg-type]
 
 
 def test_max_resolution_rule_matches_ffcv() -> None:

@@ -7,7 +7,9 @@ the argument blob, so the write options are not recoverable from a file.
 
 Encoding one image (what FFCV 1.0.2 does, plus the documented conversions):
 
-1. Input conversion. A PIL image is converted with ``img.convert("RGB")``. A ``uint8`` array may
+1. Input conversion. A PIL image is converted with ``img.convert("RGB")``; modes of more than 8
+   bits per channel (``I``, ``I;16*``, ``F``) raise ``ValueError``, as their uint16/int32/float
+   arrays do in FFCV (``convert`` would clip them). A ``uint8`` array may
    be ``(H, W)`` or ``(H, W, 1)`` (grayscale: the channel is replicated to R, G and B),
    ``(H, W, 3)`` (RGB, taken as is) or ``(H, W, 4)`` (RGBA: the alpha channel is dropped, colour
    channels are kept unchanged, as PIL's ``convert("RGB")`` does). Anything else raises
@@ -29,6 +31,7 @@ Encoding one image (what FFCV 1.0.2 does, plus the documented conversions):
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -57,7 +60,14 @@ class _Prepared(NamedTuple):
 def to_rgb_array(value: Any) -> NDArray[np.uint8]:
     """Apply the input conversion rule of the module docstring; returns ``(H, W, 3)`` uint8."""
     if hasattr(value, "convert") and hasattr(value, "mode") and not isinstance(value, np.ndarray):
-        value = value.convert("RGB")  # a PIL image
+        mode = str(value.mode)  # a PIL image
+        if mode in ("I", "F") or mode.startswith("I;"):
+            # convert("RGB") clips these to 0/255 (or zeros a 0..1 float image) without a word
+            raise ValueError(
+                f"PIL image mode {mode!r} has more than 8 bits per channel; scale it to 8-bit "
+                "(mode 'L' or 'RGB') first (FFCV refuses it too: it needs uint8)"
+            )
+        value = value.convert("RGB")
     arr = np.asarray(value)
     if arr.dtype != np.uint8:
         raise ValueError(f"images must be uint8 arrays, got {arr.dtype}")
@@ -74,7 +84,17 @@ def to_rgb_array(value: Any) -> NDArray[np.uint8]:
     )
 
 
-def resize_to_max(image: NDArray[np.uint8], max_resolution: int | None) -> NDArray[np.uint8]:
+def _max_resolution(value: Any) -> float:
+    """``max_resolution`` as FFCV uses it (the number as given: ``100.5`` keeps its half), or
+    ``ValueError`` for anything but a finite number >= 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"max_resolution must be a number >= 1 or None, got {value!r}")
+    if not math.isfinite(float(value)) or value < 1:
+        raise ValueError(f"max_resolution must be a finite number >= 1, got {value!r}")
+    return int(value) if float(value).is_integer() else float(value)
+
+
+def resize_to_max(image: NDArray[np.uint8], max_resolution: float | None) -> NDArray[np.uint8]:
     """FFCV's ``max_resolution`` rule (never upscales; INTER_AREA)."""
     if max_resolution is None:
         return image
@@ -106,7 +126,8 @@ class RGBImageField(Field):
 
     Args:
         write_mode: ``'raw'``, ``'jpg'``, ``'smart'`` or ``'proportion'``.
-        max_resolution: maximum side length after resizing, or ``None``.
+        max_resolution: maximum side length after resizing (a number >= 1, used as given in
+            FFCV's ratio, so a float stays a float), or ``None``.
         smart_threshold: ``smart`` mode stores JPEG iff ``H*W*3 > smart_threshold``.
         jpeg_quality: 0..100, passed to OpenCV.
         compress_probability: probability of JPEG in ``proportion`` mode.
@@ -118,21 +139,21 @@ class RGBImageField(Field):
     def __init__(
         self,
         write_mode: str = "raw",
-        max_resolution: int | None = None,
+        max_resolution: float | None = None,
         smart_threshold: int | None = None,
         jpeg_quality: int = 90,
         compress_probability: float = 0.5,
     ) -> None:
         if write_mode not in _MODES:
             raise ValueError(f"write_mode must be one of {_MODES}, got {write_mode!r}")
-        if max_resolution is not None and int(max_resolution) < 1:
-            raise ValueError(f"max_resolution must be a positive int, got {max_resolution!r}")
+        if max_resolution is not None:
+            max_resolution = _max_resolution(max_resolution)
         if not 0 <= int(jpeg_quality) <= 100:
             raise ValueError(f"jpeg_quality must be in [0, 100], got {jpeg_quality}")
         if not 0.0 <= float(compress_probability) <= 1.0:
             raise ValueError(f"compress_probability must be in [0, 1], got {compress_probability}")
         self.write_mode = write_mode
-        self.max_resolution = None if max_resolution is None else int(max_resolution)
+        self.max_resolution = max_resolution
         self.smart_threshold = smart_threshold
         self.jpeg_quality = int(jpeg_quality)
         self.compress_probability = float(compress_probability)
