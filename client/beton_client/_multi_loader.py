@@ -155,6 +155,10 @@ class RemoteStream:
         #: False while an epoch was started and neither ended nor drained.
         self.complete = True
         self.closed = False
+        #: The batch an epoch stopped early was still showing (``_hold_over``): its buffer is
+        #: given back only when the next epoch starts, so that the batches drained meanwhile
+        #: are not decoded into memory the caller may still read.
+        self._held_over: list[Any] = [None]
         targets = [d.target for d in self.daemons]
         self.reader: MultiDaemonReader[DecodedBatch] = MultiDaemonReader(
             [StreamLink(d.stream, timeout=RECEIVE_TIMEOUT_S) for d in self.daemons],
@@ -186,7 +190,8 @@ class RemoteStream:
         )
 
     def epoch(self, epoch: int, start: int = 0) -> RemoteEpochFeed:
-        """``epoch`` from batch ``start``."""
+        """``epoch`` from batch ``start`` (the batch the previous epoch held is now free)."""
+        _release_held(self._held_over)
         return RemoteEpochFeed(self, epoch, start)
 
     def charge(self, epoch: int, skipped: Sequence[Skipped]) -> None:
@@ -215,6 +220,7 @@ class RemoteStream:
         if not self.closed:
             self.closed = True
             self._finalizer()
+            _release_held(self._held_over)
             if self._owner_finalizer is not None:
                 self._owner_finalizer.detach()
 
@@ -257,7 +263,9 @@ class RemoteEpochFeed:
         self._gen: Generator[Any, None, None] = stream.reader.iter_epoch(  # type: ignore[assignment]
             epoch, stream.num_batches, start
         )
-        self._finalizer = weakref.finalize(self, owner_only(_release_held), self._held)
+        self._finalizer = weakref.finalize(
+            self, owner_only(_hold_over), self._held, stream._held_over
+        )
 
     def release(self) -> None:
         _release_held(self._held)
@@ -312,8 +320,10 @@ class RemoteEpochFeed:
         self.stream.complete = True
 
     def close(self) -> None:
-        """Stop early: release the held batch and drain what the daemons still owe."""
-        self.release()
+        """Stop early and drain what the daemons still owe. The batch last returned stays
+        intact until the stream's next epoch starts (``x, y = next(iter(loader))`` closes the
+        epoch at once, and the drained batches must not land in its buffer), as with shm."""
+        _hold_over(self._held, self.stream._held_over)
         self.done = True
         self._gen.close()
 
@@ -322,6 +332,14 @@ def _give_back(batch: DecodedBatch) -> None:
     """A batch received but never delivered: its buffer goes back to the pool."""
     if batch.release is not None:
         batch.release()
+
+
+def _hold_over(box: list[Any], over: list[Any]) -> None:
+    """Move the batch in ``box`` to the stream's ``over`` box (freeing the one there)."""
+    held, box[0] = box[0], None
+    if held is not None:
+        _release_held(over)
+        over[0] = held
 
 
 def _release_held(box: list[Any]) -> None:

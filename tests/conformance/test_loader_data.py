@@ -504,6 +504,39 @@ def test_a_batch_is_overwritten_only_after_the_loaders_next_iter(
                 )
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", ["close", "drop", "break"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_outlives_the_epoch_it_came_from_until_the_next_iter(
+    data: Path, daemon: DaemonProcess, backend: str, stop: str
+) -> None:
+    """``x, y = next(iter(loader))`` drops the epoch's iterator at once. Over gRPC its close
+    gave the batch's buffer back and then drained the batches still in flight into it: the
+    batch held showed another batch's samples (batch 2's, with batches_ahead 3), no error."""
+    import gc
+    import time
+
+    case = Case(data, daemon, order="RANDOM", seed=8, drop_last=False)
+    with case.loader("inproc") as ref:
+        want = epochs(ref, 2)
+    with case.loader(backend) as ld:
+        if stop == "close":
+            it = iter(ld)
+            held = next(it)
+            it.close()
+        elif stop == "drop":
+            held = next(iter(ld))
+            gc.collect()
+        else:
+            for batch in ld:
+                held = batch
+                break
+        time.sleep(0.2)  # the drained batches arrive meanwhile
+        assert_same_batches([snap(held)], [want[0][0]], f"{backend}, {stop}: the batch held")
+        # the next epoch starts from its own first batch, then may reuse the held buffer
+        assert_same_epochs([epoch(iter(ld))], [want[1]], f"{backend}, {stop}: the next epoch")
+
+
 # -- resume -------------------------------------------------------------------------------------
 #: Every checkpoint-on-one, resume-on-another pair, and in-process on its own.
 PAIRS: list[Any] = [("inproc", "inproc")] + [
