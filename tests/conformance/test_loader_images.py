@@ -229,6 +229,40 @@ def test_progressive_resizing_between_epochs(
     assert_same_epochs(got, want, f"{backend} vs in-process")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_op_parameter_changed_between_epochs_takes_effect_on_every_backend(
+    beton: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """``flip.flip_prob = 1.0`` between epochs: a daemon's stream was re-opened with the new
+    value while the in-process Loader kept the compiled one, so their epoch 1 differed. Each
+    now gives what a Loader built with the new value gives for that epoch."""
+
+    def run(b: str, change: bool) -> list[list]:
+        pipes, _ = image_pipes("torch_image")
+        flip = pipes["image"][1]
+        if not change:
+            flip.flip_prob = 1.0
+        kw = {"batch_size": BATCH, "order": "RANDOM", "seed": 21}
+        with make_loader(b, beton, pipes, address=daemon.address, **kw) as ld:
+            if not change:
+                ld.next_epoch = 1
+                return [epoch(ld)]
+            first = epoch(ld)
+            flip.flip_prob = 1.0
+            return [first, epoch(ld)]
+
+    want = _reference("flip_prob", lambda: _run("inproc", beton, daemon, "torch_image", 1))
+    want_after = _reference("flip_prob_1", lambda: run("inproc", change=False))
+    assert (
+        want_after[0]
+        != _reference(
+            ("tail", "torch_image"), lambda: _run("inproc", beton, daemon, "torch_image", 2)
+        )[1]
+    ), "flip_prob 1.0 changed nothing"
+    got = run(backend, change=True)
+    assert_same_epochs(got, want + want_after, f"{backend}, flip_prob changed before epoch 1")
+
+
 @pytest.mark.parametrize("ahead", [1, 6])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batches_ahead_and_os_cache(

@@ -189,6 +189,31 @@ def test_importable_numba_op_runs_in_the_daemon(dataset, mods, daemon_factory, t
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_op_changed_after_it_was_built_runs_as_changed(dataset, mods, daemon_factory, transport):
+    """``op = Posterize(3); op.bits = 1``: the daemon rebuilt the op from its recorded
+    constructor arguments (3 bits) while the in-process Loader used 1, with no word. The op
+    now runs in the client (route c), as changed, and says why."""
+    ops, _ = mods
+    d = daemon_factory([dataset])
+
+    def pipelines():
+        op = ops.Posterize(3, invert=False)
+        op.bits, op.invert = 1, True
+        return {
+            "image": [SimpleRGBImageDecoder(), op, ToTensor()],
+            "label": [IntDecoder(), ToTensor()],
+        }
+
+    served = _compare(dataset, d.address, transport, pipelines)
+    top_bit = served[0][0] & 0xFE  # 1 bit kept (the low bit is the sample id's parity)
+    assert set(torch.unique(top_bit).tolist()) <= {0, 128}
+    with pytest.raises(NotImplementedError, match=r"Posterize\.bits was changed after the op"):
+        pipelines()["image"][1].import_spec()
+    unchanged = ops.Posterize(3, invert=True)
+    assert unchanged.import_spec()["args"] == [3]  # an op left as built still travels
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_op_the_daemon_cannot_import_runs_in_the_client(
     dataset, mods, daemon_factory, transport, caplog
 ):

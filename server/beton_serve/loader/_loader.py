@@ -52,6 +52,7 @@ from beton_client.frontend import (
     RawBatch,
     check_args,
     gc_paused,
+    pipelines_key,
 )
 from beton_wire.limits import indices_outside, usable_cpus
 from beton_wire.loader_state import batch_rows, samples_per_rank
@@ -260,9 +261,12 @@ class EngineFeed:
         self.num_batches = len(source)
         self.num_samples = num_samples
         self.batch_rows = plan.batch_size
-        #: The ops compiled, by identity: the user changing an op's attributes (progressive
-        #: resizing) is seen by ``plan.refresh``; other ops need a new plan.
+        #: The ops compiled, by identity, and their parameters as compiled: the user changing
+        #: an op's parameters between epochs (``flip_prob``, ``output_size``) makes the next
+        #: ``iter`` build a new plan, as a daemon opens a new stream (``pipelines_key``): the
+        #: generated code reads parameters when it is generated (FFCV's ``recompile=False``).
         self._ops = _identity(plans)
+        self._params = pipelines_key(plans)
         self._slots: list[list[np.ndarray]] | None = None
         self._planned = False
         self._outputs: tuple[OutputInfo, ...] = ()
@@ -328,7 +332,7 @@ class EngineFeed:
         return self._outputs
 
     def accepts(self, plans: Sequence[PipelinePlan]) -> bool:
-        return _identity(plans) == self._ops
+        return _identity(plans) == self._ops and pipelines_key(plans) == self._params
 
     def epoch(self, epoch: int, start: int) -> EngineEpochFeed:
         """Epoch ``epoch`` from batch ``start``.

@@ -96,9 +96,12 @@ class Operation(ABC):
         def __init__(self: Operation, *args: Any, **kw: Any) -> None:
             # Only the constructor the instance's own class resolves to records: a subclass's
             # super().__init__(...) call must not overwrite its caller's arguments.
-            if type(self).__init__ is __init__:
+            own = type(self).__init__ is __init__
+            if own:
                 self.__dict__["_beton_init_args"] = _json_safe_args(args, kw)
             init(self, *args, **kw)
+            if own and self.__dict__.get("_beton_init_args") is not None:
+                self.__dict__["_beton_init_attrs"] = _param_attrs(self, init, args, kw)
 
         __init__._beton_records_args = True  # type: ignore[attr-defined]
         cls.__init__ = __init__  # type: ignore[method-assign]
@@ -186,6 +189,13 @@ class Operation(ABC):
                 f"{name}'s constructor arguments are not JSON-safe (numbers, strings, bools, None, "
                 "lists and dicts of them)"
             )
+        changed = _changed_param_attr(self)
+        if changed is not None:
+            raise NotImplementedError(
+                f"{name}.{changed} was changed after the op was built, and a daemon rebuilds "
+                "the op from its constructor arguments; pass the new value to the constructor "
+                "(a new op) to keep it in the daemon"
+            )
         args, kwargs = recorded
         return {"module": cls.__module__, "qualname": name, "args": args, "kwargs": kwargs}
 
@@ -196,6 +206,63 @@ class Operation(ABC):
             return f"{type(self).__name__}()"
         args = ", ".join(f"{k}={v!r}" for k, v in params.items())
         return f"{type(self).__name__}({args})"
+
+
+#: An attribute :func:`_param_attrs` cannot snapshot (not JSON-safe, not an array).
+_UNKNOWN = object()
+
+
+def _snapshot(value: Any) -> Any:
+    if hasattr(value, "__array__") and hasattr(value, "dtype") and hasattr(value, "copy"):
+        try:
+            return ("array", value.copy())
+        except Exception:
+            return _UNKNOWN
+    try:
+        return ("json", _json_value(value))
+    except (TypeError, RecursionError):
+        return _UNKNOWN
+
+
+def _same(snap: Any, value: Any) -> bool:
+    if snap is _UNKNOWN:
+        return True  # cannot tell: assume unchanged
+    now = _snapshot(value)
+    if now is _UNKNOWN or now[0] != snap[0]:
+        return False
+    if snap[0] == "array":
+        import numpy as np
+
+        a, b = snap[1], now[1]
+        return bool(a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
+    return bool(snap[1] == now[1])
+
+
+def _param_attrs(
+    op: Any, init: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
+) -> Any:
+    """The attributes named like ``init``'s parameters, as the constructor left them: a later
+    change to one (``op.c = 100`` after ``AddConst(5)``) is not in the recorded arguments a
+    daemon rebuilds the op from (:func:`_changed_param_attr`)."""
+    import inspect
+
+    try:
+        names = list(inspect.signature(init).bind(op, *args, **kw).arguments)[1:]
+    except (TypeError, ValueError):
+        return None
+    return {n: _snapshot(op.__dict__[n]) for n in names if n in op.__dict__}
+
+
+def _changed_param_attr(op: Any) -> str | None:
+    """The first attribute named like a constructor parameter whose value changed since the
+    constructor returned, or ``None``."""
+    snaps = op.__dict__.get("_beton_init_attrs")
+    if not snaps:
+        return None
+    for name, snap in snaps.items():
+        if name not in op.__dict__ or not _same(snap, op.__dict__[name]):
+            return name
+    return None
 
 
 def _json_value(value: Any, depth: int = 0) -> Any:
