@@ -211,6 +211,10 @@ def test_an_op_changed_after_it_was_built_runs_as_changed(dataset, mods, daemon_
         pipelines()["image"][1].import_spec()
     unchanged = ops.Posterize(3, invert=True)
     assert unchanged.import_spec()["args"] == [3]  # an op left as built still travels
+    defaulted = ops.Posterize(3)
+    defaulted.invert = True  # a parameter left at its default counts too
+    with pytest.raises(NotImplementedError, match=r"Posterize\.invert was changed"):
+        defaulted.import_spec()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -247,9 +247,11 @@ def _param_attrs(
     import inspect
 
     try:
-        names = list(inspect.signature(init).bind(op, *args, **kw).arguments)[1:]
+        bound = inspect.signature(init).bind(op, *args, **kw)
     except (TypeError, ValueError):
         return None
+    bound.apply_defaults()  # a default the call left out is rebuilt from too
+    names = list(bound.arguments)[1:]
     return {n: _snapshot(op.__dict__[n]) for n in names if n in op.__dict__}
 
 
