@@ -262,6 +262,47 @@ def test_constructor_arguments_are_recorded_when_json_safe():
         script(1).import_spec()
 
 
+class Derived(Operation):
+    """Keeps a value derived from its argument under another name, and a large table."""
+
+    def __init__(self, c, table_size=0):
+        super().__init__()
+        self._twice = 2 * c
+        self._table = np.zeros(table_size, np.float64)
+        self._nan = np.array([np.nan, 1.0])
+        self._opaque = object()  # cannot be compared: counts as unchanged
+
+    def generate_code(self):
+        return lambda inp, dst: inp
+
+    def declare_state_and_memory(self, previous_state):
+        return previous_state, None
+
+
+def test_an_attribute_the_constructor_derived_and_changed_keeps_the_op_out_of_the_daemon():
+    """The daemon rebuilds ``Derived(5)`` with ``_twice == 10``: a changed ``_twice`` must not
+    travel by import, whatever its name; a small or large array changed in place neither."""
+    assert Derived(5).import_spec()["args"] == [5]
+    op = Derived(5)
+    op._twice = 100
+    with pytest.raises(NotImplementedError, match=r"Derived\._twice was changed after the op"):
+        op.import_spec()
+    op = Derived(5)
+    op._nan[1] = 2.0
+    with pytest.raises(NotImplementedError, match=r"Derived\._nan was changed"):
+        op.import_spec()
+    big = Derived(5, table_size=1 << 18)  # 2 MiB: remembered by its digest
+    assert big.import_spec()["kwargs"] == {"table_size": 1 << 18}
+    big._table[12345] = 1.0
+    with pytest.raises(NotImplementedError, match=r"Derived\._table was changed"):
+        big.import_spec()
+    op = Derived(5)
+    op._opaque = object()
+    op.accept_field("handler")  # what the planner sets is not the op's parameter
+    op.accept_globals(np.arange(3), None)
+    assert op.import_spec()["args"] == [5]
+
+
 def test_registry_imports_only_when_the_daemon_allowed_it():
     spec = WithArgs(7, scale=2.0).import_spec()
     with pytest.raises(ServerSpecError, match="not allowed"):

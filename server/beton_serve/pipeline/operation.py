@@ -212,9 +212,21 @@ class Operation(ABC):
 _UNKNOWN = object()
 
 
+#: Arrays above this many bytes are remembered by a digest of their bytes, not a copy.
+_SNAPSHOT_COPY_BYTES = 1 << 20
+
+
 def _snapshot(value: Any) -> Any:
     if hasattr(value, "__array__") and hasattr(value, "dtype") and hasattr(value, "copy"):
         try:
+            if getattr(value, "nbytes", 0) > _SNAPSHOT_COPY_BYTES:
+                import hashlib
+
+                import numpy as np
+
+                a = np.ascontiguousarray(value)
+                digest = hashlib.blake2b(a.view(np.uint8).reshape(-1), digest_size=16).digest()
+                return ("digest", (str(a.dtype), a.shape, digest))
             return ("array", value.copy())
         except Exception:
             return _UNKNOWN
@@ -234,30 +246,47 @@ def _same(snap: Any, value: Any) -> bool:
         import numpy as np
 
         a, b = snap[1], now[1]
-        return bool(a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        try:
+            return bool(np.array_equal(a, b, equal_nan=True))  # a NaN left alone is unchanged
+        except TypeError:  # a dtype without NaN (strings, objects)
+            return bool(np.array_equal(a, b))
     return bool(snap[1] == now[1])
+
+
+#: Attributes the planner sets on every op (``accept_field``, ``accept_globals``): not the op's
+#: parameters, and the daemon sets them on its own copy.
+_PLANNER_ATTRS = frozenset({"metadata", "memory_read", "field"})
 
 
 def _param_attrs(
     op: Any, init: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
 ) -> Any:
-    """The attributes named like ``init``'s parameters, as the constructor left them: a later
-    change to one (``op.c = 100`` after ``AddConst(5)``) is not in the recorded arguments a
-    daemon rebuilds the op from (:func:`_changed_param_attr`)."""
+    """Every attribute as the constructor left it, those named like ``init``'s parameters
+    first: a later change to one (``op.c = 100`` after ``AddConst(5)``, or to a value the
+    constructor derived, ``op._mask = 3``) is not in the recorded arguments a daemon rebuilds
+    the op from (:func:`_changed_param_attr`). ``args`` and ``kw`` order the names only."""
     import inspect
 
     try:
         bound = inspect.signature(init).bind(op, *args, **kw)
+        bound.apply_defaults()  # a default the call left out is rebuilt from too
+        first = list(bound.arguments)[1:]
     except (TypeError, ValueError):
-        return None
-    bound.apply_defaults()  # a default the call left out is rebuilt from too
-    names = list(bound.arguments)[1:]
-    return {n: _snapshot(op.__dict__[n]) for n in names if n in op.__dict__}
+        first = []
+    names = [n for n in first if n in op.__dict__]
+    names += [n for n in op.__dict__ if n not in names]
+    return {
+        n: _snapshot(op.__dict__[n])
+        for n in names
+        if n not in _PLANNER_ATTRS and not n.startswith("_beton_")
+    }
 
 
 def _changed_param_attr(op: Any) -> str | None:
-    """The first attribute named like a constructor parameter whose value changed since the
-    constructor returned, or ``None``."""
+    """The first attribute the constructor set whose value changed since it returned (a
+    parameter-named one first), or ``None``."""
     snaps = op.__dict__.get("_beton_init_attrs")
     if not snaps:
         return None
