@@ -225,7 +225,7 @@ def _snapshot(value: Any) -> Any:
                 import numpy as np
 
                 a = np.ascontiguousarray(value)
-                digest = hashlib.blake2b(memoryview(a).cast("B"), digest_size=16).digest()
+                digest = hashlib.blake2b(a.data.cast("B"), digest_size=16).digest()
                 return ("digest", (str(a.dtype), a.shape, digest))
             return ("array", value.copy())
         except Exception:
