@@ -15,6 +15,7 @@ daemon's CLI and by the client's constructor only, which pass the environment in
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ENV_ADDRESS",
     "default_socket_path",
     "joined_addresses",
+    "not_a_socket_problem",
     "socket_path_of",
     "unix_target",
 ]
@@ -65,6 +67,25 @@ def socket_path_problem(path: str) -> str | None:
     return (
         f"the socket path {path} is {n} bytes long, and a Unix socket path holds at most "
         f"{MAX_SOCKET_PATH_BYTES}: choose a shorter one (in a directory of your own)"
+    )
+
+
+def not_a_socket_problem(path: str) -> str | None:
+    """Why a daemon must not replace what is at ``path`` (anything but a socket: a file, a
+    directory, a link, such as a typo naming the dataset itself), or ``None`` when nothing or
+    a socket (a dead daemon's) is there."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot use the socket path {path}: {exc}"
+    if stat.S_ISSOCK(mode):
+        return None
+    kind = "a directory" if stat.S_ISDIR(mode) else "a link" if stat.S_ISLNK(mode) else "a file"
+    return (
+        f"cannot listen on the socket path {path}: {kind} is there, not a socket; give the "
+        "socket another path (the daemon replaces only a dead daemon's socket)"
     )
 
 

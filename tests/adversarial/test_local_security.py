@@ -135,6 +135,38 @@ def test_daemon_refuses_a_socket_directory_of_another_user(
 
 
 @pytest.mark.slow
+def test_a_socket_path_naming_a_file_or_a_directory_deletes_nothing(
+    short_tmp: Path, fixtures_dir: Path
+) -> None:
+    """``--socket notes.txt`` or ``--socket data.beton`` (a typo): the daemon unlinked whatever
+    was there, the dataset it was about to serve included. Only a dead daemon's socket is
+    replaced; anything else is an error, and stays."""
+    d = short_tmp / "own"
+    d.mkdir(mode=0o700)
+    beton = d / "copy.beton"
+    beton.write_bytes((fixtures_dir / "mixed_fields.beton").read_bytes())
+    notes = d / "notes.txt"
+    notes.write_text("precious")
+    (d / "sub").mkdir()
+    (d / "link").symlink_to(notes)
+    for target in (notes, beton, d / "sub", d / "link"):
+        rc, out = _serve([str(beton), "--socket", str(target), "--idle-timeout", "2"])
+        assert rc == 1, out
+        assert "is there, not a socket" in out and str(target) in out, out
+    assert notes.read_text() == "precious" and (d / "link").is_symlink() and (d / "sub").is_dir()
+    assert beton.read_bytes() == (fixtures_dir / "mixed_fields.beton").read_bytes()
+    assert sorted(os.listdir(d)) == ["copy.beton", "link", "notes.txt", "sub"]  # no lock either
+    # A dead daemon's socket (a socket file nobody listens on) is still replaced.
+    stale = d / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))
+    s.close()
+    rc, out = _serve([str(beton), "--socket", str(stale), "--idle-timeout", "1"])
+    assert rc == 0, out
+    assert not stale.exists()
+
+
+@pytest.mark.slow
 def test_daemon_refuses_a_socket_directory_others_may_write(
     short_tmp: Path, fixtures_dir: Path
 ) -> None:

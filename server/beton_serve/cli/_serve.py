@@ -468,9 +468,9 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     datasets = expand_dataset_args(cfg.files, cfg.dataset_args())
     socket_path = resolve_socket(cfg, env)
     if socket_path is not None:
-        from beton_wire.address import socket_path_problem
+        from beton_wire.address import not_a_socket_problem, socket_path_problem
 
-        problem = socket_path_problem(socket_path)
+        problem = socket_path_problem(socket_path) or not_a_socket_problem(socket_path)
         if problem is not None:
             raise ConfigError(problem)
     if socket_path is None and not cfg.listen:
@@ -539,9 +539,9 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             _run_loop(_serve(daemon, cfg, socket_path, security))
         finally:
             daemon.close()
-            if socket_path:
+            if socket_path and not_a_socket_problem(socket_path) is None:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(socket_path)
+                    os.unlink(socket_path)  # ours (a file put there since is left alone)
         log.info("stopped")
         if socket_path:
             _remove_spawn_log(socket_path)  # still holding the lock: no new daemon writes it yet

@@ -7,10 +7,12 @@ loop. Unix sockets are made private to the daemon's user (0600).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 
 import grpc
+from beton_wire.address import not_a_socket_problem
 from beton_wire.limits import MAX_REQUEST_BYTES
 from beton_wire.v1 import beton_pb2 as pb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -126,8 +128,7 @@ def create_server(
     )
     port = 0
     if unix_socket:
-        if os.path.exists(unix_socket):
-            os.unlink(unix_socket)  # a stale socket of a dead daemon (the caller holds the lock)
+        _remove_stale_socket(unix_socket)
         # grpc binds here; the umask makes the socket 0600 from the start, so no other user can
         # connect before the caller's chmod (the daemon treats every peer of this socket as its
         # own user: see transport.peer).
@@ -149,3 +150,16 @@ def create_server(
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {addr}: {exc}") from None
     return ServerHandle(server, health_servicer, port)
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove a dead daemon's socket at ``path`` (the caller holds the address lock).
+
+    Raises:
+        ConfigError: something other than a socket is there; it is never deleted.
+    """
+    problem = not_a_socket_problem(path)
+    if problem is not None:
+        raise ConfigError(problem)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
