@@ -130,14 +130,16 @@ def test_sigterm_drains_exits_0_and_leaves_no_segment(daemon_factory, fixtures_d
         ld.close()
 
 
+@pytest.mark.parametrize("repeated", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_repeated_while_stopping_still_exits_0_and_frees_everything(
-    daemon_factory, fixtures_dir: Path
+    daemon_factory, fixtures_dir: Path, repeated: signal.Signals
 ) -> None:
     """A supervisor that repeats SIGTERM (or Ctrl-C pressed twice) must not cut the cleanup short.
 
     Once the event loop closed, its handlers were gone and a second SIGTERM killed the daemon in
     the middle of freeing its rings (exit -15, segments left behind: a CI run caught it through
-    the test helper's own SIGTERM)."""
+    the test helper's own SIGTERM). A SIGHUP (a reload from logrotate or systemd's ExecReload
+    racing the stop) killed it the same way, with -1."""
     d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
     ld = Loader("mixed_fields", batch_size=4, pipelines=INT_ONLY, server=d.address)
     try:
@@ -145,7 +147,8 @@ def test_sigterm_repeated_while_stopping_still_exits_0_and_frees_everything(
         assert d.segments()
         deadline, sent = time.monotonic() + 20, 0
         while d.proc.poll() is None and time.monotonic() < deadline:
-            d.proc.send_signal(signal.SIGTERM)  # the first starts the drain, the rest land on it
+            # the first SIGTERM starts the drain, the rest land on it
+            d.proc.send_signal(signal.SIGTERM if sent == 0 else repeated)
             sent += 1
             time.sleep(0.005)
         assert d.proc.wait(5) == 0, d.log()

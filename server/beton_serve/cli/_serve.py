@@ -356,7 +356,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     # Everything is freed. The interpreter's own exit (joining threads) takes a while, and it
     # restores the default action of every Python-level handler, so a late SIGTERM would turn a
     # clean exit into -15; an ignored signal it leaves as it is (SIGKILL still ends a stuck exit).
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     return status
 
@@ -675,8 +675,10 @@ async def _serve(
             daemon.reloader()
         idle = loop.create_task(_idle_watch(daemon, cfg.idle_timeout, stop))
         await stop.wait()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)  # restores SIG_DFL: replaced at once, below
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            # restores SIG_DFL (SIGHUP's ends the process: a reload racing the stop, from
+            # logrotate or ExecReload, would kill it mid-cleanup): replaced at once, below
+            loop.remove_signal_handler(sig)
             signal.signal(sig, _signal_while_stopping)
         idle.cancel()
         log.info("draining streams=%d", len(daemon.streams))
@@ -693,7 +695,8 @@ _late_signals = 0
 
 
 def _signal_while_stopping(signum: int, frame: Any) -> None:
-    """SIGTERM/SIGINT once the daemon is already stopping: logged, not fatal.
+    """SIGTERM/SIGINT/SIGHUP once the daemon is already stopping: logged, not fatal (a SIGHUP
+    reloads nothing then).
 
     Once the event loop closes, its handlers are gone and the default action would end the process
     in the middle of its cleanup, leaving its shared memory behind (a second ``docker stop``, a
