@@ -314,6 +314,8 @@ class DaemonBackend:
         self._owner = weakref.ref(owner)
         self.transport_rejections: list[tuple[str, str, str]] = []
         self.chosen_transport = ""
+        #: The first stream's ``dataset_digest``: every later stream must read the same files.
+        self._dataset_digest = ""
         self._finalizer: weakref.finalize | None = None
         self._ensure_daemon()
         self._connect()
@@ -392,6 +394,27 @@ class DaemonBackend:
         return feed
 
     def open(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> Feed:
+        """A stream for ``plans``, on the dataset this Loader's first stream read.
+
+        Raises:
+            ServerError: the daemon now serves other files under the dataset's name (it was
+                restarted with another file of the same name): the Loader never goes on with
+                another dataset's samples.
+        """
+        feed = self._open(args, plans)
+        digest = feed.dataset_digest
+        if digest and self._dataset_digest and digest != self._dataset_digest:
+            feed.close()
+            raise ServerError(
+                f"the daemon at {self.server} now serves other files as {self.dataset!r} than "
+                "the ones this Loader started on (their contents differ: dataset digest "
+                f"{digest[:12]}, was {self._dataset_digest[:12]}), so the Loader cannot go on: "
+                "build a new Loader to read the new dataset"
+            )
+        self._dataset_digest = self._dataset_digest or digest
+        return feed
+
+    def _open(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> Feed:
         req = self._request(args, plans)
         try:
             reply = self._stub.OpenStream(req, timeout=300.0)

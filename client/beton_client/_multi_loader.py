@@ -145,6 +145,8 @@ class RemoteStream:
         self.reply = daemons[0].reply
         self.num_batches = int(self.reply.num_batches)
         self.num_samples = int(self.reply.num_samples)
+        #: The dataset's files by content (``""``: a daemon that does not say).
+        self.dataset_digest = str(self.reply.dataset_digest)
         self.batch_rows = max(1, *(int(d.reply.batch_size) for d in self.daemons))
         self.names = [o.name for o in self.reply.outputs]
         self._outputs = tuple(OutputInfo.from_wire(o) for o in self.reply.outputs)
@@ -401,6 +403,14 @@ def open_remote(
                     f"the daemon at {t} serves {reply.num_batches} batches of outputs "
                     f"{[o.name for o in reply.outputs]}, the one at {targets[0]} "
                     f"{first_reply.num_batches} of {[o.name for o in first_reply.outputs]}: "
+                    "every daemon must serve the same dataset file"
+                )
+            if reply.dataset_digest and first_reply.dataset_digest != reply.dataset_digest:
+                ch.close()  # a copy of the file has the same digest on any host
+                raise SpecError(
+                    f"the daemon at {t} serves another file under this name than the one at "
+                    f"{targets[0]} (their contents differ: dataset digest "
+                    f"{reply.dataset_digest[:12]} against {first_reply.dataset_digest[:12]}): "
                     "every daemon must serve the same dataset file"
                 )
             daemons.append(_Daemon(t, ch, True, reply, pool))

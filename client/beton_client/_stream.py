@@ -94,6 +94,8 @@ class _Stream:
         self.target = target
         self.num_batches = int(reply.num_batches)
         self.num_samples = int(reply.num_samples)
+        #: The dataset's files by content (``""``: a daemon that does not say).
+        self.dataset_digest = str(reply.dataset_digest)
         self.batch_rows = max(1, int(reply.batch_size))
         self.names = [o.name for o in reply.outputs]
         self._outputs = tuple(OutputInfo.from_wire(o) for o in reply.outputs)

@@ -155,6 +155,9 @@ class Feed(Protocol):
     num_batches: int
     #: Samples this rank visits per epoch (for ``state_dict``).
     num_samples: int
+    #: The dataset's files by content (``beton_wire.file_identity.dataset_digest``; ``""`` when
+    #: unknown): a state names its dataset by it.
+    dataset_digest: str
     #: The most samples one batch holds (``beton_wire.loader_state.batch_rows``): what batch
     #: buffers are sized for.
     batch_rows: int
@@ -476,6 +479,10 @@ class FrontEnd:
         self.custom_fields = dict(args.custom_fields)
         self.pipelines: dict[str, Any] = dict(pipelines or {})
         self.next_epoch = 0
+        #: Where ``load_state_dict`` put the next ``iter``: batch ``_resume_batch`` of epoch
+        #: ``_resume_epoch``, as long as ``next_epoch`` is still that epoch (a user who sets
+        #: ``next_epoch`` to another one starts that epoch from its first batch).
+        self._resume_epoch = 0
         self._resume_batch = 0
         #: (epoch, batches yielded) of the latest iterator, even once closed or collected.
         self._position: tuple[int, int] | None = None
@@ -490,6 +497,9 @@ class FrontEnd:
         self._busy = threading.RLock()
         self._busy_generation = self._generation
         self._feed: Feed | None = None
+        #: Set by :meth:`close`. Without it, no feed means an error lost the last one (a failed
+        #: reconnect, a refused re-open): the next ``iter()`` opens one again.
+        self._closed = False
         self._len: int | None = None
         self._tails: list[OutputTail] = []
         self._tails_for: Sequence[OutputInfo] | None = None
@@ -531,6 +541,13 @@ class FrontEnd:
 
     def _feed_or_raise(self) -> Feed:
         if self._feed is None:
+            raise self._errors.closed("the Loader is closed")
+        return self._feed
+
+    def _usable_feed(self) -> Feed | None:
+        """The open feed, or ``None`` when an error lost it (:meth:`_feed_accepting` opens one
+        again: the error, if it stands, is raised again rather than "closed")."""
+        if self._feed is None and self._closed:
             raise self._errors.closed("the Loader is closed")
         return self._feed
 
@@ -590,7 +607,7 @@ class FrontEnd:
 
     def _iter_locked(self) -> EpochIterator:
         self._check_process()
-        feed = self._feed_or_raise()
+        feed = self._usable_feed()
         epoch = self.next_epoch  # an attribute a user may set (FFCV's way to resume an epoch)
         if not is_int(epoch) or not 0 <= epoch <= MAX_EPOCH:
             raise self._errors.spec(
@@ -604,7 +621,7 @@ class FrontEnd:
         plans = self._split()
         feed = self._feed_accepting(feed, plans)
         self._plans = plans
-        epoch, start = int(epoch), self._resume_batch
+        epoch, start = int(epoch), self._resume_start(int(epoch))
         it = EpochIterator(self, feed, epoch, start)  # opens nothing yet: see EpochIterator
         ref = weakref.ref(it)
         # The epoch is taken only here, by plain stores that no signal handler can run between
@@ -626,13 +643,15 @@ class FrontEnd:
                 prev.cut_short = (RuntimeError, why)
             prev.close()
 
-    def _feed_accepting(self, feed: Feed, plans: Sequence[PipelinePlan]) -> Feed:
+    def _feed_accepting(self, feed: Feed | None, plans: Sequence[PipelinePlan]) -> Feed:
         """``feed``, or a re-opened one when it cannot run ``plans`` (an op's parameters
-        changed, or its last epoch was left early on a backend that cannot drop it)."""
-        if feed.accepts(plans):
+        changed, or its last epoch was left early on a backend that cannot drop it), or when an
+        error lost it (``None``)."""
+        if feed is not None and feed.accepts(plans):
             return feed
         with _sigint_deferred():  # Ctrl-C comes after the stream is open (see there)
-            feed.close()
+            if feed is not None:
+                feed.close()
             self._feed = None
             try:
                 feed = self._backend.open(self._args, plans)
@@ -669,11 +688,33 @@ class FrontEnd:
         exactly the batches that were not yet yielded.
         """
         pos = self._position
-        if pos is not None and pos[1] < len(self):
-            epoch, batch = pos
-        else:
-            epoch, batch = self.next_epoch, self._resume_batch
+        next_epoch = self.next_epoch
+        if not is_int(next_epoch) or not 0 <= next_epoch <= MAX_EPOCH:
+            raise self._errors.spec(
+                f"next_epoch must be an int in 0..{MAX_EPOCH}, not {short_repr(next_epoch)}"
+            )
+        if pos is not None and pos[1] < len(self) and next_epoch == pos[0] + 1:
+            epoch, batch = pos  # the latest epoch, part-way (next_epoch as its iter() left it)
+        else:  # what the next iter() starts: also after the user set next_epoch
+            epoch = int(next_epoch)
+            batch = self._resume_batch if epoch == self._resume_epoch else 0
         return make_state(epoch=epoch, batch=batch, identity=self._state_identity())
+
+    def _resume_start(self, epoch: int) -> int:
+        """The first batch ``iter()`` yields of ``epoch``: the loaded state's position, when the
+        state's epoch is the one starting."""
+        start = self._resume_batch
+        if start and epoch != self._resume_epoch:
+            log.warning(
+                "next_epoch was set to %d after load_state_dict() restored epoch %d at batch "
+                "%d: epoch %d starts from its first batch",
+                epoch,
+                self._resume_epoch,
+                start,
+                epoch,
+            )
+            start = 0
+        return start
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter(loader)`` continue from ``state`` (see :meth:`state_dict`).
@@ -700,7 +741,7 @@ class FrontEnd:
                 "iter(loader) goes on from there"
             )
             self._current = None
-            self.next_epoch, self._resume_batch = epoch, batch
+            self.next_epoch, self._resume_epoch, self._resume_batch = epoch, epoch, batch
             self._position = None
         finally:
             busy.release()
@@ -711,7 +752,13 @@ class FrontEnd:
         if self._feed is None and ident is not None:
             return ident  # closed: the last stream's
         feed = self._feed_or_raise()
-        if ident is None or ident.num_samples != feed.num_samples or ident.len != feed.num_batches:
+        dataset = feed.dataset_digest or None
+        if (
+            ident is None
+            or ident.num_samples != feed.num_samples
+            or ident.len != feed.num_batches
+            or ident.dataset != dataset
+        ):
             a = self._args
             ident = self._identity = StateIdentity(
                 seed=a.seed,
@@ -724,6 +771,7 @@ class FrontEnd:
                 num_samples=feed.num_samples,
                 indices=self._indices_digest,
                 len=feed.num_batches,
+                dataset=dataset,
             )
         return ident
 
@@ -742,6 +790,9 @@ class FrontEnd:
         if self._parents():
             # A forked child: the streams, channels and mappings are its parent's. Forget them;
             # their finalizers do nothing here (``_forks.owner_only``).
+            self._closed = True
+            if self._feed is not None:
+                self._state_identity()  # kept for state_dict() after close
             feed, self._feed, self._current = self._feed, None, None
             if feed is not None:
                 self._len = feed.num_batches
@@ -753,6 +804,9 @@ class FrontEnd:
                 if not cur.done:
                     cur.cut_short = (self._errors.closed, "when its Loader was closed")
                 cur.close()
+            self._closed = True
+            if self._feed is not None:
+                self._state_identity()  # kept for state_dict() after close
             feed, self._feed = self._feed, None
             if feed is not None:
                 self._len = feed.num_batches
@@ -926,7 +980,7 @@ class EpochIterator:
         loader = self.loader
         try:
             with _sigint_deferred():
-                feed = loader._feed_accepting(loader._feed_or_raise(), loader._plans)
+                feed = loader._feed_accepting(loader._usable_feed(), loader._plans)
                 if feed.num_batches != self.feed.num_batches:
                     raise loader._errors.spec(
                         f"the re-opened stream has {feed.num_batches} batches per epoch "

@@ -21,14 +21,18 @@ key               type       meaning
                              when distributed, where ``n`` is ``len(indices)`` or the dataset's size
 ``indices``       str|None   :func:`indices_digest` of ``indices``; ``None`` for ``indices=None``
 ``len``           int        batches per epoch (``len(loader)``)
+``dataset``       str|None   the dataset's files by content
+                             (:func:`beton_wire.file_identity.dataset_digest`); ``None`` when the
+                             Loader could not tell. Optional: a state without it is not checked on it
 ================  =========  ======================================================================
 
 **Compatibility rule.** A state resumes on any Loader, in-process or served, over any transport,
 whose :class:`StateIdentity` is equal: then the rest of the epoch is bit-identical, because a batch
 is a pure function of (dataset, pipelines, identity, epoch, batch index). Any difference is refused
-with :class:`StateError` naming the argument. Version-1 states, and the version-less dicts some
-callers build by hand (``epoch``, ``batch`` and any of ``seed``, ``len``, ``num_indices``,
-``rank``, ``world_size``), still load: they are checked on the keys they have. A state of an
+with :class:`StateError` naming the argument; so is a state of another dataset file (the
+same size and arguments, other contents), when both name theirs. Version-1 states, and the
+version-less dicts some callers build by hand (``epoch``, ``batch`` and any of the keys above, or
+version 1's ``num_indices``), still load: they are checked on the keys they have. A state of an
 unknown version is refused, never guessed at.
 
 Only the stdlib and numpy are imported: both the daemon's and the client's packages use this
@@ -75,6 +79,8 @@ _ARGUMENT = {
     "num_samples": "indices (or the dataset: another number of samples)",
     "indices": "indices (the same number of samples, other ids or another order of them)",
     "len": "batches per epoch (batch_size, drop_last, indices or the dataset)",
+    "dataset": "dataset: the state was saved on another file (its contents differ) or on this "
+    "file before it changed",
 }
 
 
@@ -97,6 +103,7 @@ class StateIdentity:
         num_samples: samples this rank visits per epoch (:func:`samples_per_rank`).
         indices: :func:`indices_digest` of the subset, ``None`` for every sample.
         len: batches per epoch.
+        dataset: the dataset's files by content (``dataset_digest``), ``None`` when unknown.
     """
 
     seed: int
@@ -109,6 +116,7 @@ class StateIdentity:
     num_samples: int
     indices: str | None
     len: int
+    dataset: str | None = None
 
     def __post_init__(self) -> None:
         if self.len < 0 or self.batch_size < 1 or not 0 <= self.rank < self.world_size:
@@ -169,6 +177,11 @@ def _int(state: Mapping[str, Any], key: str) -> int:
 
 
 def _mismatch(key: str, theirs: Any, mine: Any) -> StateError:
+    if key == "dataset":
+        return StateError(
+            f"Loader state has dataset={theirs!r:.80} but this Loader reads {mine!r:.80}: "
+            f"the {_ARGUMENT[key]}; resume it on the file it was saved on"
+        )
     return StateError(
         f"Loader state has {key}={theirs!r:.80} but this Loader has {mine!r:.80}: the "
         f"{_ARGUMENT[key]} differs; build the Loader with the same arguments as the one that "
@@ -176,14 +189,22 @@ def _mismatch(key: str, theirs: Any, mine: Any) -> StateError:
     )
 
 
-def _check_v2(state: Mapping[str, Any], mine: StateIdentity) -> None:
-    missing = [f.name for f in fields(mine) if f.name not in state]
-    if missing:
-        raise StateError(f"Loader state (version {STATE_VERSION}) lacks {missing}")
+#: Keys a version-2 state may lack (added after version 2 was first written).
+_OPTIONAL = frozenset({"dataset"})
+
+
+def _check_keys(state: Mapping[str, Any], mine: StateIdentity) -> None:
+    """Compare every identity key ``state`` has (an optional one only when both know it)."""
     for f in fields(mine):
+        if f.name not in state:
+            continue
         want = getattr(mine, f.name)
         got = state[f.name]
-        if isinstance(want, bool):
+        if f.name in _OPTIONAL:
+            if got is None or want is None:
+                continue
+            same = got == want
+        elif isinstance(want, bool):
             same = isinstance(got, bool | np.bool_) and bool(got) == want
         elif isinstance(want, int):
             same = _int(state, f.name) == want
@@ -193,10 +214,17 @@ def _check_v2(state: Mapping[str, Any], mine: StateIdentity) -> None:
             raise _mismatch(f.name, got, want)
 
 
+def _check_v2(state: Mapping[str, Any], mine: StateIdentity) -> None:
+    missing = [f.name for f in fields(mine) if f.name not in state and f.name not in _OPTIONAL]
+    if missing:
+        raise StateError(f"Loader state (version {STATE_VERSION}) lacks {missing}")
+    _check_keys(state, mine)
+
+
 def _check_legacy(state: Mapping[str, Any], mine: StateIdentity) -> None:
-    for key in ("seed", "len", "rank", "world_size"):
-        if key in state and _int(state, key) != getattr(mine, key):
-            raise _mismatch(key, state[key], getattr(mine, key))
+    # A version-less dict may carry any of version 2's keys (a checkpoint tool that dropped
+    # ``version``): each one present is checked as version 2 checks it.
+    _check_keys(state, mine)
     # Version 1's ``num_indices`` counted the selected samples before the distributed split;
     # only an undistributed Loader knows that number without its dataset.
     if "num_indices" in state and not mine.distributed:

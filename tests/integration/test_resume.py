@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from beton_client import Loader, OrderOption, RetryPolicy, ServerUnavailable
+from beton_client import Loader, OrderOption, RetryPolicy, ServerError, ServerUnavailable
 from beton_serve.daemon._streams import MAX_RING_SLOTS
 from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
@@ -28,6 +28,7 @@ from helpers.daemon import (  # noqa: F401
     start_daemon,
     wait_until_serving,
 )
+from helpers.labelled import write_labelled
 
 pytestmark = pytest.mark.slow
 
@@ -133,6 +134,47 @@ def test_sigkilled_daemon_restarted_on_the_same_socket_resumes_exactly_once(
         assert decoded_after - decoded == 4 * n
     finally:
         ld.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_a_daemon_restarted_with_another_file_of_the_same_name_is_refused(
+    daemon_factory, short_tmp: Path, transport: str
+) -> None:
+    """``Loader("train")`` (by name), the daemon killed and restarted on another
+    ``train.beton`` of the same size and schema: the Loader reconnected and went on reading
+    the other file's samples in the same epoch, with no word. It now raises ``ServerError``;
+    the batches it yielded are all the first file's."""
+    a = write_labelled(short_tmp / "a" / "train.beton", 256, base=0)
+    b = write_labelled(short_tmp / "b" / "train.beton", 256, base=10_000)
+    d1 = daemon_factory([a])
+    pipes = {"vec": None, "label": [IntDecoder(), ToTensor()]}
+    ld = Loader(
+        "train",
+        batch_size=8,
+        order=OrderOption.SEQUENTIAL,
+        pipelines=pipes,
+        server=d1.address,
+        transport=transport,
+        batches_ahead=1,
+        copy=True,
+        reconnect=RetryPolicy(budget_s=60.0, initial_s=0.05, max_s=0.5),
+    )
+    try:
+        it = iter(ld)
+        labels = [next(it)[0].reshape(-1).tolist() for _ in range(3)]
+        assert labels == [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+        d1.proc.send_signal(signal.SIGKILL)
+        d1.proc.wait(10)
+        daemon_factory([b], socket=d1.socket)
+        with pytest.raises(ServerError, match=r"now serves other files as 'train'"):
+            for (label,) in it:
+                assert int(label.max()) < 10_000  # published by d1 before it died
+        with pytest.raises(ServerError, match="other files"):
+            next(iter(ld))  # nor at the next epoch
+    finally:
+        ld.close()
+    # The same file under the same name (a plain restart) still resumes: test above.
 
 
 @pytest.mark.timeout(180)

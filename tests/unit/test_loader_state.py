@@ -75,6 +75,7 @@ def test_make_state_writes_every_key_of_version_2_as_plain_values() -> None:
         "num_samples": 22,
         "indices": None,
         "len": 5,
+        "dataset": None,
     }
     assert json.loads(json.dumps(s)) == s  # torch.save / JSON / pickle all carry it
     assert check_state(s, IDENT) == (2, 3)
@@ -237,3 +238,113 @@ def test_states_of_loaders_with_other_arguments_are_refused() -> None:
     for kw, key in others:
         with _loader(**kw) as b, pytest.raises(SpecError, match=f"{key}="):
             b.load_state_dict(s)
+
+
+# -- the dataset, next_epoch, version-less keys, a closed Loader (an audit's findings) -------
+def _file_loader(path, **kw):
+    from beton_serve.fields.decoders import IntDecoder
+
+    kw.setdefault("batch_size", 4)
+    kw.setdefault("num_workers", 1)
+    kw.setdefault("seed", 7)
+    kw.setdefault("order", OrderOption.RANDOM)
+    return Loader(str(path), pipelines={"vec": None, "label": [IntDecoder()]}, **kw)
+
+
+def _file_labels(ld) -> list[list[int]]:
+    return [np.asarray(b[0]).reshape(-1).tolist() for b in ld]
+
+
+def test_a_state_of_another_file_of_the_same_size_is_refused(tmp_path) -> None:
+    """A state saved on ``a.beton`` loaded into a Loader over ``b.beton`` (same size, schema
+    and arguments, other labels) went on with b's samples at a's position. A copy of the same
+    file resumes; an older version-2 state without ``dataset`` still loads."""
+    import shutil
+
+    from helpers.labelled import write_labelled
+
+    a = write_labelled(tmp_path / "a.beton", 23, base=1000)
+    b = write_labelled(tmp_path / "b.beton", 23, base=5000)
+    copy = tmp_path / "elsewhere" / "a.beton"
+    copy.parent.mkdir()
+    shutil.copy(a, copy)
+    with _file_loader(a) as ref:
+        want = _file_labels(ref)
+    with _file_loader(a) as ld:
+        it = iter(ld)
+        next(it), next(it)
+        s = ld.state_dict()
+    assert isinstance(s["dataset"], str) and len(s["dataset"]) == 32
+    with _file_loader(b) as other:
+        with pytest.raises(SpecError, match=r"dataset=.*saved on another file"):
+            other.load_state_dict(s)
+        assert other.state_dict()["dataset"] != s["dataset"]
+        legacy = {k: v for k, v in s.items() if k != "dataset"}
+        other.load_state_dict(legacy)  # cannot tell: loads, as before
+    with _file_loader(copy) as same:
+        same.load_state_dict(s)
+        assert _file_labels(same) == want[2:]
+
+
+def test_next_epoch_set_after_a_partial_epoch_or_a_loaded_state_is_what_iter_and_state_do(
+    caplog,
+) -> None:
+    """FFCV's way to resume is ``loader.next_epoch = e``. Set mid-epoch, ``state_dict()`` still
+    said the old epoch's position (a checkpoint replayed finished epochs); set after
+    ``load_state_dict()``, the new epoch started at the loaded state's batch (its first batches
+    silently dropped)."""
+    with _loader() as ref:
+        epochs = [_labels(ref) for _ in range(5)]
+    with _loader() as ld:
+        it = iter(ld)
+        next(it), next(it)
+        assert (ld.state_dict()["epoch"], ld.state_dict()["batch"]) == (0, 2)
+        ld.next_epoch = 3
+        assert (ld.state_dict()["epoch"], ld.state_dict()["batch"]) == (3, 0)
+        got = _labels(ld)
+    for g, w in zip(got, epochs[3], strict=True):
+        np.testing.assert_array_equal(g, w)
+    with _loader() as ref, _loader() as ld:
+        it = iter(ref)
+        next(it), next(it)
+        ref.next_epoch = 1  # position (0, 2) stands: next_epoch as iter() left it
+        s = ref.state_dict()
+        assert (s["epoch"], s["batch"]) == (0, 2)
+        ld.load_state_dict({**s, "epoch": 1})
+        assert (ld.state_dict()["epoch"], ld.state_dict()["batch"]) == (1, 2)
+        ld.next_epoch = 4
+        assert (ld.state_dict()["epoch"], ld.state_dict()["batch"]) == (4, 0)
+        with caplog.at_level("WARNING", logger="beton_client"):
+            got = _labels(ld)
+        assert "epoch 4 starts from its first batch" in caplog.text
+    assert len(got) == len(epochs[4])
+    for g, w in zip(got, epochs[4], strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_version_less_state_is_checked_on_every_key_it_has() -> None:
+    """A version-2 state whose ``version`` a checkpoint tool dropped: only seed, len, rank and
+    world_size were compared, so another order, batch size or subset loaded silently."""
+    with _loader() as ld:
+        s = {k: v for k, v in ld.state_dict().items() if k != "version"}
+        ld.load_state_dict(s)  # its own loads
+        for key, value in [
+            ("order", "SEQUENTIAL"),
+            ("batch_size", 3),
+            ("drop_last", False),
+            ("distributed", True),
+            ("num_samples", 9),
+            ("indices", indices_digest([1, 2])),
+        ]:
+            with pytest.raises(SpecError, match=f"{key}="):
+                ld.load_state_dict({**s, key: value})
+
+
+def test_state_dict_after_close_is_the_last_position() -> None:
+    with _loader() as ld:
+        it = iter(ld)
+        next(it)
+    s = ld.state_dict()  # raised "the Loader is closed" unless called once before
+    assert (s["epoch"], s["batch"], s["len"]) == (0, 1, 5)
+    with _loader() as fresh:
+        fresh.load_state_dict(s)

@@ -446,6 +446,7 @@ class OpenStreamResponse(_message.Message):
     __slots__ = (
         "bad_sample_budget",
         "batch_size",
+        "dataset_digest",
         "max_credits",
         "num_batches",
         "num_samples",
@@ -465,6 +466,7 @@ class OpenStreamResponse(_message.Message):
     PLAN_CACHED_FIELD_NUMBER: _ClassVar[int]
     MAX_CREDITS_FIELD_NUMBER: _ClassVar[int]
     BAD_SAMPLE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DATASET_DIGEST_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[OutputSpec]
     transport: TransportSetup
@@ -475,6 +477,7 @@ class OpenStreamResponse(_message.Message):
     plan_cached: bool
     max_credits: int
     bad_sample_budget: int
+    dataset_digest: str
     def __init__(
         self,
         stream_id: str | None = ...,
@@ -487,6 +490,7 @@ class OpenStreamResponse(_message.Message):
         plan_cached: bool | None = ...,
         max_credits: int | None = ...,
         bad_sample_budget: int | None = ...,
+        dataset_digest: str | None = ...,
     ) -> None: ...
 
 class Start(_message.Message):

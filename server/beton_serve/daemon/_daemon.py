@@ -387,6 +387,7 @@ class Daemon:
             plan_cached=cached,
             max_credits=stream.ring.slot_count,
             bad_sample_budget=self.bad_sample_budget,  # what _new_stream gave the source
+            dataset_digest=ds.digest,
         )
 
     def _new_stream(

@@ -105,6 +105,17 @@ class Dataset:
         return str(cached)
 
     @property
+    def digest(self) -> str:
+        """Its files named by content, as a Loader's state names them
+        (``beton_wire.file_identity.dataset_digest``; ``""`` for readers without a fingerprint)."""
+        cached = self._extra.get("digest")
+        if cached is None:
+            from beton_serve.format import readers_digest
+
+            cached = self._extra["digest"] = readers_digest(self.readers)
+        return str(cached)
+
+    @property
     def reader(self) -> Any:
         """The reader the planner compiles against (one index space over every shard)."""
         return self.combined if self.combined is not None else self.readers[0]

@@ -92,6 +92,8 @@ class StreamOpened:
     plan_cached: bool
     max_credits: int
     bad_sample_budget: int = 0
+    #: The dataset's files by content (``Dataset.digest``).
+    dataset_digest: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -48,7 +48,7 @@ from beton_serve.format._layout import (
     record_dtype,
 )
 from beton_serve.format._memory import memory_read
-from beton_serve.format._reader import BetonReader, Header, default_field_types
+from beton_serve.format._reader import BetonReader, Header, default_field_types, readers_digest
 
 __all__ = [
     "NotRegularFile",
@@ -80,6 +80,7 @@ __all__ = [
     "memory_read",
     "metadata_offset",
     "read_sidecar",
+    "readers_digest",
     "record_dtype",
     "sidecar_path",
     "write_sidecar",

@@ -36,11 +36,11 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from beton_wire.file_identity import unmappable
+from beton_wire.file_identity import content_fingerprint, dataset_digest, unmappable
 from numpy.typing import NDArray
 
 from beton_serve._field_types import FieldTypes, default_field_types
@@ -164,6 +164,10 @@ class BetonReader:
         self._guard = guard(self._mm, self._mem.ctypes.data, size)
         try:
             self._validate(dict(custom_fields or {}))
+            mm = self._mm
+            #: ``FileIdentity.fingerprint`` of the mapped bytes (size and both ends): what a
+            #: Loader's state names its dataset by (``beton_wire.file_identity.dataset_digest``).
+            self.fingerprint: str = content_fingerprint(lambda n, off: mm[off : off + n], size)
         except BaseException:
             self.close()
             raise
@@ -243,11 +247,24 @@ class BetonReader:
             try:
                 handler = cls.from_binary(blob)
                 meta_dtype = np.dtype(handler.metadata_type)
+                stored = meta_dtype
+                if builtin is not None and cls is not builtin:
+                    stored = np.dtype(builtin.from_binary(blob).metadata_type)
             except Exception as exc:  # a custom field may raise anything: report it as format
                 raise self._fail(
                     at + _ARGS_OFFSET,
                     f"arguments of field {name!r} ({kind}) are invalid: {exc}",
                 ) from None
+            if stored != meta_dtype:
+                # The records were written with the built-in's layout: another layout misreads
+                # every sample's metadata (and the sizes of every record after this field).
+                raise self._fail(
+                    at,
+                    f"custom_fields[{name!r}] = {getattr(cls, '__name__', cls)} reads metadata "
+                    f"{meta_dtype}, but the file stores {name!r} as {builtin.__name__} with "
+                    f"metadata {stored}: an override of a built-in field must keep its metadata "
+                    "layout (subclass it)",
+                )
             self.field_names.append(name)
             self.type_ids.append(tid)
             self.handlers[name] = handler
@@ -569,3 +586,11 @@ def _descriptor_path(fd: int, path: str) -> str:
     except OSError:
         return os.path.realpath(path)
     return target if target.startswith("/") else os.path.realpath(path)
+
+
+def readers_digest(readers: Sequence[Any]) -> str:
+    """``beton_wire.file_identity.dataset_digest`` of open readers' files, in shard order
+    (``""`` when one has no fingerprint: a test double)."""
+    return dataset_digest(
+        [(int(getattr(r, "file_size", 0)), str(getattr(r, "fingerprint", ""))) for r in readers]
+    )

@@ -144,6 +144,10 @@ class EngineBackend:
             self.sample_check = ChecksumVerifier(readers).check
         self.order: OrderOption | TraversalOrder | None = None
         self.indices: np.ndarray | None = None
+        #: The file by content, as a daemon names it (``beton_wire.file_identity``).
+        from beton_serve.format import readers_digest
+
+        self.dataset_digest = readers_digest(getattr(reader, "readers", [reader]))
 
     def _order(self, args: LoaderArgs) -> OrderOption | TraversalOrder:
         if self.order is not None:
@@ -260,6 +264,7 @@ class EngineFeed:
         self.workers = workers
         self.num_batches = len(source)
         self.num_samples = num_samples
+        self.dataset_digest = backend.dataset_digest
         self.batch_rows = plan.batch_size
         #: The ops compiled, by identity, and their parameters as compiled: the user changing
         #: an op's parameters between epochs (``flip_prob``, ``output_size``) makes the next

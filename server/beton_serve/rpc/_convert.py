@@ -386,6 +386,7 @@ def opened_message(o: StreamOpened) -> pb.OpenStreamResponse:
         plan_cached=o.plan_cached,
         max_credits=o.max_credits,
         bad_sample_budget=o.bad_sample_budget,
+        dataset_digest=o.dataset_digest,
     )
 
 
