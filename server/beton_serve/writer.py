@@ -103,6 +103,40 @@ def _snapshot(value: Any) -> Any:
     return value
 
 
+def _sweep_stale_tmp(directory: str, stem: str) -> None:
+    """Remove this user's temporary files of earlier writes of the same output whose process is
+    gone (``.{stem}.{pid}.{8 hex}.tmp``: a writer killed by SIGKILL, or by a signal it did not
+    handle, left one the size of the dataset). Best effort: nothing else is touched."""
+    prefix = f".{stem}."
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return
+    uid = os.geteuid()
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        parts = name[len(prefix) : -len(".tmp")].split(".")
+        if len(parts) != 2 or not parts[0].isdigit() or len(parts[1]) != 8:
+            continue
+        pid = int(parts[0])
+        if pid == os.getpid():
+            continue  # another write of this process, maybe running
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or the pid was reused): leave it
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # another user's process
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if st.st_uid == uid and not os.path.islink(path):
+                os.unlink(path)
+                log.info("removed %s, left by a write that did not finish (pid %d)", path, pid)
+
+
 def _as_blob(binary: Any, name: str) -> NDArray[np.uint8]:
     raw = binary.tobytes() if hasattr(binary, "tobytes") else bytes(binary)
     if len(raw) != ARGS_SIZE:
@@ -406,6 +440,7 @@ class DatasetWriter:
         target = _output_target(self.fname)
         directory, base = os.path.split(target)
         # The name is cut so that the temporary name fits the 255-byte limit of a file name.
+        _sweep_stale_tmp(directory, base[:200])
         tmp = os.path.join(directory, f".{base[:200]}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         bar = None
         if self.progress:

@@ -104,6 +104,49 @@ def test_convert_imagefolder_raw(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert "images: 0 jpg, 7 raw" in capsys.readouterr().out
 
 
+def test_convert_terminated_leaves_no_file_and_a_later_write_sweeps_dead_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM (``timeout``, Slurm, Kubernetes) during ``convert`` left a hidden temporary file
+    the size of the dataset that nothing removed. It is now handled as Ctrl-C is; and a file
+    that a SIGKILL left (its pid gone) is removed by the next write of the same output."""
+    import signal
+    import subprocess
+    import sys
+
+    from beton_serve.writer import DatasetWriter
+
+    _imagefolder(tmp_path / "data")
+    out = tmp_path / "out.beton"
+    real_pack = DatasetWriter._pack
+    calls = []
+
+    def pack_then_terminate(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` sends it, mid-write
+        return real_pack(self, *a, **kw)
+
+    monkeypatch.setattr(DatasetWriter, "_pack", pack_then_terminate)
+    before = signal.getsignal(signal.SIGTERM)
+    rc = main(["convert", "imagefolder", str(tmp_path / "data"), str(out), "--workers", "1"])
+    assert rc == 128 + signal.SIGTERM
+    assert "terminated by SIGTERM: nothing written" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before  # restored
+    assert sorted(os.listdir(tmp_path)) == ["data"]  # no output, no temporary file
+    monkeypatch.setattr(DatasetWriter, "_pack", real_pack)
+    # A dead writer's temporary file (a pid that has exited) and a live one's (kept).
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".out.beton.{dead.pid}.0123abcd.tmp"
+    stale.write_bytes(b"x" * 100)
+    live = tmp_path / f".out.beton.{os.getppid()}.89abcdef.tmp"
+    live.write_bytes(b"y")
+    assert main(["convert", "imagefolder", str(tmp_path / "data"), str(out)]) == 0
+    assert not stale.exists() and live.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["data", "out.beton", live.name])
+
+
 def test_convert_jpg_with_max_resolution(tmp_path: Path, capsys) -> None:
     _imagefolder(tmp_path / "data")
     out = tmp_path / "out.beton"
@@ -351,3 +394,31 @@ def test_a_bad_custom_field_option_is_an_error_line(tmp_path: Path, capsys, entr
     assert main(["inspect", str(tmp_path / "x.beton"), "--custom-field", entry]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err
+
+
+def test_an_override_of_a_built_in_field_with_another_metadata_layout_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``--custom-field image=...:IntField`` on an RGB image field: ``inspect`` crashed with a
+    traceback, and ``checksum`` wrote a sidecar computed with the wrong record size (every
+    sample then "corrupt"). The reader now refuses an override whose metadata layout is not
+    the stored field's, for every reader of the file (the Loader too)."""
+    from beton_serve.errors import FormatError
+    from beton_serve.fields import IntField
+    from beton_serve.loader import Loader
+
+    _imagefolder(tmp_path / "data")
+    out = tmp_path / "out.beton"
+    assert main(["convert", "imagefolder", str(tmp_path / "data"), str(out)]) == 0
+    capsys.readouterr()
+    entry = "image=beton_serve.fields:IntField"
+    assert main(["inspect", str(out), "--custom-field", entry]) == 1
+    text = capsys.readouterr().out
+    assert "validation: FAILED" in text and "must keep its metadata layout" in text
+    assert main(["checksum", str(out), "--custom-field", entry]) == 1
+    assert "must keep its metadata layout" in capsys.readouterr().err
+    assert not (tmp_path / "out.beton.crc32c").exists()
+    with pytest.raises(FormatError, match="RGBImageField with metadata"):
+        Loader(str(out), batch_size=2, custom_fields={"image": IntField})
+    with BetonReader(out, {"label": IntField}) as r:  # the same layout: still accepted
+        assert r.num_samples == 7

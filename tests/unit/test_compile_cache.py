@@ -21,7 +21,12 @@ import pytest
 from beton_serve.cli._cache import main as cache_main
 from beton_serve.pipeline import compiler
 from beton_serve.pipeline._compile_key import fingerprint
-from beton_serve.pipeline.compile_cache import DiskStore, cache_dir, default_store
+from beton_serve.pipeline.compile_cache import (
+    DEFAULT_MAX_BYTES,
+    DiskStore,
+    cache_dir,
+    default_store,
+)
 from beton_serve.pipeline.compiler import Compiler
 from helpers.child import child_env, run_json
 
@@ -315,6 +320,13 @@ def test_env_selects_directory(tmp_path: Path) -> None:
     assert cache_dir({}) == Path.home() / ".cache" / "beton-serve"
     s = default_store({"BETON_SERVE_CACHE_DIR": str(tmp_path), "BETON_SERVE_CACHE_MAX_MB": "2"})
     assert s is not None and s.max_bytes == 2 * 1024 * 1024
+    # XDG: a relative XDG_CACHE_HOME is ignored (it put the cache under each working directory)
+    assert cache_dir({"XDG_CACHE_HOME": "rel/cache"}) == Path.home() / ".cache" / "beton-serve"
+    # inf raised OverflowError (`cache info` crashed); 0 and negatives silently meant 1 byte
+    for bad in ("inf", "1e400", "nan", "0", "-1", "lots"):
+        env = {"BETON_SERVE_CACHE_DIR": str(tmp_path), "BETON_SERVE_CACHE_MAX_MB": bad}
+        s = default_store(env)
+        assert s is not None and s.max_bytes == DEFAULT_MAX_BYTES, bad
 
 
 # -- concurrency and size ----------------------------------------------------------------------
@@ -395,6 +407,23 @@ def test_cli_info_and_clear(store: DiskStore, capsys: pytest.CaptureFixture[str]
     assert cache_main(["info", "--dir", str(missing)]) == 0
     assert "empty" in capsys.readouterr().out and not missing.exists()
     assert cache_main([]) == 2
+
+
+def test_a_directory_in_an_entrys_place_is_replaced_and_cleared(
+    store: DiskStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory where an entry goes: every process failed to save it ("could not save an
+    entry", forever), and ``cache clear`` said it removed 0 and exited 0 with it still there."""
+    key = bytes([7]) * 32
+    store.entries_dir.mkdir(parents=True, exist_ok=True)
+    store._path(key).mkdir()
+    (store._path(key) / "junk").write_bytes(b"z")
+    assert store.put(key, b"payload") and store.get(key) == b"payload"
+    other = bytes([8]) * 32
+    store._path(other).mkdir()
+    assert cache_main(["clear"]) == 0
+    assert "removed 2" in capsys.readouterr().out
+    assert _entries(store) == [] and not store._path(other).exists()
 
 
 def test_cli_info_says_when_the_directory_could_never_be_created(

@@ -38,10 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _store(args: argparse.Namespace) -> object:
-    from beton_serve.pipeline.compile_cache import DiskStore, default_store
+    from beton_serve.pipeline.compile_cache import DiskStore, _max_bytes, default_store
 
     if args.dir is not None:
-        return DiskStore(args.dir)
+        return DiskStore(args.dir, max_bytes=_max_bytes(os.environ))
     return default_store(os.environ)
 
 
@@ -64,6 +64,14 @@ def run(args: argparse.Namespace) -> int:
     if action == "clear":
         removed = store.clear()
         print(f"removed {removed} cached kernel(s) from {store.entries_dir}")
+        left = store.info().entries
+        if left:
+            print(
+                f"error: {left} entr{'y' if left == 1 else 'ies'} could not be removed from "
+                f"{store.entries_dir} (permissions?)",
+                file=sys.stderr,
+            )
+            return 1
         return 0
     info = store.info()
     exists = info.path.exists()

@@ -16,8 +16,12 @@ The file has the fields ``image`` (RGBImageField) and ``label`` (IntField).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["ImageFolder", "register", "run"]
@@ -144,14 +148,44 @@ def run(args: argparse.Namespace) -> int:
         concurrent_reads=True,  # ImageFolder.__getitem__ keeps no state: thread-safe
     )
     try:
-        writer.from_indexed_dataset(dataset)
+        with _terminate_as_interrupt():
+            writer.from_indexed_dataset(dataset)
     except WriterError as exc:
         raise _naming_the_file(exc, dataset, args.page_size) from exc
+    except _Terminated as exc:
+        print(f"terminated by {exc.name}: nothing written to {args.out}", file=sys.stderr)
+        return 128 + exc.signum
     print(
         f"wrote {len(dataset)} images in {len(dataset.classes)} classes to {args.out}",
         file=sys.stderr,
     )
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP while writing: unwinds the writer, which removes its temporary file
+    (left behind, it was a hidden file the size of the dataset that nothing removed)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _naming_the_file(exc: Any, dataset: ImageFolder, page_size: int) -> Any:

@@ -48,6 +48,7 @@ import hashlib
 import itertools
 import logging
 import os
+import shutil
 import stat
 import tempfile
 import threading
@@ -91,7 +92,7 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path | None:
     """The cache directory the environment selects, or ``None`` when caching is off.
 
     ``BETON_SERVE_CACHE_DIR`` (``off``, ``0`` or ``none`` turn the cache off), else
-    ``$XDG_CACHE_HOME/beton-serve``, else ``~/.cache/beton-serve``. Read when called (on the
+    ``$XDG_CACHE_HOME/beton-serve`` (an absolute ``XDG_CACHE_HOME``), else ``~/.cache/beton-serve``. Read when called (on the
     first compile), never at import.
     """
     env = os.environ if environ is None else environ
@@ -101,7 +102,10 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path | None:
             return None
         return Path(explicit).expanduser()
     xdg = env.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    # The XDG spec: a relative path is invalid and ignored (it named a directory under each
+    # process's working directory).
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else None
+    base = base or Path.home() / ".cache"
     return base / "beton-serve"
 
 
@@ -110,9 +114,17 @@ def _max_bytes(environ: Mapping[str, str]) -> int:
     if not raw:
         return DEFAULT_MAX_BYTES
     try:
-        return max(1, int(float(raw) * 1024 * 1024))
-    except ValueError:
-        _log.warning("BETON_SERVE_CACHE_MAX_MB=%r is not a number; using the default", raw)
+        mb = float(raw)
+        if not 0 < mb < 1 << 40:  # NaN, inf, 0 and negatives too
+            raise ValueError(raw)
+        return max(1, int(mb * 1024 * 1024))
+    except (ValueError, OverflowError):
+        _log.warning(
+            "BETON_SERVE_CACHE_MAX_MB=%r is not a positive number of MiB; using the default "
+            "(%d MiB)",
+            raw,
+            DEFAULT_MAX_BYTES >> 20,
+        )
         return DEFAULT_MAX_BYTES
 
 
@@ -260,7 +272,12 @@ class DiskStore:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             os.chmod(tmp, 0o600)
-            os.replace(tmp, self._path(key))
+            dst = self._path(key)
+            try:
+                os.replace(tmp, dst)
+            except IsADirectoryError:  # not an entry (a directory in its place): replaced
+                _unlink(dst)
+                os.replace(tmp, dst)
             tmp = None
         except OSError as exc:
             _log.warning("compile cache: could not save an entry: %s", exc)
@@ -338,9 +355,13 @@ class DiskStore:
 
 
 def _unlink(path: Path) -> bool:
+    """Remove the file (or the directory: nothing of ours) at ``path``; ``False`` if it stays."""
     try:
         os.unlink(path)
         return True
+    except IsADirectoryError:
+        shutil.rmtree(path, ignore_errors=True)
+        return not os.path.lexists(path)
     except OSError:
         return False
 
