@@ -405,7 +405,8 @@ def open_remote(
                     f"{first_reply.num_batches} of {[o.name for o in first_reply.outputs]}: "
                     "every daemon must serve the same dataset file"
                 )
-            if reply.dataset_digest and first_reply.dataset_digest != reply.dataset_digest:
+            digests = (reply.dataset_digest, first_reply.dataset_digest)
+            if all(digests) and digests[0] != digests[1]:
                 ch.close()  # a copy of the file has the same digest on any host
                 raise SpecError(
                     f"the daemon at {t} serves another file under this name than the one at "

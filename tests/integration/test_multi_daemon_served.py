@@ -108,3 +108,35 @@ def test_a_daemon_killed_mid_epoch_loses_and_repeats_nothing(
     first = np.concatenate(ids[:n]).tolist()
     assert sorted(first) == list(range(len(first)))  # the epoch: nothing lost or repeated
     assert [i.tolist() for i in ids] == [i.tolist() for i in want_ids]
+
+
+def test_daemons_serving_other_files_under_one_name_are_refused(
+    daemon_factory, short_tmp: Path
+) -> None:
+    """Two daemons each serving a ``train.beton`` of the same size and schema but other
+    contents: the Loader read batch b from daemon b mod 2, two datasets interleaved. It now
+    refuses to start, naming both addresses; a copy of the same file is accepted."""
+    import shutil
+
+    from beton_client import SpecError
+    from beton_serve.fields.decoders import IntDecoder
+    from helpers.labelled import write_labelled
+
+    a = write_labelled(short_tmp / "a" / "train.beton", 40, base=0)
+    b = write_labelled(short_tmp / "b" / "train.beton", 40, base=10_000)
+    (short_tmp / "c").mkdir()
+    c = Path(shutil.copy(a, short_tmp / "c" / "train.beton"))
+    targets = {}
+    for name, path in (("a", a), ("b", b), ("c", c)):
+        port = free_port()
+        daemon_factory(
+            [path], socket=str(short_tmp / f"{name}.sock"), args=["--listen", f"127.0.0.1:{port}"]
+        )
+        targets[name] = f"127.0.0.1:{port}"
+    pipes = {"vec": None, "label": [IntDecoder(), ToTensor()]}
+    kw = dict(batch_size=4, order=OrderOption.SEQUENTIAL, pipelines=pipes)
+    with pytest.raises(SpecError, match="serves another file under this name"):
+        Loader("train", server=[targets["a"], targets["b"]], **kw)
+    with Loader("train", server=[targets["a"], targets["c"]], **kw) as ld:
+        labels = [int(x) for (lab,) in ld for x in lab.reshape(-1)]
+    assert labels == list(range(40))
