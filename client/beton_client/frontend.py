@@ -608,11 +608,7 @@ class FrontEnd:
     def _iter_locked(self) -> EpochIterator:
         self._check_process()
         feed = self._usable_feed()
-        epoch = self.next_epoch  # an attribute a user may set (FFCV's way to resume an epoch)
-        if not is_int(epoch) or not 0 <= epoch <= MAX_EPOCH:
-            raise self._errors.spec(
-                f"next_epoch must be an int in 0..{MAX_EPOCH}, not {short_repr(epoch)}"
-            )
+        epoch = self._next_epoch()
         self._stop_current(
             f"when iter() on its Loader started epoch {int(epoch)}: a Loader yields one "
             "epoch at a time (finish or leave an epoch before starting the next, or use "
@@ -621,7 +617,7 @@ class FrontEnd:
         plans = self._split()
         feed = self._feed_accepting(feed, plans)
         self._plans = plans
-        epoch, start = int(epoch), self._resume_start(int(epoch))
+        start = self._resume_start(epoch)
         it = EpochIterator(self, feed, epoch, start)  # opens nothing yet: see EpochIterator
         ref = weakref.ref(it)
         # The epoch is taken only here, by plain stores that no signal handler can run between
@@ -688,17 +684,22 @@ class FrontEnd:
         exactly the batches that were not yet yielded.
         """
         pos = self._position
-        next_epoch = self.next_epoch
-        if not is_int(next_epoch) or not 0 <= next_epoch <= MAX_EPOCH:
-            raise self._errors.spec(
-                f"next_epoch must be an int in 0..{MAX_EPOCH}, not {short_repr(next_epoch)}"
-            )
+        next_epoch = self._next_epoch()
         if pos is not None and pos[1] < len(self) and next_epoch == pos[0] + 1:
             epoch, batch = pos  # the latest epoch, part-way (next_epoch as its iter() left it)
         else:  # what the next iter() starts: also after the user set next_epoch
-            epoch = int(next_epoch)
+            epoch = next_epoch
             batch = self._resume_batch if epoch == self._resume_epoch else 0
         return make_state(epoch=epoch, batch=batch, identity=self._state_identity())
+
+    def _next_epoch(self) -> int:
+        """``next_epoch``, an attribute a user may set (FFCV's way to resume an epoch), checked."""
+        epoch = self.next_epoch
+        if not is_int(epoch) or not 0 <= epoch <= MAX_EPOCH:
+            raise self._errors.spec(
+                f"next_epoch must be an int in 0..{MAX_EPOCH}, not {short_repr(epoch)}"
+            )
+        return int(epoch)
 
     def _resume_start(self, epoch: int) -> int:
         """The first batch ``iter()`` yields of ``epoch``: the loaded state's position, when the

@@ -122,13 +122,10 @@ def _sweep_stale_tmp(directory: str, stem: str) -> None:
         pid = int(parts[0])
         if pid == os.getpid():
             continue  # another write of this process, maybe running
-        try:
-            os.kill(pid, 0)
+        from beton_serve.transport.shm import pid_alive
+
+        if pid_alive(pid):
             continue  # alive (or the pid was reused): leave it
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue  # another user's process
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError):
             st = os.lstat(path)

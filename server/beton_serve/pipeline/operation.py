@@ -101,7 +101,7 @@ class Operation(ABC):
                 self.__dict__["_beton_init_args"] = _json_safe_args(args, kw)
             init(self, *args, **kw)
             if own and self.__dict__.get("_beton_init_args") is not None:
-                self.__dict__["_beton_init_attrs"] = _param_attrs(self, init, args, kw)
+                self.__dict__["_beton_init_attrs"] = _param_attrs(self)
 
         __init__._beton_records_args = True  # type: ignore[attr-defined]
         cls.__init__ = __init__  # type: ignore[method-assign]
@@ -260,33 +260,21 @@ def _same(snap: Any, value: Any) -> bool:
 _PLANNER_ATTRS = frozenset({"metadata", "memory_read", "field"})
 
 
-def _param_attrs(
-    op: Any, init: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
-) -> Any:
-    """Every attribute as the constructor left it, those named like ``init``'s parameters
-    first: a later change to one (``op.c = 100`` after ``AddConst(5)``, or to a value the
-    constructor derived, ``op._mask = 3``) is not in the recorded arguments a daemon rebuilds
-    the op from (:func:`_changed_param_attr`). ``args`` and ``kw`` order the names only."""
-    import inspect
-
-    try:
-        bound = inspect.signature(init).bind(op, *args, **kw)
-        bound.apply_defaults()  # a default the call left out is rebuilt from too
-        first = list(bound.arguments)[1:]
-    except (TypeError, ValueError):
-        first = []
-    names = [n for n in first if n in op.__dict__]
-    names += [n for n in op.__dict__ if n not in names]
+def _param_attrs(op: Any) -> dict[str, Any]:
+    """Every attribute as the constructor left it (but what the planner sets): a later change
+    to one (``op.c = 100`` after ``AddConst(5)``, or to a value the constructor derived,
+    ``op._twice = 200``) is not in the recorded arguments a daemon rebuilds the op from
+    (:func:`_changed_param_attr`)."""
     return {
-        n: _snapshot(op.__dict__[n])
-        for n in names
+        n: _snapshot(v)
+        for n, v in op.__dict__.items()
         if n not in _PLANNER_ATTRS and not n.startswith("_beton_")
     }
 
 
 def _changed_param_attr(op: Any) -> str | None:
-    """The first attribute the constructor set whose value changed since it returned (a
-    parameter-named one first), or ``None``."""
+    """The first attribute the constructor set (in the order it set them) whose value changed
+    since it returned, or ``None``."""
     snaps = op.__dict__.get("_beton_init_attrs")
     if not snaps:
         return None
