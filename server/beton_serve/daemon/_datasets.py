@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from beton_wire.file_identity import FileIdentity, dataset_digest
+from beton_wire.file_identity import FileIdentity
 from beton_wire.limits import short_repr
 
 from beton_serve.daemon._backend import Backend
@@ -107,12 +107,12 @@ class Dataset:
     @property
     def digest(self) -> str:
         """Its files named by content, as a Loader's state names them
-        (``beton_wire.file_identity.dataset_digest``; ``""`` when a fingerprint is unknown)."""
+        (``beton_wire.file_identity.dataset_digest``; ``""`` for readers without a fingerprint)."""
         cached = self._extra.get("digest")
         if cached is None:
-            cached = self._extra["digest"] = dataset_digest(
-                [(f.size, f.fingerprint) for f in self.files]
-            )
+            from beton_serve.format import readers_digest
+
+            cached = self._extra["digest"] = readers_digest(self.readers)
         return str(cached)
 
     @property
@@ -303,7 +303,7 @@ class DatasetTable:
             schema_key=key,
             combined=combined,
             watch=FileWatch(paths),
-            files=tuple(_identity(p, r) for p, r in zip(paths, readers, strict=True)),
+            files=tuple(_identity(p) for p in paths),
             custom=tuple(sorted(f"{k}={_class_path(v)}" for k, v in (custom_fields or {}).items())),
             real_paths=tuple(
                 getattr(r, "real_path", None) or os.path.realpath(p)
@@ -492,21 +492,7 @@ def _close_dataset(ds: Dataset) -> None:
         r.close()
 
 
-def _identity(path: str, reader: Any) -> FileIdentity:
-    """The identity of the file ``reader`` mapped (stat and fingerprint taken when it was
-    mapped: not read again, and not another file put at ``path`` since)."""
-    stat_ids = getattr(reader, "identity", None)
-    fingerprint = getattr(reader, "fingerprint", None)
-    if stat_ids is not None and fingerprint is not None:
-        device, inode, size, mtime_ns = stat_ids
-        return FileIdentity(
-            path=os.path.abspath(path),
-            device=device,
-            inode=inode,
-            size=size,
-            mtime_ns=mtime_ns,
-            fingerprint=fingerprint,
-        )
+def _identity(path: str) -> FileIdentity:
     try:
         return FileIdentity.of(path)
     except OSError:  # a test backend's name that is not a file: identified by its path alone
