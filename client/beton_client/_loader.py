@@ -38,6 +38,7 @@ from beton_wire.address import (
     ENV_ADDRESS,
     default_socket_path,
     joined_addresses,
+    port_problem,
     socket_path_of,
     socket_path_problem,
     unix_target,
@@ -226,6 +227,8 @@ def _check_address(address: str) -> None:
             f"server={address!r} is one address with commas in it (gRPC would look it up as a "
             f"host name); give several daemons as a list: server={parts!r}"
         )
+    if problem := port_problem(address.strip()):
+        raise SpecError(f"server={address!r}: {problem}")
 
 
 def _server_list(server: str | Sequence[str], transport: str) -> tuple[list[str], str]:

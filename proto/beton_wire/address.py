@@ -25,6 +25,7 @@ __all__ = [
     "default_socket_path",
     "joined_addresses",
     "not_a_socket_problem",
+    "port_problem",
     "socket_path_of",
     "unix_target",
 ]
@@ -110,3 +111,22 @@ def joined_addresses(address: str) -> list[str] | None:
     if "," not in address or address.startswith(_COMMA_OK):
         return None
     return [p.strip() for p in address.split(",")]
+
+
+def port_problem(target: str) -> str | None:
+    """Why ``target``'s port cannot be reached (a ``host:port`` target whose port is not 1 to
+    65535, which gRPC only reports as a connection that never comes up), or ``None``. Targets
+    with a scheme (``unix:``, ``dns:``, ``ipv4:``...) and host names without a port are left to
+    gRPC."""
+    if "://" in target or target.startswith(_COMMA_OK) or target.startswith("dns:"):
+        return None
+    if target.startswith("["):
+        _, sep, rest = target.partition("]")
+        port = rest[1:] if sep and rest.startswith(":") else ""
+    else:
+        host, sep, port = target.rpartition(":")
+        if not sep or ":" in host:  # no port, or a bare IPv6 address
+            return None
+    if port.isdigit() and not 1 <= int(port) <= 65535:
+        return f"port {port} of {target!r} is not a TCP port (1 to 65535)"
+    return None

@@ -381,6 +381,39 @@ def test_inspect_and_checksum_read_custom_fields(tmp_path: Path, capsys) -> None
     assert "all 5 samples match" in capsys.readouterr().out
 
 
+_IMAGE_FIELD_FILE = '''
+from beton_serve.fields import RGBImageField
+
+
+class MyImages(RGBImageField):
+    """An RGBImageField subclass: written with the custom type id 255."""
+
+    @staticmethod
+    def from_binary(binary):
+        return MyImages()
+'''
+
+
+def test_inspect_describes_the_images_of_an_image_field_subclass(tmp_path: Path, capsys) -> None:
+    """A subclass of RGBImageField (type id 255) had no ``images:`` line: it was picked by
+    type id 2 only."""
+    import numpy as np
+    from beton_serve.cli._plugins import load_field_classes
+    from beton_serve.writer import DatasetWriter
+
+    (tmp_path / "myimages.py").write_text(_IMAGE_FIELD_FILE)
+    entry = f"image={tmp_path / 'myimages.py'}:MyImages"
+    (cls,) = load_field_classes([entry]).values()
+    out = tmp_path / "images.beton"
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(0, 256, (8 + i, 12, 3), dtype=np.uint8),) for i in range(4)]
+    DatasetWriter(out, {"image": cls(write_mode="raw")}).from_indexed_dataset(rows)
+    assert main(["inspect", str(out), "--custom-field", entry]) == 0
+    text = capsys.readouterr().out
+    assert "MyImages" in text
+    assert "images: 0 jpg, 4 raw; width 12..12, height 8..11" in text
+
+
 @pytest.mark.parametrize(
     ("entry", "words"),
     [

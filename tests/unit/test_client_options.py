@@ -104,6 +104,14 @@ def test_a_comma_list_in_one_address_says_to_pass_a_list(server: object) -> None
         Loader("images_jpg", batch_size=8, serve=ServeOptions(server=server, spawn=False))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("server", ["localhost:99999", ["127.0.0.1:1", "127.0.0.1:0"]])
+def test_a_port_outside_1_to_65535_is_a_spec_error(server: object) -> None:
+    """gRPC took ``localhost:99999`` and retried it until ``connect_timeout``, then raised
+    ``ServerUnavailable`` as if no daemon answered."""
+    with pytest.raises(SpecError, match=r"port \d+ of .* is not a TCP port \(1 to 65535\)"):
+        Loader("images_jpg", batch_size=8, serve=ServeOptions(server=server, spawn=False))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("server", ["ipv4:127.0.0.1:1,127.0.0.1:2", "unix:///tmp/a,b.sock"])
 def test_gRPC_address_lists_and_socket_paths_may_hold_commas(server: str) -> None:
     from beton_client._loader import _server_list

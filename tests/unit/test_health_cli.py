@@ -109,6 +109,34 @@ def test_grpc_address_lists_and_socket_paths_keep_their_commas(target: str) -> N
     assert _health.resolve_target(target, {}) == target
 
 
+@pytest.mark.parametrize("target", ["localhost:99999", "127.0.0.1:0", "[::1]:70000"])
+def test_a_port_outside_1_to_65535_is_a_config_error(target: str) -> None:
+    """gRPC took ``localhost:99999`` and reported it as no daemon answering, after the
+    timeout."""
+    with pytest.raises(ConfigError, match=r"--server: port \d+ of .* is not a TCP port"):
+        _health.resolve_target(target, {})
+
+
+@pytest.mark.parametrize(
+    "target", ["localhost:65535", "[::1]:1", "::1", "dns:///h:99999", "unix:///tmp/a:99999"]
+)
+def test_ports_in_range_and_other_target_forms_pass(target: str) -> None:
+    assert _health.resolve_target(target, {}) == target
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan"])
+@pytest.mark.parametrize("command", ["status", "stop"])
+def test_status_and_stop_refuse_a_timeout_that_is_not_positive(
+    command: str, timeout: str, capsys: pytest.CaptureFixture
+) -> None:
+    from beton_serve.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([command, "--timeout", timeout])
+    assert info.value.code == 2
+    assert "finite number of seconds > 0" in capsys.readouterr().err
+
+
 def test_registered_in_the_cli(health_server) -> None:
     from beton_serve.cli import build_parser, main
 

@@ -43,7 +43,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from beton_serve.cli._health import add_socket_owner_argument
+from beton_serve.cli._health import add_socket_owner_argument, positive_seconds
 from beton_serve.errors import ConfigError
 
 __all__ = [
@@ -79,7 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="the daemon's bearer token, for its Stats (default: $BETON_SERVE_TOKEN)",
     )
-    p.add_argument("--timeout", type=float, default=3.0, help="Stats deadline in s (default 3)")
+    p.add_argument(
+        "--timeout", type=positive_seconds, default=3.0, help="Stats deadline in s (default 3)"
+    )
     add_socket_owner_argument(p)
     p.set_defaults(func=run_status)
     q = subparsers.add_parser(
@@ -91,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _socket_arg(q)
     q.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=30.0,
         help="seconds to wait for it to exit (default 30); exit 1 after that",
     )

@@ -205,9 +205,15 @@ def resolve_target(explicit: str | None, environ: Mapping[str, str]) -> str:
 
     Raises:
         ConfigError: ``--server`` was given but is empty, or the address is several joined by
-            commas (these commands ask one daemon).
+            commas (these commands ask one daemon), or its port is not 1 to 65535.
     """
-    from beton_wire.address import ENV_ADDRESS, default_socket_path, joined_addresses, unix_target
+    from beton_wire.address import (
+        ENV_ADDRESS,
+        default_socket_path,
+        joined_addresses,
+        port_problem,
+        unix_target,
+    )
 
     if explicit is not None:
         if not explicit.strip():
@@ -223,6 +229,8 @@ def resolve_target(explicit: str | None, environ: Mapping[str, str]) -> str:
             f"{where} {target!r} is several addresses joined by commas (gRPC would look it up "
             f"as one host name); this command asks one daemon: pass one of {parts}"
         )
+    if problem := port_problem(target.strip()):
+        raise ConfigError(f"{where}: {problem}")
     return target
 
 

@@ -31,7 +31,7 @@ def describe_file(path: str, custom_fields: dict[str, type] | None = None) -> di
     import numpy as np
 
     from beton_serve.errors import FormatError
-    from beton_serve.fields import TYPE_NAMES
+    from beton_serve.fields import TYPE_NAMES, BytesField, JSONField, RGBImageField
     from beton_serve.format import BetonReader
 
     try:
@@ -53,8 +53,12 @@ def describe_file(path: str, custom_fields: dict[str, type] | None = None) -> di
                 ),
                 "arguments": handler.describe() if hasattr(handler, "describe") else {},
             }
-            if tid == 2 and reader.num_samples:
-                col = reader.field_metadata(name)
+            # By class, so a subclass read through custom_fields (type id 255) is described as
+            # its base is, when its metadata has the base's columns.
+            col = reader.field_metadata(name) if reader.num_samples else None
+            columns = set(col.dtype.names or ()) if col is not None else set()
+            if isinstance(handler, RGBImageField) and {"width", "height", "mode"} <= columns:
+                assert col is not None
                 w, hh, mode = col["width"], col["height"], col["mode"]
                 info["images"] = {
                     "jpg": int(np.count_nonzero(mode == 0)),
@@ -64,8 +68,9 @@ def describe_file(path: str, custom_fields: dict[str, type] | None = None) -> di
                     "min_height": int(hh.min()),
                     "max_height": int(hh.max()),
                 }
-            elif tid in (3, 5) and reader.num_samples:
-                sizes = reader.field_metadata(name)["size"]
+            elif isinstance(handler, (BytesField, JSONField)) and "size" in columns:
+                assert col is not None
+                sizes = col["size"]
                 info["bytes"] = {"min_size": int(sizes.min()), "max_size": int(sizes.max())}
             fields.append(info)
         _, _, sizes = reader.allocations

@@ -142,10 +142,11 @@ def fetch_stats(
 
     from beton_serve.cli._health import check_trusted
 
+    budget = timeout
     t0 = time.monotonic()
     if not check_trusted(target, socket_owner, timeout):
         raise TransportError(
-            f"no beton-serve daemon answered at {target} within {timeout} s; start one "
+            f"no beton-serve daemon answered at {target} within {budget:g} s; start one "
             "(beton-serve DATASET.beton) or pass --server"
         )
     timeout = max(0.1, timeout - (time.monotonic() - t0))
@@ -166,7 +167,7 @@ def fetch_stats(
             detail = exc.details() if hasattr(exc, "details") else str(exc)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TransportError(
-                    f"no beton-serve daemon answered at {target} within {timeout} s; start one "
+                    f"no beton-serve daemon answered at {target} within {budget:g} s; start one "
                     "(beton-serve DATASET.beton) or pass --server"
                 ) from None
             name = code.name if code is not None else "UNKNOWN"
