@@ -322,3 +322,28 @@ def test_resume_with_augmentations_across_backends(
         rest = epoch(b)
     assert rest[0][0].shape == (BATCH, 3, sizes[1], sizes[1])
     assert_same_batches(head + rest, reference[1], f"{src} then {dst}: epoch 1")
+
+
+@pytest.mark.parametrize("backend", ["inproc", "shm"])
+def test_a_sample_listed_twice_gets_the_same_augmentation_within_an_epoch(
+    beton: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """As docs/architecture.md "Randomness" says: draws depend on the sample's index, so a
+    duplicate in ``indices`` repeats its original's crop and flip (FFCV draws each copy
+    independently), while another epoch draws again."""
+    pipes, _ = image_pipes("numpy", 24)
+    kw: dict[str, Any] = {"batch_size": 4, "order": "SEQUENTIAL", "seed": 5, "drop_last": False}
+    with make_loader(
+        backend, beton, pipes, address=daemon.address, indices=[7, 3, 7, 7], **kw
+    ) as ld:
+        (e0,) = epoch(ld)
+        (e1,) = epoch(ld)
+
+    def arr(o: Any) -> np.ndarray:
+        return np.frombuffer(o.data, np.dtype(o.dtype)).reshape(o.shape)
+
+    images, labels, again = arr(e0[0]), arr(e0[1]), arr(e1[0])
+    assert images.shape == (4, 24, 24, 3)
+    assert labels[0] == labels[2] == labels[3] != labels[1]
+    assert np.array_equal(images[0], images[2]) and np.array_equal(images[0], images[3])
+    assert not np.array_equal(images[0], again[0])
