@@ -752,3 +752,79 @@ def test_a_fork_child_numbers_its_functions_apart_from_its_parent() -> None:
     os.waitpid(pid, 0)
     assert child_next >= compile_cache._ID_FLOOR
     assert abs(child_next - parent_next) > 1_000_000  # not the parent's count carried on
+
+
+def test_precompile_stops_at_the_next_entry_once_the_daemon_stops(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SIGTERM during a precompile waited for every entry (12-16 s each, cold, on 2 cores): a
+    daemon with several entries outlived the deploy files' 30 s grace. Now a stopping daemon
+    skips the entries left, and an entry's run once its plan is built."""
+    import threading
+
+    from beton_serve.daemon._precompile import STOPPED, PrecompileOp, PrecompileSpec, precompile
+
+    stopping = threading.Event()
+    calls: list[str] = []
+
+    class Plan:
+        def acquire_workspace(self) -> None:
+            calls.append("run")
+
+    class FakeBackend:
+        def build_op(self, name: str, params: dict) -> str:
+            return name
+
+        def compile(self, reader: Any, pipelines: Any, batch_size: int) -> Plan:
+            calls.append(f"compile {reader}")
+            if reader == "b":
+                stopping.set()  # SIGTERM while this entry's plan compiles
+            return Plan()
+
+        def num_samples(self, reader: Any) -> int:
+            raise AssertionError("a stopped entry does not run")
+
+    class Datasets:
+        def get(self, name: str) -> Any:
+            return type("DS", (), {"reader": name})()
+
+    ops = {"label": (PrecompileOp(op="IntDecoder"),)}
+    specs = [PrecompileSpec(dataset=n, batch_size=4, pipelines=ops) for n in "bcd"]
+    with caplog.at_level("INFO", logger="beton_serve.daemon"):
+        results = precompile(specs, datasets=Datasets(), backend=FakeBackend(), stopping=stopping)
+    assert calls == ["compile b"]
+    assert [(r.target, r.error) for r in results] == [
+        ("b", STOPPED),
+        ("c", STOPPED),
+        ("d", STOPPED),
+    ]
+    assert "precompile stopped target=b" in caplog.text
+    assert "precompile stopped: the daemon is stopping (2 entries left)" in caplog.text
+    assert "failed" not in caplog.text
+
+
+def test_closing_the_plan_registry_tells_its_work_to_stop() -> None:
+    from beton_serve.daemon._plans import PlanRegistry
+
+    reg = PlanRegistry(backend=None, op_imports=None)  # type: ignore[arg-type]
+    seen = reg.submit(reg.stopping.wait, 5.0)
+    reg.close()
+    assert seen.result(timeout=10) is True
+
+
+@pytest.mark.timeout(60)
+def test_a_draining_daemon_stops_its_precompile(fixtures_dir: Path) -> None:
+    """SIGTERM drains the daemon's streams first: the precompile stops meanwhile."""
+    import asyncio
+
+    from beton_serve.daemon import Daemon
+
+    daemon = Daemon.create(
+        {"img": [str(fixtures_dir / "images_jpg.beton")]}, num_workers=1, sweep=False
+    )
+    try:
+        assert not daemon.plans.stopping.is_set()
+        asyncio.run(daemon.drain(0.1))
+        assert daemon.plans.stopping.is_set()
+    finally:
+        daemon.close()

@@ -290,6 +290,7 @@ class Daemon:
         have not ended after ``timeout`` seconds are cancelled.
         """
         self.draining = True
+        self.plans.stopping.set()  # pre-compiling stops meanwhile (daemon._precompile)
         await self.streams.drain(
             lambda: ShuttingDown("the daemon is shutting down (SIGTERM); reconnect to a new one"),
             timeout,

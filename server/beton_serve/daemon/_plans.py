@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -152,6 +153,9 @@ class PlanRegistry:
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             1, thread_name_prefix="beton-compile"
         )
+        #: Set by :meth:`close`: long work on the compile thread (the ``[[precompile]]``
+        #: entries) stops at its next check instead of holding up the daemon's exit.
+        self.stopping = threading.Event()
 
     # -- the compile thread ------------------------------------------------------------------
     def on_compile_thread(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -168,7 +172,9 @@ class PlanRegistry:
         return self._pool.submit(fn, *args, **kwargs)
 
     def close(self) -> None:
-        """Stop the compile thread, dropping the work not started (idempotent)."""
+        """Stop the compile thread, dropping the work not started and telling the running
+        work to stop (:attr:`stopping`; a kernel being compiled still finishes). Idempotent."""
+        self.stopping.set()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -20,7 +20,10 @@ machine code lands in the persistent compile cache (``pipeline.compile_cache``) 
 module-level kernels stay compiled in the daemon, so the first client of that pipeline plans in
 milliseconds, and so does every client after a daemon restart.
 
-A failing entry is logged and skipped: pre-compiling never stops the daemon from serving.
+A failing entry is logged and skipped: pre-compiling never stops the daemon from serving. A
+daemon told to stop (SIGTERM) stops pre-compiling at the next entry, or between an entry's plan
+and its run (``PlanRegistry.stopping``): it waits for the kernel being compiled only, not for
+the whole list (a cold entry takes 10-15 s on 2 cores, and the deploy files allow 30 s).
 :func:`start_precompile` runs the entries on the daemon's compile thread, so a client's plan
 compiled meanwhile waits for them instead of compiling the same kernels concurrently.
 """
@@ -28,6 +31,7 @@ compiled meanwhile waits for them instead of compiling the same kernels concurre
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -171,7 +175,12 @@ def parse_precompile(value: Any, where: str = "config") -> tuple[PrecompileSpec,
     return tuple(specs)
 
 
-def _run_one(spec: PrecompileSpec, datasets: Any, backend: Any) -> None:
+#: The error of the entries a stopping daemon did not pre-compile.
+STOPPED = "not pre-compiled: the daemon is stopping"
+
+
+def _run_one(spec: PrecompileSpec, datasets: Any, backend: Any, stopping: threading.Event) -> bool:
+    """Plan and run ``spec``; whether it ran (``False``: ``stopping`` was set meanwhile)."""
     opened = None
     if spec.dataset:
         reader = datasets.get(spec.dataset).reader
@@ -184,22 +193,29 @@ def _run_one(spec: PrecompileSpec, datasets: Any, backend: Any) -> None:
                 None if ops is None else [backend.build_op(o.op, dict(o.params)) for o in ops]
             )
         plan = backend.compile(reader, pipelines, spec.batch_size)
+        if stopping.is_set():
+            return False
         n = min(_SAMPLES, spec.batch_size, int(backend.num_samples(reader)))
         if n == 0:
-            return
+            return True
         ws = plan.acquire_workspace()
         try:
             plan.run(ws, np.arange(n, dtype=np.uint64), plan.seed_keys(0, 0))
         finally:
             plan.release_workspace(ws)
             plan.drop_workspaces()  # the plan waits in the registry: keep no batch memory
+        return True
     finally:
         if opened is not None:  # a reader of the backend: closed as DatasetTable closes its own
             opened.close()
 
 
 def precompile(
-    specs: Sequence[PrecompileSpec], *, datasets: Any, backend: Any
+    specs: Sequence[PrecompileSpec],
+    *,
+    datasets: Any,
+    backend: Any,
+    stopping: threading.Event | None = None,
 ) -> list[PrecompileResult]:
     """Plan and run every entry once (see the module docstring); never raises for an entry.
 
@@ -207,22 +223,34 @@ def precompile(
         specs: from :func:`parse_precompile` (``ServeConfig.precompile``).
         datasets: the daemon's ``DatasetTable`` (``get(name).reader``).
         backend: the daemon's ``Backend`` (``open_dataset``, ``build_op``, ``compile``).
+        stopping: once set, the entries not yet run are skipped, with the error
+            :data:`STOPPED` (the daemon's ``PlanRegistry.stopping``).
 
     Returns:
         One result per entry, in order; each is logged.
     """
+    stopping = threading.Event() if stopping is None else stopping
     results = []
-    for spec in specs:
+    for i, spec in enumerate(specs):
+        if stopping.is_set():
+            log.info("precompile stopped: the daemon is stopping (%d entries left)", len(specs) - i)
+            results.extend(
+                PrecompileResult(target=s.target, seconds=0.0, error=STOPPED) for s in specs[i:]
+            )
+            break
         t0 = time.perf_counter()
         error = ""
         try:
-            _run_one(spec, datasets, backend)
+            if not _run_one(spec, datasets, backend, stopping):
+                error = STOPPED
         except BetonError as exc:
             error = str(exc)
         except Exception as exc:  # an op's own failure: log it, keep serving
             error = f"{type(exc).__name__}: {exc}"
         dt = time.perf_counter() - t0
-        if error:
+        if error == STOPPED:
+            log.info("precompile stopped target=%s: the daemon is stopping", spec.target)
+        elif error:
             log.warning("precompile failed target=%s error=%s", spec.target, error)
         else:
             log.info("precompiled target=%s seconds=%.2f", spec.target, dt)
@@ -252,4 +280,10 @@ def start_precompile(
     """
     if not specs:
         return None
-    return daemon.plans.submit(precompile, specs, datasets=daemon.datasets, backend=daemon.backend)
+    return daemon.plans.submit(
+        precompile,
+        specs,
+        datasets=daemon.datasets,
+        backend=daemon.backend,
+        stopping=daemon.plans.stopping,
+    )
