@@ -230,7 +230,7 @@ def precompile(
         One result per entry, in order; each is logged.
     """
     stopping = threading.Event() if stopping is None else stopping
-    results = []
+    results: list[PrecompileResult] = []
     for i, spec in enumerate(specs):
         if stopping.is_set():
             log.info("precompile stopped: the daemon is stopping (%d entries left)", len(specs) - i)
