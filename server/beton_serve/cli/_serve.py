@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import signal
@@ -636,8 +637,12 @@ async def _serve(
         if cfg.metrics_port >= 0:  # before SERVING: a port in use fails the start, not later
             from beton_serve.metrics import serve_daemon_metrics
 
+            # Every dataset, but public stream names: the endpoint has no authentication.
             metrics, bound = serve_daemon_metrics(
-                daemon.stats, asyncio.get_running_loop(), cfg.metrics_port, cfg.metrics_host
+                functools.partial(daemon.stats, public_ids=True),
+                asyncio.get_running_loop(),
+                cfg.metrics_port,
+                cfg.metrics_host,
             )
             log.info("metrics url=http://%s:%d/metrics", cfg.metrics_host, bound)
         await handle.set_serving(True)

@@ -554,12 +554,15 @@ class Daemon:
         """Streams accepted over the daemon's life."""
         return self.streams.opened
 
-    def stats(self, *, owner_peer: bool = True) -> DaemonStats:
+    def stats(self, *, owner_peer: bool = True, public_ids: bool | None = None) -> DaemonStats:
         """A consistent snapshot (call on the event-loop thread). For a peer other than the
         daemon's own user (``owner_peer=False``: a TCP client), only the datasets it may open
         are listed, with their streams and decode groups: a file the daemon's user opened on
-        demand is not named to other peers."""
+        demand is not named to other peers. Its stream rows carry public names instead of the
+        stream ids, which are the streams' credentials (``public_ids``, default: not
+        ``owner_peer``; ``daemon._stats``)."""
         return self.stats_book.snapshot(
+            public_ids=not owner_peer if public_ids is None else public_ids,
             visible=self.opener.visible_to(owner_peer),
             streams=self.streams,
             datasets=self.all_datasets(),

@@ -7,6 +7,13 @@ previous one). Everything else is read at the snapshot, from the streams (their 
 rings), the datasets (their counters), the plan registry (plans and op times), the engine
 (queue, busy time, replaced workers) and the process's decode cache (decode groups).
 
+Stream ids: a stream's id is what a ``Batches`` call (and the grpc batch method) names to read
+it, so it must stay secret to the client that opened it. The rows given to anyone but the
+daemon's own user over its Unix socket (a TCP peer's ``Stats``, the Prometheus endpoint) carry a
+public name instead (:func:`public_stream_id`: a keyed hash, stable for the stream's life and
+the same in both views). A loopback TCP peer read the ids from ``Stats`` and claimed another
+client's stream before that client iterated it.
+
 Threads: event-loop thread (the stream and plan tables are the loop's); the counters written
 by engine workers are read without their locks (a snapshot may be a batch behind).
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +33,18 @@ from beton_serve.daemon._messages import DaemonStats, DecodeGroupRow, StreamStat
 from beton_serve.daemon._stream import Stream
 from beton_serve.daemon._streams import StreamTable
 
-__all__ = ["UTILISATION_WINDOW_S", "StatsBook"]
+__all__ = ["UTILISATION_WINDOW_S", "StatsBook", "public_stream_id"]
+
+#: The key of :func:`public_stream_id` (one per daemon process).
+_PUBLIC_KEY = secrets.token_bytes(16)
+
+
+def public_stream_id(stream_id: str) -> str:
+    """The name under which ``stream_id`` is shown to peers that may not read it (see the
+    module docstring): 16 hex digits, ``p`` first, that do not reveal the id."""
+    digest = hashlib.blake2b(stream_id.encode(), key=_PUBLIC_KEY, digest_size=8).hexdigest()
+    return "p" + digest[1:]
+
 
 #: Seconds between two utilisation samples (a snapshot closer to the last one repeats it).
 UTILISATION_WINDOW_S = 0.5
@@ -50,12 +69,14 @@ class StatsBook:
         max_ring_bytes: int = 0,
         ring_bytes: int = 0,
         visible: Callable[[Dataset], bool] | None = None,
+        public_ids: bool = False,
     ) -> DaemonStats:
         """A snapshot of the daemon made of these parts (``plans``: the compiled ones).
 
         ``visible``: the datasets the asking peer may see (``None``: all). The others, their
         streams and their decode groups are left out of the rows; the totals (memory, queue,
-        utilisation) still count them.
+        utilisation) still count them. ``public_ids``: the stream rows carry
+        :func:`public_stream_id`, not the ids (module docstring).
         """
         from beton_serve.pipeline import workspace_memory
 
@@ -68,7 +89,7 @@ class StatsBook:
             pid=os.getpid(),
             uptime_s=now - self.started,
             workers=self.workers,
-            streams=tuple(_stream_row(s, now) for s in shown),
+            streams=tuple(_stream_row(s, now, public_ids) for s in shown),
             datasets=tuple((d.name, d.samples_decoded, d.batches_decoded) for d in datasets),
             shm_bytes=sum(s.ring.nbytes() for s in streams),
             compiled_plans=len(plans),
@@ -98,9 +119,9 @@ class StatsBook:
         return self._util_last
 
 
-def _stream_row(s: Stream, now: float) -> StreamStats:
+def _stream_row(s: Stream, now: float, public_id: bool) -> StreamStats:
     return StreamStats(
-        stream_id=s.stream_id,
+        stream_id=public_stream_id(s.stream_id) if public_id else s.stream_id,
         dataset=s.dataset.name,
         client_name=s.client_name,
         client_pid=s.client_pid,

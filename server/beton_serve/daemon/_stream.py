@@ -102,6 +102,10 @@ NOTICE_ATTACH_TIMEOUT_S = 10.0
 #: only matters when a ``WAKE`` was missed.
 TIMER_FIRST_S = 0.001
 TIMER_MAX_S = 0.016
+#: One release's reported wait is counted up to an hour, and a stream's total up to the
+#: largest int64 (``StreamStats.client_wait_us``; the CLI reads it as an int64).
+MAX_WAIT_US = 3600 * 10**6
+MAX_WAIT_TOTAL_US = 2**63 - 1
 
 
 #: Batches submitted and not yet published, oldest first: ``(batch index, slot, future)``.
@@ -481,8 +485,10 @@ class Stream:
         for slot in slots:
             self.release(slot)
         if slots:
+            # The client's own running total, from its ring word: bounded as a sum of
+            # releases is (a client writes whatever it likes there).
             self.counters.client_wait_us = max(
-                self.counters.client_wait_us, extras.client_wait_us()
+                self.counters.client_wait_us, min(extras.client_wait_us(), MAX_WAIT_TOTAL_US)
             )
         return bool(slots)
 
@@ -494,9 +500,15 @@ class Stream:
                 extras = self.ring.notice_extras
                 if extras is not None:
                     extras.disarm(ev.slot)
+                # Only a real release counts, each at most an hour, the sum within the int64
+                # that Stats and the CLI read (a client sent 2**64 - 1 twice: Stats failed for
+                # every caller while that stream lived).
+                wait = min(max(0, ev.wait_us), MAX_WAIT_US)
+                self.counters.client_wait_us = min(
+                    self.counters.client_wait_us + wait, MAX_WAIT_TOTAL_US
+                )
             else:
                 log.debug("stream %s: ignored release of slot %d", self.stream_id, ev.slot)
-            self.counters.client_wait_us += max(0, ev.wait_us)
         self._wake.set()
         if self.pump is not None:
             self.pump.fill()
