@@ -205,6 +205,41 @@ def test_a_branch_beside_an_inplace_op_sees_the_decoded_pixels(
         assert np.array_equal(flipped, want[:, :, ::-1])
 
 
+def _changed_only_to(x: np.ndarray, want: np.ndarray, fill: tuple[int, int, int]) -> bool:
+    """Every pixel of ``x`` is ``want``'s or ``fill``, and each image has some ``fill``."""
+    changed = (x != want).any(-1)
+    return bool((x[changed] == fill).all() and (x == fill).all(-1).any((1, 2)).all())
+
+
+RED, BLUE = (255, 0, 0), (0, 0, 255)
+
+
+@pytest.mark.parametrize("backend", ["inproc", "shm", "grpc"])
+def test_ops_that_write_their_input_get_their_own_copy_on_a_branch(
+    fixtures_dir: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """``Cutout`` (like the colour jitters, ``RandomTranslate``, ``Poison``) declares no
+    buffer and writes its input. On two branches of one decode both views came out identical,
+    each with both views' squares, and a branch's squares landed in the trunk's output (found by
+    an audit in session 48; FFCV 1.0.2 aliases alike). Each now writes its own copy."""
+    dec, flip = SimpleRGBImageDecoder(), RandomHorizontalFlip(1.0)
+    pipes = {
+        "input": [dec, Cutout(4, RED)],
+        "target": None,
+        "view": PipelineSpec(dec, transforms=[Cutout(4, BLUE)]),
+        "plain": PipelineSpec(dec, transforms=[]),
+        "flipped": PipelineSpec(dec, transforms=[flip]),
+        "flipped_cut": PipelineSpec(flip, transforms=[Cutout(4, BLUE)]),
+    }
+    batches, plain = _with_plain_decode(fixtures_dir, backend, pipes, daemon.address)
+    for (red, blue, view, flipped, flipped_cut), want in zip(batches, plain, strict=True):
+        assert np.array_equal(view, want)
+        assert np.array_equal(flipped, want[:, :, ::-1])
+        assert _changed_only_to(red, want, RED)
+        assert _changed_only_to(blue, want, BLUE)
+        assert _changed_only_to(flipped_cut, want[:, :, ::-1], BLUE)
+
+
 def test_a_branch_from_an_op_after_the_tensor_boundary_is_refused(
     fixtures_dir: Path, daemon: DaemonProcess
 ) -> None:

@@ -869,7 +869,9 @@ class Plan:
         clock = time.perf_counter
         storage_state = self._storage_state
         for step in self._steps:
-            node, pos, fn, parent, metadata, with_indices, with_seed, name, over, mirror = step
+            node, pos, fn, parent, metadata, with_indices, with_seed, name, over, mirror, copy = (
+                step
+            )
             if mirror is _ABSORBED:  # its decoder wrote its result (see _mirror_fusions)
                 results[pos] = passed[pos] = results[over]
                 timed.append((name, 0.0))
@@ -893,7 +895,10 @@ class Plan:
                 if parent is None:
                     args: list[Any] = [batch_indices, dst, metadata, storage_state]
                 else:
-                    args = [results[parent], dst]
+                    src = results[parent]
+                    if copy and isinstance(src, np.ndarray):  # see _copies_input
+                        src = src.copy()
+                    args = [src, dst]
                     if with_indices:
                         args.append(batch_indices)
                 if with_seed:
@@ -952,8 +957,9 @@ class Plan:
         """What :meth:`run` calls, in order, with what only a declaration or a compile
         changes: ``(node, position, fn, parent position or None, the field's metadata for a
         decoder, fn.with_indices, fn.with_seed, the op's name, the position of the op whose
-        buffer it may work on in place or None)`` (read once here, not per batch: those lookups
-        were a measurable share of a small batch's time)."""
+        buffer it may work on in place or None, a fusion, whether its input is copied first
+        (:meth:`_copies_input`))`` (read once here, not per batch: those lookups were a
+        measurable share of a small batch's time)."""
         fusions = self._mirror_fusions()
         absorbed = {flip_pos for _, _, flip_pos in fusions.values()}
         steps = []
@@ -972,9 +978,25 @@ class Plan:
                     type(node.op).__name__,
                     None if over is None else over.position,
                     _ABSORBED if node.position in absorbed else fusions.get(node.position),
+                    self._copies_input(node),
                 )
             )
         return steps
+
+    def _copies_input(self, node: Node) -> bool:
+        """Whether ``node`` gets a copy of its input: its op declares no buffer (FFCV's
+        contract for an op that writes its input and returns it: ``Cutout``, the colour
+        jitters, ``RandomTranslate``, ``Poison``, ``ReplaceLabel``, many custom ops), and
+        something else reads that input too: a sibling (``PipelineSpec(source=...)`` of the
+        same op) or an output that ends there. Without the copy each view got the other's
+        augmentation too (two branches of one decode came out identical; a branch's ``Cutout``
+        drew its squares into the trunk's output), as in FFCV 1.0.2."""
+        parent = node.parent
+        if parent is None or self._alloc[node.position] is not None:
+            return False
+        return len(parent.children) > 1 or any(
+            self._jit_leaf(path) is parent for path in self.paths
+        )
 
     def _mirror_fusions(self) -> dict[int, tuple[Callable[..., Any], Callable[..., Any], int]]:
         """Decoders that take the place of the flip after them: ``{decoder position: (its
