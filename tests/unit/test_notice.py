@@ -139,3 +139,46 @@ def test_a_hub_that_cannot_bind_leaves_the_file_in_its_way_alone(tmp_path: Path)
         assert theirs.read_bytes() == b"not ours"
 
     asyncio.run(main())
+
+
+def test_a_failed_accept_backs_off_instead_of_spinning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of descriptors, ``accept`` fails while the pending connection keeps the socket
+    readable: the hub was called again at once, for ever (a core and ~9,000 log lines a
+    second). It now stops listening for a back-off, then accepts what waited."""
+    import errno
+    import socket as socket_mod
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        hub = NoticeHub(ShmNamer(), loop, shm_dir=tmp_path)
+        try:
+            calls = [0]
+            real = hub._sock
+
+            class Exhausted:
+                def accept(self) -> tuple[socket_mod.socket, object]:
+                    calls[0] += 1
+                    if calls[0] <= 3:
+                        raise OSError(errno.EMFILE, "Too many open files")
+                    return real.accept()
+
+                def __getattr__(self, name: str) -> object:
+                    return getattr(real, name)
+
+            monkeypatch.setattr(hub, "_sock", Exhausted())
+            token, fut = hub.register()
+            ch = await loop.run_in_executor(
+                None, lambda: NoticeChannel(hub.name, token, shm_dir=tmp_path)
+            )
+            await asyncio.sleep(0.02)
+            assert calls[0] == 1  # one try, then no reader until the back-off ends
+            conn = await asyncio.wait_for(fut, 5)  # 0.05 s, then 0.1 s, then accepted
+            assert calls[0] >= 4 and hub._accept_backoff == 0.0
+            assert not conn.closed
+            ch.close()
+        finally:
+            hub.close()
+
+    asyncio.run(main())

@@ -404,6 +404,27 @@ def _stopped_during_startup(stage: str) -> bool:
     return True
 
 
+#: The daemon's soft limit on open descriptors is raised to its hard limit, up to this.
+FD_LIMIT_TARGET = 1 << 20
+
+
+def _raise_fd_limit() -> None:
+    """Raise the soft ``RLIMIT_NOFILE`` towards the hard one: each stream holds a few
+    descriptors (its ring, its notice connection, the call), and the common soft default of
+    1024 let a few hundred raw connections (another local user on a loopback ``--listen``)
+    leave the daemon none for its own clients. Logged when it cannot be raised."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = FD_LIMIT_TARGET if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT_TARGET)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.debug("open-file limit raised from %d to %d", soft, want)
+    except (OSError, ValueError) as exc:
+        log.warning("could not raise the open-file limit: %s", exc)
+
+
 def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from beton_serve.daemon import expand_dataset_args
 
@@ -466,6 +487,7 @@ def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             getattr(module, "__file__", None) or "?",
         )
     security = _security(cfg)
+    _raise_fd_limit()
     datasets = expand_dataset_args(cfg.files, cfg.dataset_args())
     socket_path = resolve_socket(cfg, env)
     if socket_path is not None:

@@ -64,7 +64,7 @@ async def serve_call(
                 elif isinstance(ev, CreditEvent):
                     stream.on_credit(ev)
                 else:
-                    starts.put_nowait(ev)
+                    stream.queue_start(ev)
         finally:
             hung_up.set()
             starts.put_nowait(None)

@@ -106,6 +106,8 @@ TIMER_MAX_S = 0.016
 #: largest int64 (``StreamStats.client_wait_us``; the CLI reads it as an int64).
 MAX_WAIT_US = 3600 * 10**6
 MAX_WAIT_TOTAL_US = 2**63 - 1
+#: Epoch starts a stream queues at most (:meth:`Stream.queue_start`).
+MAX_QUEUED_STARTS = 4
 
 
 #: Batches submitted and not yet published, oldest first: ``(batch index, slot, future)``.
@@ -288,7 +290,24 @@ class Stream:
         self.on_release(ReleaseSlot(slot, index, wait_us))
 
     def _notice_start(self, epoch: int, next_batch: int, credits: int) -> None:
-        self.starts.put_nowait(StartEpoch(self.stream_id, epoch, next_batch, credits, True))
+        self.queue_start(StartEpoch(self.stream_id, epoch, next_batch, credits, True))
+
+    def queue_start(self, start: StartEpoch) -> None:
+        """Queue an epoch start from the client. A client starts an epoch once the previous
+        one ended, so at most one waits in practice; past :data:`MAX_QUEUED_STARTS` the
+        stream ends with ``SpecError`` (a client sent ~800,000 in 8 s: each took memory
+        until the stream closed, and would have run as an epoch)."""
+        if self.abort_exc is not None:
+            return
+        if self.starts.qsize() >= MAX_QUEUED_STARTS:
+            self.abort(
+                SpecError(
+                    f"more than {MAX_QUEUED_STARTS} epoch starts queued: start an epoch once "
+                    "the previous one has ended"
+                )
+            )
+            return
+        self.starts.put_nowait(start)
 
     def _notice_wake(self) -> None:
         self._wake.set()  # :meth:`hold_until_released` waits for it too

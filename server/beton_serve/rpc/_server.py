@@ -46,6 +46,10 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A connection that has not finished its HTTP/2 (or TLS) handshake after 5 s is closed:
+    # raw connections from another local user held a descriptor each for about a minute, and
+    # enough of them left the daemon none for its own clients.
+    ("grpc.server_handshake_timeout_ms", 5_000),
 )
 
 

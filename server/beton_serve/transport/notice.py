@@ -45,6 +45,8 @@ log = logging.getLogger("beton_serve.transport.notice")
 HELLO_TIMEOUT_S = 10.0
 #: Connections that have not said ``HELLO`` yet, at most.
 MAX_UNBOUND = 256
+#: The longest pause in listening after a failed ``accept`` (``NoticeHub._accept_failed``).
+ACCEPT_BACKOFF_MAX_S = 1.0
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -184,6 +186,7 @@ class NoticeHub:
         self._waiting: dict[bytes, asyncio.Future[NoticeConn]] = {}
         self._conns: set[NoticeConn] = set()
         self._closed = False
+        self._accept_backoff = 0.0  # seconds; 0 while accepting works
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         bound = False
         try:
@@ -232,9 +235,10 @@ class NoticeHub:
                 sock, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and the like: leave it for the next wake-up
-                log.warning("notice channel: accept failed: %s", exc)
+            except OSError as exc:  # EMFILE and the like
+                self._accept_failed(exc)
                 return
+            self._accept_backoff = 0.0
             try:
                 pid, uid, _gid = _UCRED.unpack(
                     sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
@@ -250,6 +254,28 @@ class NoticeHub:
             self._conns.add(conn)
             self.loop.add_reader(sock.fileno(), conn._on_readable)
             self.loop.call_later(HELLO_TIMEOUT_S, conn._expire)
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """Stop listening for a while after a failed ``accept`` (out of file descriptors):
+        the pending connection keeps the socket readable, so the loop called :meth:`_accept`
+        again at once, for ever (a core spinning and ~9,000 log lines a second until fds came
+        back). Listen again after a back-off that doubles up to a second; log once per
+        back-off round."""
+        self._accept_backoff = min(ACCEPT_BACKOFF_MAX_S, 2 * self._accept_backoff or 0.05)
+        log.warning(
+            "notice channel: accept failed: %s; listening again in %.2f s",
+            exc,
+            self._accept_backoff,
+        )
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self._sock.fileno())
+        self.loop.call_later(self._accept_backoff, self._listen_again)
+
+    def _listen_again(self) -> None:
+        if self._closed:
+            return
+        self.loop.add_reader(self._sock.fileno(), self._accept)
+        self._accept()  # what waited meanwhile (a new failure backs off again)
 
     def close(self) -> None:
         """Stop listening, close every connection and unlink the socket file (idempotent)."""

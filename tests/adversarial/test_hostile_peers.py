@@ -1,6 +1,6 @@
-"""A stream's id is its credential; what one client reports cannot break another's view.
+"""What another local user (a loopback TCP peer, no token) or a misbehaving client can do.
 
-Found by an attack audit (session 48), from a loopback TCP peer with no token:
+Found by an attack audit (session 48):
 
 * ``Stats`` listed every stream's id, and ``Batches(Start(stream_id=...))`` with another
   client's id took that client's stream over (it then failed with "already being served").
@@ -9,6 +9,10 @@ Found by an attack audit (session 48), from a loopback TCP peer with no token:
 * Two ``Release`` messages for a slot the client did not hold, each with
   ``wait_us = 2**64 - 1``, overflowed the stream's ``client_wait_us`` past uint64: ``Stats``
   failed for every caller (``INTERNAL: Value out of range``) while that stream lived.
+* ``Start`` messages sent in a flood (78,000 on one call) queued without bound, each kept until
+  the stream closed and each to run as an epoch.
+* Raw TCP connections that never spoke HTTP/2 held a descriptor each for about a minute; with
+  the soft fd limit, a few hundred left the daemon none for its own clients.
 """
 
 from __future__ import annotations
@@ -110,3 +114,61 @@ def test_absurd_release_waits_do_not_break_stats(tcp_daemon) -> None:
             (row,) = d.stats(address).streams
             assert 0 <= row.client_wait_us <= 2 * 3600 * 10**6  # at most an hour per release
         call.cancel()
+
+
+def test_a_flood_of_epoch_starts_ends_only_that_stream(tcp_daemon) -> None:
+    d, tcp = tcp_daemon
+    with grpc.insecure_channel(tcp) as ch:
+        stub = pb_grpc.BetonServeStub(ch)
+        sid = stub.OpenStream(_open_request(), timeout=30).stream_id
+
+        def flood() -> Iterator[pb.ClientMessage]:
+            for _ in range(1000):
+                yield pb.ClientMessage(start=pb.Start(stream_id=sid, credits=1))
+            time.sleep(5)
+
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stub.Batches(flood(), timeout=30):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "epoch starts queued" in (info.value.details() or "")
+    served = ServeOptions(server=d.address, spawn=False)
+    with Loader("mixed_fields", batch_size=4, serve=served) as ld:  # the daemon serves on
+        assert sum(len(b[0]) for b in ld) == 48
+
+
+def test_the_daemon_raises_its_soft_open_file_limit() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import resource as r\n"
+        "soft, hard = r.getrlimit(r.RLIMIT_NOFILE)\n"
+        "r.setrlimit(r.RLIMIT_NOFILE, (256, hard))\n"
+        "from beton_serve.cli._serve import FD_LIMIT_TARGET, _raise_fd_limit\n"
+        "_raise_fd_limit()\n"
+        "want = FD_LIMIT_TARGET if hard == r.RLIM_INFINITY else min(hard, FD_LIMIT_TARGET)\n"
+        "print(r.getrlimit(r.RLIMIT_NOFILE)[0] == want, want > 256)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
+
+
+def test_raw_connections_that_never_handshake_are_closed(tcp_daemon) -> None:
+    import socket
+
+    d, tcp = tcp_daemon
+    base = len(os.listdir(f"/proc/{d.pid}/fd"))
+    host, port = tcp.rsplit(":", 1)
+    raw = [socket.create_connection((host, int(port))) for _ in range(10)]
+    try:
+        time.sleep(0.5)
+        assert len(os.listdir(f"/proc/{d.pid}/fd")) >= base + 8  # held, for now
+        deadline = time.monotonic() + 20  # the handshake timeout is 5 s
+        while len(os.listdir(f"/proc/{d.pid}/fd")) > base + 1:
+            assert time.monotonic() < deadline, "raw connections are still held after 20 s"
+            time.sleep(0.5)
+    finally:
+        for s in raw:
+            s.close()
