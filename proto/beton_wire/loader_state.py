@@ -182,10 +182,16 @@ def _mismatch(key: str, theirs: Any, mine: Any) -> StateError:
             f"Loader state has dataset={theirs!r:.80} but this Loader reads {mine!r:.80}: "
             f"the {_ARGUMENT[key]}; resume it on the file it was saved on"
         )
+    hint = (
+        # seed=None draws a seed per Loader (FFCV's rule): the state holds the one drawn.
+        f" (pass seed={theirs!r} to resume a Loader built with seed=None)"
+        if key == "seed"
+        else ""
+    )
     return StateError(
         f"Loader state has {key}={theirs!r:.80} but this Loader has {mine!r:.80}: the "
         f"{_ARGUMENT[key]} differs; build the Loader with the same arguments as the one that "
-        "saved the state"
+        f"saved the state{hint}"
     )
 
 

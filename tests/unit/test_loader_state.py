@@ -141,8 +141,9 @@ def test_version_less_dict_loads_and_is_checked_on_its_keys() -> None:
         assert (ld.next_epoch, ld._resume_batch) == (3, 1)
         ld.load_state_dict({"epoch": 3, "batch": 5})  # == len: the start of the next epoch
         assert (ld.next_epoch, ld._resume_batch) == (4, 0)
-        with pytest.raises(SpecError, match=r"seed=8 .* the seed differs"):
+        with pytest.raises(SpecError, match=r"seed=8 .* the seed differs") as info:
             ld.load_state_dict({"epoch": 0, "batch": 1, "seed": 8})
+        assert str(info.value).endswith("(pass seed=8 to resume a Loader built with seed=None)")
 
 
 @pytest.mark.parametrize("version", [0, 3, "2", True, 2.5])
