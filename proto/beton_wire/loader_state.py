@@ -184,9 +184,7 @@ def _mismatch(key: str, theirs: Any, mine: Any) -> StateError:
         )
     hint = (
         # seed=None draws a seed per Loader (FFCV's rule): the state holds the one drawn.
-        f" (pass seed={theirs!r} to resume a Loader built with seed=None)"
-        if key == "seed"
-        else ""
+        f" (pass seed={theirs!r} to resume a Loader built with seed=None)" if key == "seed" else ""
     )
     return StateError(
         f"Loader state has {key}={theirs!r:.80} but this Loader has {mine!r:.80}: the "

@@ -11,6 +11,9 @@ Found by an attack audit (session 48):
   failed for every caller (``INTERNAL: Value out of range``) while that stream lived.
 * ``Start`` messages sent in a flood (78,000 on one call) queued without bound, each kept until
   the stream closed and each to run as an epoch.
+* A client of the daemon's own user truncated its ring's segment in ``/dev/shm`` (or a sharing
+  group's arena): the daemon's next access raised SIGBUS and killed it, every stream with it.
+  The segments are now guarded as the ``.beton`` mappings are; that stream (or group) fails.
 * Raw TCP connections that never spoke HTTP/2 held a descriptor each for about a minute; with
   the soft fd limit, a few hundred left the daemon none for its own clients.
 """
@@ -23,8 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
-from beton_client import Loader, ServeOptions
+from beton_client import Loader, OrderOption, ServeOptions
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 from helpers.daemon import daemon_factory, free_port, short_tmp  # noqa: F401
@@ -172,3 +176,75 @@ def test_raw_connections_that_never_handshake_are_closed(tcp_daemon) -> None:
     finally:
         for s in raw:
             s.close()
+
+
+_TRUNCATE_OWN_RING = r"""
+import glob, os, sys, time
+from beton_client import Loader, OrderOption, ServeOptions
+address, pid = sys.argv[1], sys.argv[2]
+before = set(glob.glob(f"/dev/shm/beton-{pid}-*-ring-*"))
+ld = Loader("mixed_fields", batch_size=2, serve=ServeOptions(server=address, spawn=False))
+it = iter(ld)
+next(it)
+mine = sorted(set(glob.glob(f"/dev/shm/beton-{pid}-*-ring-*")) - before)
+assert len(mine) == 1, mine
+os.truncate(mine[0], 0)
+time.sleep(3)  # the daemon goes on decoding into the truncated ring; never read it again
+os._exit(0)
+"""
+
+
+def test_a_client_that_truncates_its_ring_fails_alone(daemon_factory, fixtures_dir) -> None:  # noqa: F811
+    import subprocess
+    import sys
+
+    d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
+    served = ServeOptions(server=d.address, spawn=False)
+    with Loader("mixed_fields", batch_size=4, serve=served) as other:
+        it = iter(other)
+        first = next(it)[0].numpy().copy()  # a copy: a served batch lives until the next one
+        out = subprocess.run(
+            [sys.executable, "-c", _TRUNCATE_OWN_RING, d.address, str(d.pid)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert d.proc.poll() is None, "the daemon died"
+        labels = [first] + [b[0].numpy().copy() for b in it]
+    from beton_serve.loader import Loader as InProcess
+
+    with InProcess(str(fixtures_dir / "mixed_fields.beton"), batch_size=4) as ref:
+        want = [b[0].numpy().copy() for b in ref]
+    assert len(labels) == len(want) == 12
+    assert all(np.array_equal(a, b) for a, b in zip(labels, want, strict=True))
+    deadline = time.monotonic() + 10
+    while d.stats().streams:  # the truncated stream ended too
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert "was truncated under the daemon" in d.log() or "closed after" in d.log()
+
+
+def test_a_truncated_sharing_arena_does_not_kill_the_daemon(daemon_factory, fixtures_dir) -> None:  # noqa: F811
+    d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
+    served = ServeOptions(server=d.address, spawn=False)
+
+    def make() -> Loader:
+        return Loader("mixed_fields", batch_size=4, order=OrderOption.RANDOM, seed=3, serve=served)
+
+    with make() as a, make() as b:
+        ia, ib = iter(a), iter(b)
+        next(ia), next(ib)
+        shares = [p for p in d.shm_files() if "-share-" in p]
+        assert shares, d.shm_files()
+        for name in shares:
+            os.truncate(f"/dev/shm/{name}", 0)
+        for it in (ia, ib):  # each reads on, or fails with a clear error; never SIGBUS
+            try:
+                for _ in it:
+                    pass
+            except Exception as exc:
+                assert type(exc).__name__ in ("TransportError", "PipelineError"), exc
+        assert d.proc.poll() is None, "the daemon died"
+    with make() as c:  # the daemon serves on
+        assert sum(len(x[0]) for x in c) == 48

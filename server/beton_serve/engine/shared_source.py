@@ -228,9 +228,14 @@ class SharedSource:
             out, result, produced, consumer, batch = state
             state.clear()
             views: list[np.ndarray] = []
-            error: BaseException | None = None
+            # An arena another process truncated holds zeros where the batch was written
+            # (transport.shm, "Truncation"): neither referenced nor copied.
+            error: BaseException | None = (
+                None if produced.arena is None else produced.arena.damaged()
+            )
             if (
-                by_reference
+                error is None
+                and by_reference
                 and produced.arena is not None
                 and not f.cancelled()
                 and f.exception() is None
@@ -253,7 +258,8 @@ class SharedSource:
             try:
                 # Not f.result(): raising here would put this frame, and the slot views in
                 # its locals, into the traceback of the error the stream's future keeps.
-                error = CancelledError() if f.cancelled() else f.exception()
+                if error is None:
+                    error = CancelledError() if f.cancelled() else f.exception()
                 if error is None:
                     arrays = f.result()
                     dst = out if out is not None else [np.empty_like(a) for a in arrays]

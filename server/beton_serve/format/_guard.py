@@ -60,6 +60,11 @@ MAX_REGIONS = 4096
 TABLE_SYMBOL = "beton_serve_sigbus_table_v1"
 PREVIOUS_SYMBOL = "beton_serve_sigbus_previous_v1"
 
+#: The "in use" word of a row: 1 for a read-only mapping (a zero page mapped read-only over a
+#: fault), 2 for one the process writes too (a zero page mapped read-write: the write completes
+#: into private memory, and the row's hits say the mapping is no longer the file's).
+_READ_ONLY = 1
+_WRITABLE = 2
 _SA_SIGINFO = 0x4
 _SA_ONSTACK = 0x08000000
 _PROT_READ = 0x1
@@ -117,14 +122,14 @@ class _Guard:
         # gets the default action, which is what the previous handler would mostly do too).
         ctypes.memmove(ctypes.byref(self.previous), ctypes.byref(old), ctypes.sizeof(old))
 
-    def add(self, lo: int, hi: int) -> int | None:
+    def add(self, lo: int, hi: int, writable: bool = False) -> int | None:
         with self.lock:
             free = np.flatnonzero(self.table[:, 3] == 0)
             if not len(free):
                 return None
             row = int(free[0])
             t = self.table
-            t[row, 3] = 1
+            t[row, 3] = _WRITABLE if writable else _READ_ONLY
             t[row, 2] = 0
             t[row, 1] = 0  # hi last: a half-written row matches nothing
             t[row, 0] = lo
@@ -186,15 +191,19 @@ class Region:
             g.remove(self._row)
 
 
-def guard(mapping: mmap.mmap | None, address: int, length: int) -> Region | None:
+def guard(
+    mapping: mmap.mmap | None, address: int, length: int, *, writable: bool = False
+) -> Region | None:
     """Guard ``length`` bytes at ``address`` until :meth:`Region.close`, or until ``mapping``
     (the ``mmap`` object behind them, if any) is freed; ``None`` where no guard can be had (see
-    the module docstring). The caller must stop guarding before the range is unmapped and
-    reused, except through ``mapping``'s own release."""
+    the module docstring). ``writable``: the process writes the mapping too (a shared-memory
+    segment it created, which another process could truncate), so a fault maps a writable zero
+    page. The caller must stop guarding before the range is unmapped and reused, except through
+    ``mapping``'s own release."""
     g = _the_guard()
     if g is None or length <= 0:
         return None
-    row = g.add(address, address + length)
+    row = g.add(address, address + length, writable)
     if row is None:
         log.warning(
             "more than %d mapped files: this one is not guarded against SIGBUS", MAX_REGIONS

@@ -33,12 +33,15 @@ if not all(llvm_binding.address_of_symbol(s) for s in (TABLE_SYMBOL, PREVIOUS_SY
         "registers the symbols it links to; import beton_serve.format instead"
     )
 
-#: Rows of the table (``lo``, ``hi``, ``hits``, ``in use``, all ``uint64``).
+#: Rows of the table (``lo``, ``hi``, ``hits``, ``in use``: 0, or 1 read-only, 2 writable; all
+#: ``uint64``).
 ROWS = MAX_REGIONS
 
 _PAGE = np.uint64(mmap.PAGESIZE)
 _SIGBUS = 7  # Linux, x86-64 and AArch64
 _PROT_READ = 0x1
+_PROT_READ_WRITE = 0x3
+_WRITABLE = np.uint64(2)  # _guard._WRITABLE
 _MAP_FIXED_PRIVATE_ANON = 0x02 | 0x10 | 0x20
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -90,7 +93,8 @@ def handler(sig: int, info: Any, ctx: Any) -> None:  # pragma: no cover - runs a
     for i in range(ROWS):
         if table[i, 0] <= addr and addr < table[i, 1]:
             at = addr - (addr % _PAGE)
-            _mmap(_as_ptr(at), _PAGE, _PROT_READ, _MAP_FIXED_PRIVATE_ANON, -1, 0)
+            prot = _PROT_READ_WRITE if table[i, 3] == _WRITABLE else _PROT_READ
+            _mmap(_as_ptr(at), _PAGE, prot, _MAP_FIXED_PRIVATE_ANON, -1, 0)
             table[i, 2] += _ONE
             return
     # Not ours: put the previous handler back; the instruction faults again into it.

@@ -34,7 +34,13 @@ from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import TransportError
 from beton_serve.transport.base import slot_views
-from beton_serve.transport.shm import SHM_DIR, create_segment, release_mapping
+from beton_serve.transport.shm import (
+    SHM_DIR,
+    create_segment,
+    guard_segment,
+    release_mapping,
+    truncation_error,
+)
 
 __all__ = ["ShmArena"]
 
@@ -56,6 +62,7 @@ class ShmArena:
         self.size = layout.slot_bytes * count
         self._mmap: mmap.mmap | None = create_segment(self.path, self.size)
         base = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._region = guard_segment(self._mmap, base)  # truncation: see transport.shm
         self._views = [slot_views(base, layout, i) for i in range(count)]
         self._free = list(range(count - 1, -1, -1))
         self._lock = threading.Lock()
@@ -139,4 +146,10 @@ class ShmArena:
         self.path.unlink(missing_ok=True)
         self._views = []
         m, self._mmap = self._mmap, None  # views still held go with their last reference
-        release_mapping(m, self.name)
+        if release_mapping(m, self.name) and self._region is not None:
+            self._region.close()  # else with the mapping's last view (guard's finalizer)
+
+    def damaged(self) -> TransportError | None:
+        """Why the segment's contents cannot be trusted (another process truncated it), or
+        ``None``."""
+        return truncation_error(self._region, self.name)

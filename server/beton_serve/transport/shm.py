@@ -21,6 +21,13 @@ can unlink, the next daemon removes the segment (:func:`sweep_stale_segments`): 
 daemon's segments by their name's prefix, whose live marker nobody holds locked any more.
 Clients never unlink.
 
+Truncation: the segment is a file in ``/dev/shm`` that the client opens read-write, so a client
+of the daemon's user can shrink it. The daemon's next write or read of a page past the new end
+raised SIGBUS, which killed the daemon and every stream. The mapping is guarded
+(:func:`guard_segment`, the ``.beton`` files' SIGBUS guard with writable zero pages): the access
+completes into private memory, and the next publish fails that stream with ``TransportError``
+(:meth:`ShmRing.publish`). Sharing arenas (``transport.arena``) are guarded alike.
+
 Leases: each slot is FREE, FILLING (the engine writes into it) or LEASED (the client reads it).
 Slot states change only under the owning stream's lock (``daemon._stream.Stream.lock``): on
 the daemon's event-loop thread, or on the engine worker that publishes a finished batch (the
@@ -42,6 +49,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from beton_wire import notice
@@ -56,9 +64,11 @@ __all__ = [
     "ShmNamer",
     "ShmRing",
     "create_segment",
+    "guard_segment",
     "daemon_namer",
     "pid_alive",
     "release_mapping",
+    "truncation_error",
     "sweep_stale_segments",
 ]
 
@@ -332,6 +342,25 @@ def create_segment(path: Path, size: int) -> mmap.mmap:
         os.close(fd)
 
 
+def guard_segment(m: mmap.mmap, base: np.ndarray) -> Any:
+    """Guard a segment this process created and mapped (``base``: a view of all of it)
+    against truncation by another process (module docstring); the ``Region``, or ``None``
+    where no guard can be had (the mapping is then unguarded, as before)."""
+    from beton_serve.format import guard_mapping
+
+    return guard_mapping(m, int(base.ctypes.data), int(base.nbytes), writable=True)
+
+
+def truncation_error(region: Any, name: str) -> TransportError | None:
+    """The error of a guarded segment some page of which was read or written past its end."""
+    if region is None or not region.hits():
+        return None
+    return TransportError(
+        f"shared-memory segment {name} was truncated under the daemon (another process of its "
+        "user shrank it): this stream's batches are no longer in it"
+    )
+
+
 def release_mapping(m: mmap.mmap | None, name: str = "") -> bool:
     """Unmap ``m`` and close its descriptor now; whether that happened.
 
@@ -379,6 +408,7 @@ class ShmRing(HostSlotRing):
         self.size = self.release_offset + 8 * (notice.RELEASE_WORDS + slot_count)
         self._mmap: mmap.mmap | None = create_segment(self.path, self.size)
         self._base = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._region = guard_segment(self._mmap, self._base)
         self._ids = (
             self._base[self.ids_offset : self.release_offset]
             .view("<u8")
@@ -464,6 +494,8 @@ class ShmRing(HostSlotRing):
 
     def publish(self, slot: int, length: int) -> Published:
         """Mark a FILLING slot LEASED; the client reads it through its own mapping."""
+        if (error := truncation_error(self._region, self.name)) is not None:
+            raise error
         if not self._mark_leased(slot):
             raise TransportError(f"slot {slot} of {self.name} was published without being filled")
         return _PUBLISHED
@@ -492,7 +524,8 @@ class ShmRing(HostSlotRing):
                 view.release()
             self._armed.clear()
             m, self._mmap = self._mmap, None
-            release_mapping(m, self.name)
+            if release_mapping(m, self.name) and self._region is not None:
+                self._region.close()  # else with the mapping's last view (guard's finalizer)
 
     def __enter__(self) -> ShmRing:
         return self
