@@ -97,6 +97,23 @@ def test_interval_rates_from_two_snapshots() -> None:
     assert ds["cifar"]["samples_per_s"] == pytest.approx(960.0)
 
 
+def test_a_restarted_daemon_gets_lifetime_rates_not_negative_ones() -> None:
+    """``stats --interval`` across a daemon restart on the same socket showed -222 samples/s:
+    the new daemon's counters started again."""
+    first = snapshot_dict(fake_response(batches=100, decoded=6400), now=50.0)
+    restarted = fake_response(batches=3, wait_us=0, decoded=192)
+    restarted.pid, restarted.uptime_s = 5151, 2.0
+    second = snapshot_dict(restarted, first, now=52.0)
+    assert second["rate_basis"] == "lifetime"
+    ds = {x["name"]: x for x in second["datasets"]}
+    assert ds["cifar"]["samples_per_s"] == pytest.approx(96.0)  # 192 over its 2 s
+    assert all(s["batches_per_s"] >= 0 for s in second["streams"])
+    # The same daemon, a dataset closed and opened again (its counter restarted): lifetime.
+    again = fake_response(batches=130, decoded=100)
+    third = snapshot_dict(again, first, now=52.0)
+    assert {x["name"]: x for x in third["datasets"]}["cifar"]["samples_per_s"] == pytest.approx(5.0)
+
+
 def test_render_table() -> None:
     from rich.console import Console
 

@@ -231,7 +231,13 @@ def snapshot_dict(
         dt = now - float(previous["taken_at"])
         prev_streams = {s["stream_id"]: s for s in previous.get("streams", [])}
         prev_datasets = {x["name"]: x for x in previous.get("datasets", [])}
-    interval = previous is not None and dt > 0
+    # Another daemon since the previous snapshot (restarted on the same address): its counters
+    # started again, so rates over the interval would be negative (found: -222 samples/s).
+    same_daemon = previous is not None and (
+        previous.get("pid") == d.get("pid")
+        and float(previous.get("uptime_s", 0.0)) <= float(d.get("uptime_s", 0.0))
+    )
+    interval = previous is not None and dt > 0 and same_daemon
     for s in d.get("streams", []):
         for k in _INT64_STREAM:
             s[k] = _int(s.get(k))
@@ -251,6 +257,8 @@ def snapshot_dict(
         for k in _INT64_DATASET:
             x[k] = _int(x.get(k))
         p = prev_datasets.get(x["name"]) if interval else None
+        if p is not None and x["samples_decoded"] < p["samples_decoded"]:
+            p = None  # a dataset closed and opened again under its name: its own lifetime
         if p is not None:
             x["samples_per_s"] = (x["samples_decoded"] - p["samples_decoded"]) / dt
         else:
