@@ -212,7 +212,7 @@ def _spawn(
 ) -> subprocess.Popen[bytes]:
     """Start a detached daemon for ``dataset_file`` on ``socket_path``, logging to ``log_path``."""
     with os.fdopen(_private_fd(log_path, os.O_WRONLY | os.O_APPEND, os.getuid()), "ab") as log:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [
                 sys.executable,
                 "-P",  # not the trainer's working directory on sys.path: nobody plants modules
@@ -231,6 +231,21 @@ def _spawn(
             start_new_session=True,
             close_fds=True,
         )
+        _unpin(proc)
+        return proc
+
+
+def _unpin(proc: subprocess.Popen[bytes]) -> None:
+    """Let the spawned daemon run on every CPU the machine (its cpuset) allows, not only the
+    trainer's: a rank pinned by ``taskset``, torchrun or numactl spawned a daemon pinned to that
+    rank's cores, and every later trainer shared that one small pool (the daemon sizes its
+    workers from its affinity). Set from here, not in the child before ``exec`` (``preexec_fn``
+    is unsafe in a process with threads, as a trainer is); the daemon reads its affinity once it
+    has started Python, long after this. The kernel keeps the mask within the cpuset."""
+    try:
+        os.sched_setaffinity(proc.pid, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # not Linux, or the daemon exited already
+        pass
 
 
 def _tail(path: str, n: int = 2000) -> str:
