@@ -190,3 +190,29 @@ def test_a_mappings_finalizer_never_waits_for_the_guards_lock() -> None:
     again = g.add(0x3000, 0x4000)  # the lock was released: the table still works
     assert again is not None
     g.remove(again)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_health_says_not_serving_once_every_dataset_is_refused(
+    daemon_factory, fixtures_dir: Path, short_tmp: Path
+) -> None:
+    """A served file written to makes its dataset refused until a restart; with every dataset
+    refused, ``beton-serve health`` still said SERVING, so no health check restarted the daemon.
+    Now the daemon looks at its files every 2 s and says NOT_SERVING."""
+    import shutil
+
+    from beton_serve.cli import main
+    from beton_serve.cli._health import EXIT_NOT_SERVING, EXIT_SERVING
+
+    data = short_tmp / "z.beton"
+    shutil.copy(fixtures_dir / "mixed_fields.beton", data)
+    d = daemon_factory([data])
+    target = "unix://" + d.socket
+    assert main(["health", "--server", target, "--timeout", "5"]) == EXIT_SERVING
+    os.utime(data, ns=(time.time_ns(), time.time_ns() + 10**9))  # `touch`: written to
+    deadline = time.monotonic() + 20
+    while main(["health", "--server", target, "--timeout", "5"]) != EXIT_NOT_SERVING:
+        assert time.monotonic() < deadline, "still SERVING 20 s after its only file changed"
+        time.sleep(0.5)
+    assert "every dataset served from the start is refused" in d.log()

@@ -701,7 +701,9 @@ async def _serve(
             log.info("SIGHUP during start-up: reloading the config now")
             daemon.reloader()
         idle = loop.create_task(_idle_watch(daemon, cfg.idle_timeout, stop))
+        files = loop.create_task(_file_watch(daemon, handle))
         await stop.wait()
+        files.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             # restores SIG_DFL (SIGHUP's ends the process: a reload racing the stop, from
             # logrotate or ExecReload, would kill it mid-cleanup): replaced at once, below
@@ -738,6 +740,35 @@ def _signal_while_stopping(signum: int, frame: Any) -> None:
             signal.Signals(signum).name,
             os.getpid(),
         )
+
+
+#: Seconds between two looks at the served files by :func:`_file_watch`.
+FILE_WATCH_S = 2.0
+
+
+async def _file_watch(daemon: Daemon, handle: Any, every: float = FILE_WATCH_S) -> None:
+    """Look at the files of the datasets served from the start every ``every`` seconds, as a
+    stream does before each batch (``daemon._health.FileWatch``): a file changed under the
+    daemon is logged when it happens, not only when a client next reads, and once every one of
+    those datasets is refused (until a restart), the health service says NOT_SERVING, so that
+    the deploy files' health checks restart the daemon. It said SERVING for ever before."""
+    from beton_serve.errors import FormatError
+
+    served = daemon.all_datasets()
+    if not served:  # files opened on demand only: nothing whose loss makes the daemon useless
+        return
+    while True:
+        await asyncio.sleep(every)
+        for ds in served:
+            with contextlib.suppress(FormatError):
+                ds.check_files()
+        if all(ds.watch is not None and ds.watch.broken is not None for ds in served):
+            log.error(
+                "every dataset served from the start is refused (its file changed): health "
+                "NOT_SERVING; restart the daemon once the files are restored"
+            )
+            await handle.set_serving(False)
+            return
 
 
 async def _idle_watch(daemon: Daemon, timeout: float, stop: asyncio.Event) -> None:
