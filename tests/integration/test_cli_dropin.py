@@ -396,9 +396,22 @@ def test_reload_subcommand_makes_the_daemon_reread_its_config(
         assert f"reload requested: pid {proc.pid}" in capsys.readouterr().out
         wait_for(lambda: "config reloaded" in log.read_text(), 20)
         assert "changed=bad_sample_budget=9" in log.read_text()
+        # An invalid file is refused here, before any signal (it said "reload requested").
+        conf.write_text("bad_sample_budget = 9\nbad_sample_budget = 10\n")
+        assert main(["reload", "--socket", sock]) == 1
+        assert "its config file is invalid, so it keeps its current config" in (
+            capsys.readouterr().err
+        )
         assert proc.poll() is None
     finally:
         assert _stop(proc) == 0
+    plain = _launch([str(data)], env, log)  # no --config: nothing to reload
+    try:
+        wait_until_serving("unix://" + sock, plain, 60)
+        assert main(["reload", "--socket", sock]) == 1
+        assert "it runs without --config" in capsys.readouterr().err
+    finally:
+        assert _stop(plain) == 0
     assert main(["reload", "--socket", sock]) == 3
     assert "not running" in capsys.readouterr().err
 

@@ -197,7 +197,10 @@ def test_sighup_applies_safe_keys_keeps_flags_and_refuses_the_rest(
     assert daemon.streams.unattached_timeout_s == 4.5  # the liveness monitor's next tick
     assert daemon.bad_sample_budget == 5 and daemon.sharing.max_lag == 3
     assert daemon.max_ring_bytes == 123456  # new streams are held to it
-    assert daemon.sharing.retain == 1  # the flag wins
+    assert daemon.sharing.retain == 1  # the flag wins, and the log says so (it did not)
+    assert "kept (set by a command-line flag, which overrides the file) keys=share_retain" in (
+        caplog.text
+    )
     assert "not reloaded" in caplog.text and "files" in caplog.text and "workers" in caplog.text
     assert r.cfg.files == ("a.beton",)  # datasets never change live
     cfg_file.write_text("not = valid = toml")

@@ -41,12 +41,14 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from beton_serve.cli._health import add_socket_owner_argument, positive_seconds
 from beton_serve.errors import ConfigError
 
 __all__ = [
+    "EXIT_NOT_RELOADED",
     "EXIT_NOT_RUNNING",
     "EXIT_RUNNING",
     "EXIT_STOP_TIMEOUT",
@@ -61,6 +63,7 @@ __all__ = [
 EXIT_RUNNING = 0
 EXIT_NOT_RUNNING = 3
 EXIT_STOP_TIMEOUT = 1
+EXIT_NOT_RELOADED = 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -101,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r = subparsers.add_parser(
         "reload",
         help="make the per-user daemon re-read its --config file (SIGHUP; exit 0 sent, 3 not "
-        "running)",
+        "running, 1 no --config or an invalid file)",
         description="Send SIGHUP to the daemon serving the per-user socket (or --socket PATH): "
         "it re-reads its --config file and logs the keys it applied or refused. Exit 0 when "
         "the signal was sent, 3 when no daemon runs there.",
@@ -319,12 +322,42 @@ def _send(pid: int, pidfd: int | None, sig: signal.Signals, target: str, verb: s
     return True
 
 
+def _config_problem(pid: int) -> str | None:
+    """Why SIGHUP would change nothing in daemon ``pid``: it runs without ``--config``, or its
+    file does not load now (the daemon would log that and keep its config, and the command
+    said "reload requested" with exit 0 either way). ``None`` when the file loads, or when the
+    daemon's command line cannot be read (then the daemon's log is the only word)."""
+    from beton_serve.cli.config import load_config
+
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+    words = [a.decode(errors="surrogateescape") for a in argv]
+    path = None
+    for i, w in enumerate(words):
+        if w == "--config" and i + 1 < len(words):
+            path = words[i + 1]
+        elif w.startswith("--config="):
+            path = w.split("=", 1)[1]
+    if path is None:
+        return "it runs without --config, so SIGHUP has no file to read"
+    try:
+        load_config(os.path.join(cwd, path))
+    except ConfigError as exc:
+        return f"its config file is invalid, so it keeps its current config: {exc}"
+    return None
+
+
 def run_reload(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
     """``beton-serve reload``: SIGHUP the daemon holding the socket's lock, which re-reads its
     ``--config`` file (on a thread of its own) and logs what it applied or refused.
 
     Returns:
-        0 when the signal was sent, 3 (:data:`EXIT_NOT_RUNNING`) when no daemon runs there.
+        0 when the signal was sent, 3 (:data:`EXIT_NOT_RUNNING`) when no daemon runs there, 1
+        (:data:`EXIT_NOT_RELOADED`) when the daemon has no ``--config`` file or the file is
+        invalid (checked here first; nothing is sent, and the daemon keeps its config).
 
     Raises:
         ConfigError: the daemon belongs to another user.
@@ -340,6 +373,10 @@ def run_reload(args: argparse.Namespace, environ: Mapping[str, str] | None = Non
         if pid is None or (pidfd is not None and daemon_pid(sock) != pid):
             sys.stderr.write(f"not running: no beton-serve daemon serves {target}\n")
             return EXIT_NOT_RUNNING
+        problem = _config_problem(pid)
+        if problem is not None:
+            sys.stderr.write(f"not reloaded: pid {pid} ({target}): {problem}\n")
+            return EXIT_NOT_RELOADED
         if not _send(pid, pidfd, signal.SIGHUP, target, "reloaded"):
             sys.stderr.write(f"not running: pid {pid} had already exited ({target})\n")
             return EXIT_NOT_RUNNING

@@ -143,6 +143,12 @@ class ConfigReloader:
                 "SIGHUP: not reloaded (restart the daemon to change them) keys=%s",
                 ",".join(refused),
             )
+        overridden = sorted(k for k in changed & set(RELOADABLE) if k in self.flagged)
+        if overridden:
+            log.warning(
+                "SIGHUP: kept (set by a command-line flag, which overrides the file) keys=%s",
+                ",".join(overridden),
+            )
         apply = {
             k: getattr(new, k) for k in sorted(changed & set(RELOADABLE)) if k not in self.flagged
         }
