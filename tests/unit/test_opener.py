@@ -216,3 +216,25 @@ def test_files_opened_on_demand_are_bounded(
             await opener.dataset_for(_req(files[3], owner=False), True)
 
     _run(go, table, plans)
+
+
+def test_an_on_demand_name_stays_with_its_files(tree: SimpleNamespace) -> None:
+    """``ds@2`` closed when idle went to the next file with that stem, which also took the
+    first file's counters: metrics mixed two files under one name (found by an audit)."""
+    opener, table, plans = _opener(tree)
+    a = write_labelled(tree.root / "a" / "ds.beton", 4, 0)
+    b = write_labelled(tree.root / "b" / "ds.beton", 4, 100)
+    c = write_labelled(tree.root / "c" / "ds.beton", 4, 200)
+
+    async def go() -> None:
+        first = await opener.dataset_for(_req(a, owner=False), True)
+        second = await opener.dataset_for(_req(b, owner=False), True)
+        assert (first.name, second.name) == ("ds", "ds@2")
+        second.count(batches=5, samples=2000)
+        opener._close(second, "for the test")
+        third = await opener.dataset_for(_req(c, owner=False), True)
+        assert third.name == "ds@3" and third.counts()[0] == 0  # not b's name, nor its counts
+        again = await opener.dataset_for(_req(b, owner=False), True)
+        assert again.name == "ds@2" and again.counts()[:2] == (2000, 5)  # b's, going on
+
+    _run(go, table, plans)

@@ -240,9 +240,11 @@ class DatasetTable:
             raise ConfigError("no dataset to serve: give at least one .beton file")
         self._backend = backend
         self._by_name: dict[str, Dataset] = {}
-        #: The counters of datasets no longer served (on-demand ones closed when idle), by name:
-        #: a dataset served again under that name goes on from them (``Dataset.carry_counts``).
-        self._retired: dict[str, tuple[int, int, int]] = {}
+        #: An on-demand dataset's files (and custom classes) -> the name it was first served
+        #: under, and the counters it had when it was last closed for idleness: served again,
+        #: it goes on from them (``Dataset.carry_counts``; :meth:`adopt`).
+        self._names: dict[tuple[tuple[str, ...], tuple[str, ...]], str] = {}
+        self._retired: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[int, int, int]] = {}
         try:
             for name, paths in datasets.items():
                 self._by_name[name] = self._open(name, list(paths))
@@ -423,12 +425,24 @@ class DatasetTable:
 
     def adopt(self, ds: Dataset) -> Dataset:
         """Serve ``ds`` (from :meth:`open_file`) under its stem, or ``stem@2``, ``stem@3``...
-        when that name is taken."""
-        stem, n = ds.name, 1
-        while ds.name in self._by_name:
-            n += 1
-            ds.name = f"{stem}@{n}"
-        retired = self._retired.pop(ds.name, None)
+        when that name is taken.
+
+        A name stays with the files it was first given to for the daemon's life: the same
+        files opened again (closed when idle meanwhile) get it back, with their counts, and
+        other files never get it. Before, ``ds@2`` closed when idle went to the next file with
+        that stem, which also inherited the first one's counters (metrics mixed two files)."""
+        key = (ds.real_paths, ds.custom)
+        name = self._names.get(key)
+        if name is not None and name not in self._by_name:
+            ds.name = name
+        else:
+            taken = set(self._by_name) | set(self._names.values())
+            stem, n = ds.name, 1
+            while ds.name in taken:
+                n += 1
+                ds.name = f"{stem}@{n}"
+            self._names.setdefault(key, ds.name)
+        retired = self._retired.pop(key, None) if self._names.get(key) == ds.name else None
         if retired is not None:
             ds.carry_counts(retired)
         self._by_name[ds.name] = ds
@@ -438,7 +452,9 @@ class DatasetTable:
         """Stop serving ``ds`` and close its readers (its streams must be gone)."""
         if self._by_name.get(ds.name) is ds:
             del self._by_name[ds.name]
-            self._retired[ds.name] = ds.counts()
+            key = (ds.real_paths, ds.custom)
+            if self._names.get(key) == ds.name:
+                self._retired[key] = ds.counts()
         _close_dataset(ds)
 
     def get(self, name: str, visible: Visible | None = None) -> Dataset:
