@@ -366,3 +366,19 @@ def test_absurd_timeouts_and_counts_are_usage_errors(argv: list[str], capsys) ->
 
     assert main(argv) == 2
     assert "must be" in capsys.readouterr().err
+
+
+def test_status_stop_reload_say_when_they_ignore_a_tcp_address(
+    tmp_path, capsys: pytest.CaptureFixture
+) -> None:
+    """``BETON_SERVE_ADDRESS=127.0.0.1:7700 beton-serve stop`` acted on the per-user socket
+    without a word."""
+    from beton_serve.cli._daemonctl import resolve_socket_path
+
+    env = {"BETON_SERVE_ADDRESS": "127.0.0.1:7700", "XDG_RUNTIME_DIR": str(tmp_path)}
+    path = resolve_socket_path(None, env)
+    assert path == str(tmp_path / "beton-serve" / "beton.sock")
+    assert "BETON_SERVE_ADDRESS=127.0.0.1:7700 is not a unix: address" in capsys.readouterr().err
+    env["BETON_SERVE_ADDRESS"] = "unix:///x/y.sock"
+    assert resolve_socket_path(None, env) == "/x/y.sock"
+    assert capsys.readouterr().err == ""

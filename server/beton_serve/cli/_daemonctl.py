@@ -134,8 +134,17 @@ def resolve_socket_path(explicit: str | None, environ: Mapping[str, str]) -> str
         if not explicit.strip():
             raise ConfigError("--socket is empty: pass the daemon's socket path")
         return os.path.abspath(explicit)
-    env_path = socket_path_of(environ.get(ENV_ADDRESS, ""))
-    return os.path.abspath(env_path or default_socket_path(environ))
+    address = environ.get(ENV_ADDRESS, "")
+    env_path = socket_path_of(address)
+    path = os.path.abspath(env_path or default_socket_path(environ))
+    if address and env_path is None:
+        # status/stop/reload act on a local daemon through its socket and lock: a TCP address
+        # cannot name one. Said, not silently replaced (stop could reach another daemon).
+        sys.stderr.write(
+            f"note: {ENV_ADDRESS}={address} is not a unix: address; using the per-user socket "
+            f"{path} (pass --socket PATH to name another)\n"
+        )
+    return path
 
 
 def _holds_open(pid: int, path: str) -> bool:
