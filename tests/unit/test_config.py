@@ -47,6 +47,9 @@ def test_defaults_and_full_file(tmp_path: Path) -> None:
         ("unattached_timeout = nan\n", ["unattached_timeout must be > 0 seconds"]),
         ("idle_close = nan\n", ["idle_close must be > 0 seconds"]),
         ("idle_timeout = nan\n", ["idle_timeout must be >= 0 seconds"]),
+        ("idle_timeout = inf\n", ["idle_timeout must be a finite number", "0 means never"]),
+        ("idle_close = inf\n", ["idle_close must be a finite number of seconds"]),
+        ("unattached_timeout = -inf\n", ["unattached_timeout must be a finite number"]),
         ("workers = true\n", ["workers must be a int, not bool"]),  # it ran with 1 worker
         ("metrics_port = true\n", ["metrics_port must be a int, not bool"]),  # it bound port 1
         ("metrics_host = ''\n", ["metrics_host is empty", "every interface"]),

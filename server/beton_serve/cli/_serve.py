@@ -776,7 +776,7 @@ async def _idle_watch(daemon: Daemon, timeout: float, stop: asyncio.Event) -> No
         return
     last_busy = time.monotonic()
     while True:
-        await asyncio.sleep(min(0.5, timeout / 4))
+        await asyncio.sleep(max(0.05, min(0.5, timeout / 4)))  # never a busy loop
         if daemon.streams:
             last_busy = time.monotonic()
         elif time.monotonic() - last_busy >= timeout:

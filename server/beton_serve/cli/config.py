@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -163,6 +164,13 @@ class ServeConfig:
             raise ConfigError(
                 f"workers must be in 0..{MAX_WORKERS} (0 = one per core), got {self.workers}"
             )
+        for key in ("idle_close", "unattached_timeout", "idle_timeout"):
+            value = getattr(self, key)
+            if isinstance(value, float) and math.isinf(value):
+                raise ConfigError(
+                    f"{key} must be a finite number of seconds, got {value}"
+                    + ("; 0 means never" if key == "idle_timeout" else "")
+                )
         if not self.idle_close > 0:  # NaN too
             raise ConfigError(f"idle_close must be > 0 seconds, got {self.idle_close}")
         if not self.unattached_timeout > 0:  # NaN too
