@@ -32,21 +32,9 @@ from beton_client import Loader, OrderOption, ServeOptions
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 from helpers.daemon import daemon_factory, free_port, short_tmp  # noqa: F401
+from helpers.requests import int_only_request
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _open_request() -> pb.OpenStreamRequest:
-    return pb.OpenStreamRequest(
-        dataset="mixed_fields",
-        batch_size=4,
-        batches_ahead=2,
-        pipelines=[
-            pb.PipelineSpec(name="int", ops=[pb.OpSpec(name="IntDecoder", params_json="{}")]),
-            *(pb.PipelineSpec(name=n, skip=True) for n in ("float", "array", "blob", "meta")),
-        ],
-        host=pb.HostIdentity(pid=os.getpid(), uid=os.getuid()),
-    )
 
 
 @pytest.fixture
@@ -101,7 +89,7 @@ def test_absurd_release_waits_do_not_break_stats(tcp_daemon) -> None:
     d, tcp = tcp_daemon
     with grpc.insecure_channel(tcp) as ch:
         stub = pb_grpc.BetonServeStub(ch)
-        sid = stub.OpenStream(_open_request(), timeout=30).stream_id
+        sid = stub.OpenStream(int_only_request(), timeout=30).stream_id
 
         def messages() -> Iterator[pb.ClientMessage]:
             yield pb.ClientMessage(start=pb.Start(stream_id=sid, credits=1))
@@ -124,7 +112,7 @@ def test_a_flood_of_epoch_starts_ends_only_that_stream(tcp_daemon) -> None:
     d, tcp = tcp_daemon
     with grpc.insecure_channel(tcp) as ch:
         stub = pb_grpc.BetonServeStub(ch)
-        sid = stub.OpenStream(_open_request(), timeout=30).stream_id
+        sid = stub.OpenStream(int_only_request(), timeout=30).stream_id
 
         def flood() -> Iterator[pb.ClientMessage]:
             for _ in range(1000):

@@ -14,7 +14,6 @@ fail with another error.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -32,10 +31,11 @@ from beton_wire.limits import MAX_INDICES, MAX_REQUEST_BYTES, MAX_WIRE_RECORDS
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 from helpers.daemon import daemon_factory, short_tmp  # noqa: F401
+from helpers.requests import MIXED_SKIPPED, int_only_request
 
 pytestmark = pytest.mark.slow
 
-SKIPPED = ("float", "array", "blob", "meta")
+SKIPPED = MIXED_SKIPPED
 INT_ONLY = {"int": [IntDecoder()], **dict.fromkeys(SKIPPED)}
 #: A TCP address where nothing listens: a client that sent its request fails another way.
 NOWHERE = "127.0.0.1:9"
@@ -52,26 +52,7 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
-def _request(**kw: object) -> pb.OpenStreamRequest:
-    req = pb.OpenStreamRequest(
-        dataset="mixed_fields",
-        batch_size=4,
-        batches_ahead=2,
-        pipelines=[
-            pb.PipelineSpec(name="int", ops=[pb.OpSpec(name="IntDecoder", params_json="{}")]),
-            *(pb.PipelineSpec(name=n, skip=True) for n in SKIPPED),
-        ],
-        host=pb.HostIdentity(pid=os.getpid(), uid=os.getuid()),
-    )
-    for key, value in kw.items():
-        if key == "indices":
-            req.indices.extend(value)  # type: ignore[call-overload]
-            req.has_indices = True
-        elif key == "params_json":
-            req.pipelines[0].ops[0].params_json = value
-        else:
-            setattr(req, key, value)
-    return req
+_request = int_only_request
 
 
 @pytest.fixture
