@@ -107,7 +107,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "running, 1 no --config or an invalid file)",
         description="Send SIGHUP to the daemon serving the per-user socket (or --socket PATH): "
         "it re-reads its --config file and logs the keys it applied or refused. Exit 0 when "
-        "the signal was sent, 3 when no daemon runs there.",
+        "the signal was sent, 3 when no daemon runs there, 1 (nothing sent) when the daemon "
+        "runs without --config or its file does not load.",
     )
     _socket_arg(r)
     r.set_defaults(func=run_reload)
