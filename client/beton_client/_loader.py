@@ -755,6 +755,7 @@ class Loader(FrontEnd):
         # no decorator on __init__: the DeprecationWarning above must name the caller's line
         with gc_paused():  # beton_client._gcpause
             self._start(backend, args, order, pipelines)
+        self._freeze()
 
     # -- serving attributes (the backend's) -------------------------------------------------
     @property

@@ -328,11 +328,14 @@ def _indices(indices: Any, spec: type[Exception]) -> np.ndarray | None:
             )
         if min(arr.tolist()) < 0 or max(arr.tolist()) >= 2**64:
             raise spec("indices must be integer sample ids in [0, 2**64)")
-        return np.array(arr.tolist(), dtype=np.uint64)
-    # Checked before the uint64 cast, which would turn -1 into 2**64-1.
-    if arr.dtype.kind == "i" and int(arr.min()) < 0:
-        raise spec(f"indices must be integer sample ids >= 0; got {short_repr(int(arr.min()))}")
-    return arr.astype(np.uint64)
+        out = np.array(arr.tolist(), dtype=np.uint64)
+    else:
+        # Checked before the uint64 cast, which would turn -1 into 2**64-1.
+        if arr.dtype.kind == "i" and int(arr.min()) < 0:
+            raise spec(f"indices must be integer sample ids >= 0; got {short_repr(int(arr.min()))}")
+        out = arr.astype(np.uint64)  # a copy: the caller's array may change later
+    out.flags.writeable = False  # the Loader's own ids: ``loader.indices[0] = 7`` raises
+    return out
 
 
 def check_args(
@@ -434,6 +437,28 @@ def pipelines_key(plans: Sequence[PipelinePlan]) -> bytes:
     return repr((spec, device_of(plans))).encode()
 
 
+#: Arguments the stream, the plans and ``state_dict()`` were built from. FFCV lets a script
+#: assign them and then ignores the new value (so did we): ``loader.indices = subset`` kept
+#: training on every sample. Assigning one after construction raises instead.
+FIXED_ATTRIBUTES = frozenset(
+    {
+        "batch_size",
+        "num_workers",
+        "order",
+        "distributed",
+        "rank",
+        "world_size",
+        "seed",
+        "drop_last",
+        "batches_ahead",
+        "recompile",
+        "copy",
+        "indices",
+        "custom_fields",
+    }
+)
+
+
 class FrontEnd:
     """FFCV's ``Loader`` over a :class:`Backend` (see the module docstring).
 
@@ -442,7 +467,8 @@ class FrontEnd:
 
     Attributes:
         batch_size, num_workers, distributed, rank, world_size, seed, drop_last, batches_ahead,
-        recompile, copy: the validated arguments.
+        recompile, copy: the validated arguments. Read-only once the Loader is built (see
+        :data:`FIXED_ATTRIBUTES`): build a new Loader to change one.
         order: the order as given (an ``OrderOption``, or a custom order in process).
         pipelines: FFCV's ``{name: [ops] | PipelineSpec | None}``; changing an op's parameters
             between epochs (``decoder.output_size``) takes effect at the next ``iter``.
@@ -452,6 +478,21 @@ class FrontEnd:
 
     _backend: Backend
     _args: LoaderArgs
+    #: Set by :meth:`_freeze` at the end of a subclass's ``__init__``.
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen and name in FIXED_ATTRIBUTES:
+            raise AttributeError(
+                f"Loader.{name} is fixed when the Loader is built: the stream, the compiled plans "
+                f"and state_dict() use the value given then, and a new one would be ignored. "
+                f"Build a new Loader with {name}=... instead"
+            )
+        object.__setattr__(self, name, value)
+
+    def _freeze(self) -> None:
+        """Make :data:`FIXED_ATTRIBUTES` read-only (the last step of a subclass's ``__init__``)."""
+        self._frozen = True
 
     def _start(
         self,

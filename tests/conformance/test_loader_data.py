@@ -725,3 +725,55 @@ def test_an_order_given_by_its_value(data: Path, daemon: DaemonProcess, backend:
     with ld:
         got = epochs(ld, 1)
     assert_same_epochs(got, want, f"{backend}, order=2 vs OrderOption.RANDOM")
+
+
+#: A value of the right type for each fixed attribute (the check is on the name, not the value).
+FIXED_VALUES: dict[str, Any] = {
+    "batch_size": 7,
+    "num_workers": 2,
+    "order": "RANDOM",
+    "distributed": True,
+    "rank": 1,
+    "world_size": 2,
+    "seed": 99,
+    "drop_last": True,
+    "batches_ahead": 2,
+    "recompile": True,
+    "copy": True,
+    "indices": [0, 1],
+    "custom_fields": {},
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fixed_attributes_refuse_assignment(
+    data: Path, daemon: DaemonProcess, backend: str
+) -> None:
+    """``loader.indices = subset`` (or ``batch_size``, ``seed``, ...) after construction used to
+    be accepted and ignored, so a script trained on every sample; now it raises, on every
+    backend, and the Loader goes on with the values it was built with. ``next_epoch`` stays
+    writable (FFCV's resume)."""
+    from beton_client.frontend import FIXED_ATTRIBUTES
+
+    assert set(FIXED_VALUES) == FIXED_ATTRIBUTES
+    mine = np.array(SUBSET, np.int64)
+    case = Case(data, daemon, order="SEQUENTIAL", indices=mine, drop_last=False)
+    with case.loader(backend) as ld:
+        mine[0] = 36  # the caller's array changing later does not change the Loader's ids
+        for name, value in FIXED_VALUES.items():
+            before = getattr(ld, name)
+            with pytest.raises(AttributeError, match=rf"Loader\.{name} is fixed"):
+                setattr(ld, name, value)
+            assert getattr(ld, name) is before, name
+        if isinstance(ld.indices, np.ndarray):
+            with pytest.raises(ValueError, match="read-only"):
+                ld.indices[0] = 36
+        assert [int(i) for i in ld.indices] == SUBSET
+        ld.next_epoch = 1
+        got = epoch(ld)
+    assert ids(got) == SUBSET
+    assert_same_batches(
+        got,
+        Case(data, daemon, order="SEQUENTIAL", indices=SUBSET).run("inproc", 1, drop_last=False)[0],
+        f"{backend} vs in-process",
+    )

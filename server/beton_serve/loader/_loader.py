@@ -617,6 +617,7 @@ class Loader(FrontEnd):
         self.indices: np.ndarray = (
             np.arange(reader.num_samples, dtype=np.uint64) if args.indices is None else args.indices
         )
+        self.indices.flags.writeable = False  # read-only, as ``args.indices`` is
         backend = EngineBackend(
             reader,
             owns,
@@ -637,6 +638,7 @@ class Loader(FrontEnd):
         #: The order object (a custom order is constructed here, as FFCV does).
         self.order = backend.order  # type: ignore[assignment]
         self.batch_timeout = batch_timeout
+        self._freeze()
 
     # -- in-process extras ---------------------------------------------------------------------
     @property
