@@ -58,6 +58,7 @@ previous snapshot with ``beton_stats_stale 1``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -127,6 +128,22 @@ class _ThreadingServer6(_ThreadingServer):
     import socket
 
     address_family = socket.AF_INET6
+
+
+#: The paths the exporter answers; anything else gets 404 (it answered every path).
+METRICS_PATHS = frozenset({"/metrics", "/"})
+
+
+def _only_metrics(app: Callable[..., Any]) -> Callable[..., Any]:
+    """``app`` on :data:`METRICS_PATHS`, 404 elsewhere (the query string is the app's)."""
+
+    def only(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if environ.get("PATH_INFO", "") in METRICS_PATHS:
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: beton-serve serves metrics on /metrics\n"]
+
+    return only
 
 
 def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
@@ -404,12 +421,19 @@ class MetricsExporter:
         cls = _ThreadingServer6 if ":" in host else _ThreadingServer
         try:
             server = make_server(
-                host, port, make_wsgi_app(self.registry), cls, handler_class=_QuietHandler
+                host,
+                port,
+                _only_metrics(make_wsgi_app(self.registry)),
+                cls,
+                handler_class=_QuietHandler,
             )
         except OSError as exc:
-            raise ConfigError(
-                f"cannot serve metrics on {host}:{port}: {exc}; pick another --metrics-port"
-            ) from exc
+            hint = (
+                "pick another --metrics-port"
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES)
+                else "check --metrics-host (an address of this machine, or 0.0.0.0)"
+            )
+            raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}; {hint}") from exc
         thread = threading.Thread(
             target=server.serve_forever,
             kwargs={"poll_interval": 0.1},

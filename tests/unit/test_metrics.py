@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -262,6 +263,29 @@ def test_port_in_use_and_double_start_are_config_errors(exporter_of) -> None:
     other = MetricsExporter(lambda: _stats([], []))
     with pytest.raises(ConfigError, match="pick another --metrics-port"):
         other.start_http(port)
+
+
+def test_an_address_not_of_this_machine_names_the_host_not_the_port() -> None:
+    e = MetricsExporter(lambda: _stats([], []))
+    with pytest.raises(ConfigError, match="check --metrics-host") as info:
+        e.start_http(0, host="192.0.2.1")  # TEST-NET-1: never a local address
+    assert "--metrics-port" not in str(info.value)
+
+
+def test_only_the_metrics_paths_answer(exporter_of) -> None:
+    """It answered every path with the metrics (``/admin``, ``/../etc``): now ``/metrics``
+    and ``/`` do, with or without a query string, and anything else is a 404."""
+    _, port = exporter_of(lambda: _stats([], []))
+    for path in ("/metrics", "/", "/metrics?format=text"):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            assert resp.status == 200, path
+            assert ("beton_workers", ()) in _parse(resp.read().decode()), path
+    for path in ("/admin", "/metrics/x", "/favicon.ico", "/../metrics"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
+        assert info.value.code == 404, path
+        assert b"/metrics" in info.value.read()
+    assert scrape(port)[("beton_workers", ())] == 2  # and the exporter still serves
 
 
 def test_serve_daemon_metrics_takes_the_snapshot_on_the_event_loop() -> None:
