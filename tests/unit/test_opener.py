@@ -238,3 +238,26 @@ def test_an_on_demand_name_stays_with_its_files(tree: SimpleNamespace) -> None:
         assert again.name == "ds@2" and again.counts()[:2] == (2000, 5)  # b's, going on
 
     _run(go, table, plans)
+
+
+def test_a_data_root_that_is_not_a_directory_is_logged_and_works_once_made(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo'd or not-yet-mounted ``data_root`` was accepted in silence; every other user's
+    open was then refused with no hint why. Now it is logged at start, kept, and honoured once
+    the directory exists."""
+    later, afile = tmp_path / "mnt" / "data", tmp_path / "plain.txt"
+    afile.write_text("x")
+    present = tmp_path / "present"
+    present.mkdir()
+    with caplog.at_level("WARNING", logger="beton_serve.daemon._on_demand"):
+        policy = FilePolicy.build(
+            enabled=True, data_roots=[str(later), str(afile), str(present)], idle_close_s=1
+        )
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert str(later) in warned[0] and "does not exist" in warned[0]
+    assert str(afile) in warned[1] and "is not a directory" in warned[1]
+    later.mkdir(parents=True)
+    data = write_labelled(later / "d.beton", 3, 0)
+    assert policy.refusal(FileIdentity.of(str(data)), owner_peer=False) is None

@@ -36,6 +36,7 @@ Threads: :func:`open_file` and :func:`resolve_ops` run on the daemon's ``beton-c
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from beton_wire.limits import short_repr
 
 from beton_serve.daemon._messages import OpRequest
 from beton_serve.errors import SpecError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CLIENT_OP",
@@ -102,8 +105,21 @@ class FilePolicy:
 
     @classmethod
     def build(cls, *, enabled: bool, data_roots: Sequence[str], idle_close_s: float) -> FilePolicy:
-        """A policy with ``data_roots`` resolved to real paths."""
+        """A policy with ``data_roots`` resolved to real paths.
+
+        A root that is not a directory now is kept (a mount may come later) and logged: a typo
+        there otherwise showed only as every other user's open being refused.
+        """
         roots = tuple(os.path.realpath(r) for r in data_roots)
+        for given, real in zip(data_roots, roots, strict=True):
+            if not os.path.isdir(real):
+                what = "is not a directory" if os.path.exists(real) else "does not exist"
+                log.warning(
+                    "data root %s %s (yet): other users' clients can open nothing under it "
+                    "until it is a directory",
+                    short_repr(str(given)),
+                    what,
+                )
         return cls(enabled=enabled, data_roots=roots, idle_close_s=float(idle_close_s))
 
     def refusal(self, file: FileIdentity, *, owner_peer: bool) -> str | None:
