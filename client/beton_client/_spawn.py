@@ -230,6 +230,9 @@ def _spawn(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            # Not the trainer's directory: the daemon outlives the job, and held it (an unmount
+            # failed with EBUSY, a deleted job directory stayed its cwd). Every path is absolute.
+            cwd="/",
         )
         _unpin(proc)
         return proc

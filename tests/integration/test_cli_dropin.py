@@ -637,23 +637,27 @@ def test_cache_subcommand_is_wired_when_its_module_exists(
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin to one")
 def test_a_daemon_spawned_by_a_pinned_trainer_is_not_pinned(
-    short_tmp: Path, capsys: pytest.CaptureFixture
+    short_tmp: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank pinned to one core (taskset, torchrun, numactl) spawned a daemon pinned to that
-    core: every later trainer shared a one-worker pool."""
+    core: every later trainer shared a one-worker pool. It also kept the trainer's working
+    directory (an unmount of the job's directory failed while the daemon lived): its cwd is
+    ``/`` now, and the relative paths the trainer gave still name the right files."""
     from beton_client._spawn import ensure_daemon
 
     data = write_labelled(short_tmp / "rows.beton", 20, 0)
+    monkeypatch.chdir(short_tmp)
     sock = str(short_tmp / "s" / "p.sock")
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(allowed)})  # this thread (the spawner) is the pinned rank
     try:
-        ensure_daemon(sock, str(data), idle_timeout=30.0, wait=40)
+        ensure_daemon("s/p.sock", "rows.beton", idle_timeout=30.0, wait=40)
     finally:
         os.sched_setaffinity(0, allowed)
     try:
         (pid,) = daemons_serving(sock)
         assert os.sched_getaffinity(pid) == allowed
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
         capsys.readouterr()
         assert main(["status", "--socket", sock, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["workers"] == len(allowed)
