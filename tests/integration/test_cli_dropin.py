@@ -645,7 +645,7 @@ def test_a_daemon_spawned_by_a_pinned_trainer_is_not_pinned(
     ``/`` now, and the relative paths the trainer gave still name the right files."""
     from beton_client._spawn import ensure_daemon
 
-    data = write_labelled(short_tmp / "rows.beton", 20, 0)
+    write_labelled(short_tmp / "rows.beton", 20, 0)
     monkeypatch.chdir(short_tmp)
     sock = str(short_tmp / "s" / "p.sock")
     allowed = os.sched_getaffinity(0)
