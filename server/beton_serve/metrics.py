@@ -22,6 +22,7 @@ name                                       kind     labels           from ``Daem
 ``beton_samples_decoded_total``            counter  dataset          ``datasets[].samples``
 ``beton_batches_decoded_total``            counter  dataset          ``datasets[].batches``
 ``beton_bad_samples_total``                counter  dataset          ``bad_samples``
+``beton_dataset_refused``                  gauge    dataset          1 while ``refused`` (a file changed)
 ``beton_op_busy_seconds_total``            counter  op               ``op_seconds`` (seconds)
 ``beton_op_runs_total``                    counter  op               ``op_seconds`` (runs)
 ``beton_queue_depth``                      gauge    -                ``queue_depth``
@@ -216,6 +217,14 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
     )
     for name, n in stats.bad_samples:
         bad.add_metric([str(name)], float(n))
+    refused = _gauge(
+        "beton_dataset_refused",
+        "1 while the daemon refuses a dataset until a restart (a file changed under it), else 0.",
+        ("dataset",),
+    )
+    gone = {str(name) for name, _ in stats.refused}
+    for name, _, _ in stats.datasets:
+        refused.add_metric([str(name)], 1.0 if str(name) in gone else 0.0)
     busy = _counter(
         "beton_op_busy_seconds", "Seconds an op spent running, over every batch.", ("op",)
     )
@@ -349,7 +358,7 @@ def metric_families(stats: Any, *, stale: bool = False) -> list[Metric]:
         singles.append(fam)
     return [
         batches, images, info, in_use, total, wait, wall, stall, active, opened,
-        decoded, decoded_b, bad, busy, runs, *groups, *singles,
+        decoded, decoded_b, bad, refused, busy, runs, *groups, *singles,
     ]  # fmt: skip
 
 

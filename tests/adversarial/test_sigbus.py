@@ -216,3 +216,51 @@ def test_health_says_not_serving_once_every_dataset_is_refused(
         assert time.monotonic() < deadline, "still SERVING 20 s after its only file changed"
         time.sleep(0.5)
     assert "every dataset served from the start is refused" in d.log()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_refused_dataset_shows_in_status_stats_and_metrics(
+    daemon_factory, fixtures_dir: Path, short_tmp: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """With one dataset of two refused (its file written to), the daemon rightly stays SERVING,
+    and nothing said which dataset was gone: ``status`` listed it like the other. Now
+    ``status`` names it and why, the Stats reply carries the reason, and
+    ``beton_dataset_refused`` is 1 for it and 0 for the other."""
+    import json
+    import re
+    import shutil
+    import urllib.request
+
+    from beton_serve.cli import main
+    from beton_serve.cli._health import EXIT_SERVING
+
+    good, bad = short_tmp / "good.beton", short_tmp / "bad.beton"
+    for p in (good, bad):
+        shutil.copy(fixtures_dir / "mixed_fields.beton", p)
+    d = daemon_factory([good, bad], args=["--workers", "1", "--metrics-port", "0"])
+    sock = d.socket
+    capsys.readouterr()
+    assert main(["status", "--socket", sock, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["refused"] == {}
+    os.utime(bad, ns=(time.time_ns(), time.time_ns() + 10**9))  # `touch`: written to
+    deadline = time.monotonic() + 20
+    while True:
+        assert main(["status", "--socket", sock, "--json"]) == 0
+        refused = json.loads(capsys.readouterr().out)["refused"]
+        if refused:
+            break
+        assert time.monotonic() < deadline, "not refused 20 s after its file changed"
+        time.sleep(0.5)
+    assert list(refused) == ["bad"]
+    assert str(bad) in refused["bad"] and "was written to" in refused["bad"]
+    assert main(["status", "--socket", sock]) == 0
+    out = capsys.readouterr().out
+    assert "REFUSED   bad until a restart:" in out and "good" not in out.split("REFUSED")[1]
+    assert main(["health", "--server", "unix://" + sock, "--timeout", "5"]) == EXIT_SERVING
+    url = re.search(r'metrics url=([^\s"]+)', d.log())
+    assert url, d.log()
+    with urllib.request.urlopen(url.group(1), timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'beton_dataset_refused{dataset="bad"} 1.0' in text
+    assert 'beton_dataset_refused{dataset="good"} 0.0' in text

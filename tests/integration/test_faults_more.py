@@ -53,7 +53,7 @@ def _corrupt_copy(fixtures_dir: Path, dst: Path) -> Path:
 
 def _metrics_text(d: DaemonProcess, timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
-    while not (m := re.search(r"metrics url=(\S+)", d.log())):
+    while not (m := re.search(r'metrics url=([^\s"]+)', d.log())):
         assert time.monotonic() < deadline, d.log()
         time.sleep(0.1)
     with urllib.request.urlopen(m.group(1), timeout=10) as resp:

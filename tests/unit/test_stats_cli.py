@@ -325,7 +325,7 @@ def test_stats_against_a_real_daemon(tmp_path, fixtures_dir, capsys) -> None:
         import re
         import urllib.request
 
-        while not (m := re.search(r"metrics url=(\S+)", (tmp_path / "daemon.log").read_text())):
+        while not (m := re.search(r'metrics url=([^\s"]+)', (tmp_path / "daemon.log").read_text())):
             if time.monotonic() > deadline:
                 pytest.fail("no metrics url logged")
             time.sleep(0.1)

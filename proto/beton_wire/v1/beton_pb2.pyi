@@ -680,21 +680,24 @@ class StreamStats(_message.Message):
     ) -> None: ...
 
 class DatasetStats(_message.Message):
-    __slots__ = ("bad_samples", "batches_decoded", "name", "samples_decoded")
+    __slots__ = ("bad_samples", "batches_decoded", "name", "refused", "samples_decoded")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_DECODED_FIELD_NUMBER: _ClassVar[int]
     BATCHES_DECODED_FIELD_NUMBER: _ClassVar[int]
     BAD_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     name: str
     samples_decoded: int
     batches_decoded: int
     bad_samples: int
+    refused: str
     def __init__(
         self,
         name: str | None = ...,
         samples_decoded: int | None = ...,
         batches_decoded: int | None = ...,
         bad_samples: int | None = ...,
+        refused: str | None = ...,
     ) -> None: ...
 
 class DecodeGroupStats(_message.Message):

@@ -188,6 +188,8 @@ def _stats(
         "uptime_s": round(float(reply.uptime_s), 3),
         "workers": int(reply.workers),
         "datasets": [d.name for d in reply.datasets],
+        # name -> why, for each dataset refused until a restart (a file changed under it)
+        "refused": {d.name: d.refused for d in reply.datasets if d.refused},
         "streams": len(reply.streams),
         "streams_opened": int(reply.streams_opened),
     }
@@ -241,6 +243,10 @@ def run_status(args: argparse.Namespace, environ: Mapping[str, str] | None = Non
                 f"  workers   {info['workers']}",
                 f"  datasets  {', '.join(info['datasets']) or '(none)'}",
                 f"  streams   {info['streams']} open, {info['streams_opened']} since start",
+            ]
+            lines += [
+                f"  REFUSED   {name} until a restart: {why}"
+                for name, why in sorted(info["refused"].items())
             ]
         sys.stdout.write("\n".join(lines) + "\n")
     return EXIT_RUNNING if pid is not None else EXIT_NOT_RUNNING

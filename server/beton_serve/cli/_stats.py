@@ -358,7 +358,9 @@ def render(snap: Mapping[str, Any], *, target: str = "") -> Any:
         datasets.add_column(col, justify=just)  # type: ignore[arg-type]
     for x in sorted(snap.get("datasets", []), key=lambda x: x["name"]):
         datasets.add_row(
-            str(x["name"]),
+            Text(f"{x['name']} (REFUSED)", style="bold red")
+            if x.get("refused")
+            else str(x["name"]),
             f"{x.get('samples_decoded', 0):,}",
             f"{x.get('samples_per_s', 0.0):.0f}",
             f"{x.get('batches_decoded', 0):,}",

@@ -163,6 +163,8 @@ class DaemonStats:
     workers_replaced: int = 0
     #: ``(dataset, samples skipped under the bad-sample budget)``.
     bad_samples: tuple[tuple[str, int], ...] = ()
+    #: ``(dataset, why)`` for each dataset refused until a restart (a file changed under it).
+    refused: tuple[tuple[str, str], ...] = ()
     #: ``(op, seconds, batches)``: time each op spent, summed over every batch (all plans).
     op_seconds: tuple[tuple[str, float, int], ...] = ()
     #: Decode groups (issue 16): samples decoded against samples delivered, per group.

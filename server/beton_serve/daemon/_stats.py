@@ -98,6 +98,11 @@ class StatsBook:
             worker_utilisation=self._utilisation(now, engine),
             workers_replaced=0 if engine is None else int(engine.workers_replaced),
             bad_samples=tuple((d.name, d.bad_samples) for d in datasets),
+            refused=tuple(
+                (d.name, f"{d.watch.broken[0]}: {d.watch.broken[2]}")
+                for d in datasets
+                if d.watch is not None and d.watch.broken is not None
+            ),
             op_seconds=_op_seconds(plans),
             decode_groups=_decode_groups(None if visible is None else datasets),
             max_ring_bytes=max_ring_bytes,

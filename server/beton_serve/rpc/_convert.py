@@ -446,7 +446,7 @@ def dataset_info(ds: Dataset, decoders: dict[str, list[str]] | None = None) -> p
 
 def stats_message(s: DaemonStats) -> pb.StatsResponse:
     """The Stats reply."""
-    bad = dict(s.bad_samples)
+    bad, refused = dict(s.bad_samples), dict(s.refused)
     return pb.StatsResponse(
         pid=s.pid,
         uptime_s=s.uptime_s,
@@ -469,7 +469,11 @@ def stats_message(s: DaemonStats) -> pb.StatsResponse:
         ],
         datasets=[
             pb.DatasetStats(
-                name=n, samples_decoded=sd, batches_decoded=bd, bad_samples=bad.get(n, 0)
+                name=n,
+                samples_decoded=sd,
+                batches_decoded=bd,
+                bad_samples=bad.get(n, 0),
+                refused=refused.get(n, ""),
             )
             for n, sd, bd in s.datasets
         ],
