@@ -128,6 +128,13 @@ def test_render_table() -> None:
         assert cell in row, (cell, row)
     drow = next(line for line in text.splitlines() if "cifar" in line and "a1" not in line)
     assert "6,400" in drow and "320" in drow
+    assert "REFUSED" not in text
+    reply = fake_response()
+    reply.datasets[0].refused = "/d/cifar.beton: changed while dataset 'cifar' is served"
+    gone = io.StringIO()
+    Console(file=gone, width=160, color_system=None).print(render(snapshot_dict(reply, now=1.0)))
+    assert "cifar (REFUSED)" in gone.getvalue()
+    assert snapshot_dict(reply, now=1.0)["datasets"][0]["refused"].startswith("/d/cifar.beton")
     empty = io.StringIO()
     Console(file=empty, width=160).print(render(snapshot_dict(pb.StatsResponse(pid=1), now=1.0)))
     assert "(no open streams)" in empty.getvalue()
