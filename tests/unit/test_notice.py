@@ -182,3 +182,40 @@ def test_a_failed_accept_backs_off_instead_of_spinning(
             hub.close()
 
     asyncio.run(main())
+
+
+def test_an_oversized_record_closes_the_channel_instead_of_counting_as_a_release(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hub reads at most one byte more than the largest record; a longer one was cut to
+    that and, when it began like a ``RELEASE``, freed a slot. Now it closes the channel, as any
+    record the daemon does not know does."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        hub = NoticeHub(ShmNamer(), loop, shm_dir=tmp_path)
+        try:
+            token, fut = hub.register()
+            ch = await loop.run_in_executor(
+                None, lambda: NoticeChannel(hub.name, token, shm_dir=tmp_path)
+            )
+            conn = await asyncio.wait_for(fut, 5)
+            released: list[tuple[int, int, int]] = []
+            closed: list[bool] = []
+            conn.on_release = lambda *a: released.append(a)
+            conn.on_close = lambda: closed.append(True)
+            big = notice.release(1, 4, 250) + b"\0" * notice.MAX_RECORD
+            ch._sock.send(big)
+            for _ in range(200):
+                if closed:
+                    break
+                await asyncio.sleep(0.01)
+            assert closed == [True] and conn.closed
+            assert released == []
+            ch.close()
+        finally:
+            hub.close()
+
+    with caplog.at_level("WARNING", logger="beton_serve.transport.notice"):
+        asyncio.run(main())
+    assert "malformed or unexpected record (kind -1)" in caplog.text

@@ -120,6 +120,8 @@ class NoticeConn:
                 self.close()
                 return
             try:
+                if len(data) > notice.MAX_RECORD:  # recv cut it: not a record we know
+                    raise ValueError(f"a notice record over {notice.MAX_RECORD} bytes")
                 kind, a, b, c, _d, payload = notice.unpack(data)
             except ValueError:
                 kind, a, b, c, payload = -1, 0, 0, 0, b""
@@ -137,7 +139,9 @@ class NoticeConn:
             elif kind == notice.START and self.on_start is not None:
                 self.on_start(b, c, a)
             else:
-                log.warning("notice channel: unexpected record kind %d; closing it", kind)
+                log.warning(
+                    "notice channel: a malformed or unexpected record (kind %d); closing it", kind
+                )
                 self.close()
                 return
 
