@@ -482,7 +482,7 @@ class FrontEnd:
     _frozen = False
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self._frozen and name in FIXED_ATTRIBUTES:
+        if name in FIXED_ATTRIBUTES and self._frozen:
             raise AttributeError(
                 f"Loader.{name} is fixed when the Loader is built: the stream, the compiled plans "
                 f"and state_dict() use the value given then, and a new one would be ignored. "
