@@ -377,8 +377,22 @@ class DaemonCollector(Collector):
         self._lock = threading.Lock()
 
     def describe(self) -> list[Metric]:
-        """Nothing: registering must not take a snapshot (the daemon may not be running yet)."""
-        return []
+        """The families, from an empty snapshot built here: registering must not take a
+        snapshot (the daemon may not be running yet). With no names described, the
+        ``/metrics?name[]=...`` filter of prometheus_client answered an empty page."""
+        from beton_serve.daemon import DaemonStats
+
+        empty = DaemonStats(
+            pid=0,
+            uptime_s=0.0,
+            workers=0,
+            streams=(),
+            datasets=(),
+            shm_bytes=0,
+            compiled_plans=0,
+            streams_opened=0,
+        )
+        return metric_families(empty)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:  # concurrent scrapes take one snapshot each, in turn

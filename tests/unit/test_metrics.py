@@ -276,6 +276,14 @@ def test_only_the_metrics_paths_answer(exporter_of) -> None:
     """It answered every path with the metrics (``/admin``, ``/../etc``): now ``/metrics``
     and ``/`` do, with or without a query string, and anything else is a 404."""
     _, port = exporter_of(lambda: _stats([], []))
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/metrics?name[]=beton_workers&name[]=beton_uptime_seconds",
+        timeout=5,
+    ) as resp:  # prometheus_client's name filter (it answered an empty page)
+        assert sorted(_parse(resp.read().decode())) == [
+            ("beton_uptime_seconds", ()),
+            ("beton_workers", ()),
+        ]
     for path in ("/metrics", "/", "/metrics?format=text"):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
             assert resp.status == 200, path
