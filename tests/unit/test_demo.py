@@ -55,3 +55,35 @@ def test_write_only_subcommand(tmp_path, capsys) -> None:
 def test_bad_arguments_fail_with_a_message(capsys) -> None:
     assert main(["demo", "--trainers", "0"]) == 1
     assert "--trainers" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_demo_runs_under_a_long_tmpdir(tmp_path) -> None:
+    """With a ``$TMPDIR`` long enough that ``$TMPDIR/beton-serve-demo-XXXX/beton.sock`` passes
+    the kernel's 107 bytes, the demo failed on the socket's path. Its socket now goes to a
+    short private directory, removed at the end."""
+    import glob
+    import os
+    import subprocess
+    import sys
+
+    long_tmp = tmp_path / ("t" * 60) / ("u" * 40)
+    long_tmp.mkdir(parents=True)
+    before = set(glob.glob("/tmp/bs-demo-*"))
+    env = {**os.environ, "TMPDIR": str(long_tmp)}
+    env.pop("BETON_SERVE_ADDRESS", None)
+    cli = [sys.executable, "-c", "import sys; from beton_serve.cli import main; sys.exit(main())"]
+    args = ["--samples", "32", "--size", "16", "--trainers", "1", "--epochs", "1"]
+    proc = subprocess.run(
+        [*cli, "demo", *args, "--batch-size", "16"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[4/4] daemon stopped cleanly" in proc.stdout
+    assert "unix:///tmp/bs-demo-" in proc.stdout
+    assert set(glob.glob("/tmp/bs-demo-*")) == before  # its socket directory is gone
+    assert os.listdir(long_tmp) == []  # and its work directory

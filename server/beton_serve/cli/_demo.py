@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from beton_wire.address import socket_path_problem
 from beton_wire.limits import usable_cpus
 
 from beton_serve.errors import BetonError
@@ -242,6 +244,22 @@ def _run_in(work: Path, args: argparse.Namespace) -> int:
         f"({dataset.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s\n"
     )
     sock = work / "beton.sock"
+    if socket_path_problem(str(sock)) is None:
+        return _serve_and_train(work, dataset, sock, args, t0)
+    # A long $TMPDIR (or --keep DIR) makes the socket's path longer than the kernel takes:
+    # the socket goes to a short private directory of its own instead.
+    sock_dir = Path(tempfile.mkdtemp(prefix="bs-demo-", dir="/tmp"))  # mode 0700
+    try:
+        return _serve_and_train(work, dataset, sock_dir / "beton.sock", args, t0)
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def _serve_and_train(
+    work: Path, dataset: Path, sock: Path, args: argparse.Namespace, t0: float
+) -> int:
+    """Steps 2 to 4: the daemon on ``sock``, the trainers, the clean stop."""
+    out = sys.stdout
     target = f"unix://{sock}"
     daemon_log = work / "daemon.log"
     env = dict(os.environ)
