@@ -32,6 +32,7 @@ from beton_serve.daemon._datasets import Dataset
 from beton_serve.daemon._messages import DaemonStats, DecodeGroupRow, StreamStats
 from beton_serve.daemon._stream import Stream
 from beton_serve.daemon._streams import StreamTable
+from beton_serve.errors import FormatError
 
 __all__ = ["UTILISATION_WINDOW_S", "StatsBook", "public_stream_id"]
 
@@ -99,7 +100,7 @@ class StatsBook:
             workers_replaced=0 if engine is None else int(engine.workers_replaced),
             bad_samples=tuple((d.name, d.bad_samples) for d in datasets),
             refused=tuple(
-                (d.name, f"{d.watch.broken[0]}: {d.watch.broken[2]}")
+                (d.name, str(FormatError(*d.watch.broken)))  # what its streams were told
                 for d in datasets
                 if d.watch is not None and d.watch.broken is not None
             ),
