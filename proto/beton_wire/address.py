@@ -20,8 +20,10 @@ from collections.abc import Mapping
 
 __all__ = [
     "ADDRESS_IN_USE_STATUS",
+    "DATASET_HEALTH_PREFIX",
     "DATA_ERROR_STATUS",
     "ENV_ADDRESS",
+    "dataset_health_service",
     "default_socket_path",
     "joined_addresses",
     "not_a_socket_problem",
@@ -41,6 +43,15 @@ DATA_ERROR_STATUS = 65
 #: Address forms in which a comma is not a list of daemons: gRPC's own address lists
 #: (``ipv4:a:1,b:2``, one channel balancing over them) and socket paths.
 _COMMA_OK = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "/")
+#: Prefix of the gRPC health service names that report one dataset each.
+DATASET_HEALTH_PREFIX = "dataset/"
+
+
+def dataset_health_service(name: str) -> str:
+    """The gRPC health service name that reports the dataset called ``name`` (one served from
+    the daemon's start): ``SERVING`` while it serves, ``NOT_SERVING`` once it is refused (its
+    file changed) and while the daemon drains. ``beton-serve health --dataset NAME`` asks it."""
+    return DATASET_HEALTH_PREFIX + name
 
 
 def default_socket_path(environ: Mapping[str, str], uid: int | None = None) -> str:

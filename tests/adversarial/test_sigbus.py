@@ -233,7 +233,7 @@ def test_a_refused_dataset_shows_in_status_stats_and_metrics(
     import urllib.request
 
     from beton_serve.cli import main
-    from beton_serve.cli._health import EXIT_SERVING
+    from beton_serve.cli._health import EXIT_NOT_SERVING, EXIT_SERVING
 
     good, bad = short_tmp / "good.beton", short_tmp / "bad.beton"
     for p in (good, bad):
@@ -258,6 +258,13 @@ def test_a_refused_dataset_shows_in_status_stats_and_metrics(
     out = capsys.readouterr().out
     assert "REFUSED   bad until a restart:" in out and "good" not in out.split("REFUSED")[1]
     assert main(["health", "--server", "unix://" + sock, "--timeout", "5"]) == EXIT_SERVING
+    # Each dataset's own health service (checked every 2 s, as the files are).
+    deadline = time.monotonic() + 20
+    while main(["health", "--server", "unix://" + sock, "--dataset", "bad"]) != EXIT_NOT_SERVING:
+        assert time.monotonic() < deadline, "dataset/bad still SERVING 20 s after it was refused"
+        time.sleep(0.5)
+    assert main(["health", "--server", "unix://" + sock, "--dataset", "good"]) == EXIT_SERVING
+    assert "health dataset/bad NOT_SERVING" in d.log()
     url = re.search(r'metrics url=([^\s"]+)', d.log())
     assert url, d.log()
     with urllib.request.urlopen(url.group(1), timeout=10) as resp:

@@ -58,6 +58,67 @@ def test_unknown_service_exits_one(health_server) -> None:
     assert _health.run(_args(target, service="no.such.Service"), environ={}) == 1
 
 
+def test_dataset_asks_that_datasets_service(health_server, capsys) -> None:
+    """``--dataset NAME`` asks the service ``dataset/NAME``: one dataset's health, which a
+    daemon serving others says NOT_SERVING once that dataset's file changed."""
+    from beton_serve.cli import main
+
+    target, servicer = health_server
+    servicer.set("dataset/good", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set("dataset/bad", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert main(["health", "--server", target, "--dataset", "good"]) == _health.EXIT_SERVING
+    assert capsys.readouterr().out.strip() == f"{target} dataset/good: SERVING"
+    assert main(["health", "--server", target, "--dataset", "bad"]) == _health.EXIT_NOT_SERVING
+    assert capsys.readouterr().out.strip() == f"{target} dataset/bad: NOT_SERVING"
+    assert main(["health", "--server", target, "--dataset", "nope"]) == _health.EXIT_NOT_SERVING
+    out = capsys.readouterr()
+    assert out.out.strip() == f"{target} dataset/nope: SERVICE_UNKNOWN"
+    assert "no dataset 'nope' was served from this daemon's start" in out.err
+
+
+def test_dataset_and_service_are_exclusive(capsys) -> None:
+    from beton_serve.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["health", "--dataset", "a", "--service", "b"])
+    assert info.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_the_server_handle_reports_each_dataset_and_drains_them_all() -> None:
+    """The daemon's side: ``set_dataset`` reports one dataset; ``set_serving(False)`` (the
+    drain) reports every dataset NOT_SERVING too; serving again leaves them as they were."""
+    import asyncio
+
+    from beton_serve.rpc import ServerHandle
+
+    async def main() -> None:
+        servicer = health.aio.HealthServicer()
+        handle = ServerHandle(None, servicer, 0)  # type: ignore[arg-type]
+
+        async def status(service: str) -> str:
+            reply = await servicer.Check(health_pb2.HealthCheckRequest(service=service), None)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+        await handle.set_dataset("a", True)
+        await handle.set_dataset("b", True)
+        await handle.set_serving(True)
+        await handle.set_dataset("b", False)
+        assert [await status(s) for s in ("", "dataset/a", "dataset/b")] == [
+            "SERVING",
+            "SERVING",
+            "NOT_SERVING",
+        ]
+        assert handle.dataset_serving("a") is True
+        assert handle.dataset_serving("b") is False
+        assert handle.dataset_serving("c") is None
+        await handle.set_serving(False)
+        assert [await status(s) for s in ("", "dataset/a", "dataset/b")] == ["NOT_SERVING"] * 3
+
+    asyncio.run(main())
+
+
 def test_address_from_environment(health_server) -> None:
     target, servicer = health_server
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -16,6 +16,12 @@ exit   meaning
 
 A probe can so tell a daemon that is draining (1) from one it cannot or must not reach (2).
 
+``--dataset NAME`` asks about one dataset served from the daemon's start instead (the health
+service ``dataset/NAME``): ``NOT_SERVING`` (exit 1) once its file changed under the daemon, which
+refuses it until a restart, while the daemon goes on serving its other datasets; also while the
+daemon drains. A name the daemon does not serve from its start (a typo, a file opened on demand)
+answers ``SERVICE_UNKNOWN`` (exit 1).
+
 A daemon that serves TCP with TLS is checked with ``--tls-ca CA.pem`` (and, for mutual TLS,
 ``--tls-cert``/``--tls-key``). No token is needed: the daemon answers health checks without one.
 
@@ -80,10 +86,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="gRPC target: unix:///path/to.sock or host:port (default: $BETON_SERVE_ADDRESS, "
         "then the per-user socket)",
     )
-    p.add_argument(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
         "--service",
         default="",
         help="health service name to check; '' (the default) means the whole server",
+    )
+    which.add_argument(
+        "--dataset",
+        default=None,
+        metavar="NAME",
+        help="check one dataset served from the daemon's start (the service dataset/NAME): "
+        "NOT_SERVING once its file changed, until a restart",
     )
     p.add_argument(
         "--timeout", type=positive_seconds, default=3.0, help="deadline in seconds (default 3)"
@@ -267,6 +281,10 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     :class:`ConfigError`, printed to stderr, is :data:`EXIT_UNREACHABLE`: nothing was asked)."""
     import os
 
+    from beton_wire.address import dataset_health_service
+
+    dataset = getattr(args, "dataset", None)
+    service = args.service if dataset is None else dataset_health_service(dataset)
     try:
         target = resolve_target(args.server, os.environ if environ is None else environ)
         creds = tls_credentials(
@@ -276,7 +294,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         )
         status = check(
             target,
-            service=args.service,
+            service=service,
             timeout=args.timeout,
             credentials=creds,
             socket_owner=getattr(args, "socket_owner", None),
@@ -284,7 +302,12 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     except ConfigError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return EXIT_UNREACHABLE
-    sys.stdout.write(f"{target}: {status}\n")
+    sys.stdout.write(f"{target}{' ' + service if service else ''}: {status}\n")
+    if status == "SERVICE_UNKNOWN" and dataset is not None:
+        sys.stderr.write(
+            f"no dataset {dataset!r} was served from this daemon's start (datasets opened on "
+            "demand have no health service); `beton-serve status` lists the datasets\n"
+        )
     if status == "SERVING":
         return EXIT_SERVING
     if status == "UNREACHABLE":

@@ -667,6 +667,8 @@ async def _serve(
                 cfg.metrics_host,
             )
             log.info("metrics url=http://%s:%d/metrics", cfg.metrics_host, bound)
+        for ds in daemon.all_datasets():  # the datasets served from the start, by name
+            await handle.set_dataset(ds.name, True)
         await handle.set_serving(True)
         addresses = ([f"unix://{os.path.abspath(socket_path)}"] if socket_path else []) + [
             a.rsplit(":", 1)[0] + f":{handle.port}" if a.endswith(":0") else a for a in cfg.listen
@@ -749,9 +751,10 @@ FILE_WATCH_S = 2.0
 async def _file_watch(daemon: Daemon, handle: Any, every: float = FILE_WATCH_S) -> None:
     """Look at the files of the datasets served from the start every ``every`` seconds, as a
     stream does before each batch (``daemon._health.FileWatch``): a file changed under the
-    daemon is logged when it happens, not only when a client next reads, and once every one of
-    those datasets is refused (until a restart), the health service says NOT_SERVING, so that
-    the deploy files' health checks restart the daemon. It said SERVING for ever before."""
+    daemon is logged when it happens, not only when a client next reads. A refused dataset
+    (until a restart) turns its own health service (``dataset/NAME``) NOT_SERVING, and once
+    every one of those datasets is refused, the whole server's too, so that the deploy files'
+    health checks restart the daemon. It said SERVING for ever before."""
     from beton_serve.errors import FormatError
 
     served = daemon.all_datasets()
@@ -762,6 +765,10 @@ async def _file_watch(daemon: Daemon, handle: Any, every: float = FILE_WATCH_S) 
         for ds in served:
             with contextlib.suppress(FormatError):
                 ds.check_files()
+            if ds.watch is not None and ds.watch.broken is not None:
+                if handle.dataset_serving(ds.name):
+                    log.warning("health dataset/%s NOT_SERVING (refused until a restart)", ds.name)
+                    await handle.set_dataset(ds.name, False)
         if all(ds.watch is not None and ds.watch.broken is not None for ds in served):
             log.error(
                 "every dataset served from the start is refused (its file changed): health "

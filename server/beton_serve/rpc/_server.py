@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 
 import grpc
-from beton_wire.address import not_a_socket_problem
+from beton_wire.address import dataset_health_service, not_a_socket_problem
 from beton_wire.limits import MAX_REQUEST_BYTES
 from beton_wire.v1 import beton_pb2 as pb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -53,8 +53,21 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 
+def _status(serving: bool) -> int:
+    return (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+
+
 class ServerHandle:
-    """A built server with its health servicer (to flip to NOT_SERVING while draining)."""
+    """A built server with its health servicer (to flip to NOT_SERVING while draining).
+
+    Besides the server as a whole (``""``) and :data:`SERVICE_NAME`, the health service reports
+    each dataset served from the start under ``dataset/NAME``
+    (:func:`beton_wire.address.dataset_health_service`), so that a probe can watch one dataset.
+    """
 
     def __init__(
         self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, port: int
@@ -62,16 +75,26 @@ class ServerHandle:
         self.server = server
         self.health = health_servicer
         self.port = port
+        self._datasets: dict[str, bool] = {}  # dataset name -> serving
 
     async def set_serving(self, serving: bool) -> None:
-        """Report SERVING / NOT_SERVING for the overall server and the service."""
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        """Report SERVING / NOT_SERVING for the overall server and the service. Not serving
+        (draining) also reports every dataset NOT_SERVING; serving leaves each dataset as
+        :meth:`set_dataset` last set it."""
         for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+            await self.health.set(name, _status(serving))
+        if not serving:
+            for dataset in list(self._datasets):
+                await self.set_dataset(dataset, False)
+
+    async def set_dataset(self, dataset: str, serving: bool) -> None:
+        """Report SERVING / NOT_SERVING for the dataset called ``dataset``."""
+        self._datasets[dataset] = serving
+        await self.health.set(dataset_health_service(dataset), _status(serving))
+
+    def dataset_serving(self, dataset: str) -> bool | None:
+        """What :meth:`set_dataset` last reported for ``dataset`` (``None``: never)."""
+        return self._datasets.get(dataset)
 
 
 def create_server(
