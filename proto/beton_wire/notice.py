@@ -71,6 +71,7 @@ BATCH = 2
 #: Daemon -> client: epoch ``b`` ended after ``c`` batches.
 END = 3
 #: Client -> daemon: slot ``a`` (batch ``b``) is free; the client had waited ``c`` microseconds.
+#: The daemon ignores one whose batch is not the one the slot holds (stale or replayed).
 RELEASE = 4
 
 #: Daemon -> client: like ``BATCH``, but the data is at payload ``(offset, segment name)``.

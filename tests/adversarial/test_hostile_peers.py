@@ -108,6 +108,59 @@ def test_absurd_release_waits_do_not_break_stats(tcp_daemon) -> None:
         call.cancel()
 
 
+def test_a_release_naming_another_batch_frees_nothing(tcp_daemon) -> None:
+    """A ``Release`` names a slot and the batch the client held in it. A stale or replayed one
+    (an earlier batch of that slot) freed whatever batch the slot held now, which the daemon
+    could then overwrite while the client still read it. Now it frees nothing."""
+    import contextlib
+    import queue
+    import threading
+
+    _, tcp = tcp_daemon
+    with grpc.insecure_channel(tcp) as ch:
+        stub = pb_grpc.BetonServeStub(ch)
+        opened = stub.OpenStream(int_only_request(batch_size=1), timeout=30)
+        credits = opened.max_credits
+        assert opened.num_batches > credits + 1
+        out: queue.Queue[pb.ClientMessage | None] = queue.Queue()
+        out.put(pb.ClientMessage(start=pb.Start(stream_id=opened.stream_id, credits=credits)))
+        call = stub.Batches(iter(out.get, None), timeout=60)
+        got: queue.Queue[pb.BatchReady] = queue.Queue()
+
+        def read() -> None:
+            with contextlib.suppress(grpc.RpcError):  # the cancel at the end
+                for msg in call:
+                    if msg.WhichOneof("kind") == "batch":
+                        got.put(msg.batch)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            held = [got.get(timeout=30) for _ in range(credits)]  # every slot is leased now
+            assert [b.batch_index for b in held] == list(range(credits))
+            first, other = held[0], held[-1]
+            assert first.slot != other.slot
+            for wrong in (other.batch_index, first.batch_index + credits):
+                out.put(
+                    pb.ClientMessage(
+                        release=pb.Release(slot=first.slot, batch_index=wrong, wait_us=0)
+                    )
+                )
+            with pytest.raises(queue.Empty):  # nothing was freed: no slot for the next batch
+                got.get(timeout=1.5)
+            out.put(
+                pb.ClientMessage(
+                    release=pb.Release(slot=first.slot, batch_index=first.batch_index, wait_us=0)
+                )
+            )
+            nxt = got.get(timeout=30)
+            assert (nxt.batch_index, nxt.slot) == (credits, first.slot)
+        finally:
+            call.cancel()
+            out.put(None)
+            reader.join(10)
+
+
 def test_a_flood_of_epoch_starts_ends_only_that_stream(tcp_daemon) -> None:
     d, tcp = tcp_daemon
     with grpc.insecure_channel(tcp) as ch:

@@ -200,6 +200,9 @@ class Stream:
     notice_unregister: Callable[[bytes], None] | None = None
     #: Shared batches published by reference, by slot: released with the slot (issue 6).
     _refs: dict[int, Releasable] = field(default_factory=dict)
+    #: slot -> the batch index published in it (until released): a release naming another
+    #: batch (stale, replayed) leaves the slot alone.
+    _slot_batch: dict[int, int] = field(default_factory=dict)
     #: Guards the ring, the lease counts and the references while a notice pump publishes
     #: from engine workers (``daemon._pump``); the pump serving the epoch, if any.
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -472,6 +475,7 @@ class Stream:
         if extras is not None:  # a client on the notice channel releases through its word
             extras.arm(slot, lease_token(epoch, b, self.num_batches))
         self._published += 1
+        self._slot_batch[slot] = b
         at = None if ref is None else (ref.segment, ref.offset)
         skipped = () if batch is None or not batch.bad else tuple(batch.bad)
         publisher.publish(Finished(epoch, b, slot, length, ids, arrays, published, at, skipped))
@@ -489,6 +493,7 @@ class Stream:
         if not self.ring.release(slot):
             return False
         self._published -= 1
+        self._slot_batch.pop(slot, None)
         ref = self._refs.pop(slot, None)
         if ref is not None:  # the group may free the shared buffer now
             ref.release()
@@ -513,9 +518,18 @@ class Stream:
 
     # -- events from the client (event-loop thread) -------------------------------------------
     def on_release(self, ev: ReleaseSlot) -> None:
-        """Return a slot; unknown or double releases are ignored (logged at debug level)."""
+        """Return a slot; unknown or double releases, and releases of another batch than the
+        slot holds (stale or replayed records), are ignored (logged at debug level)."""
         with self.lock:
-            if self.release(ev.slot):
+            if self._slot_batch.get(ev.slot) != ev.batch_index:
+                log.debug(
+                    "stream %s: ignored release of slot %d (batch %d): it holds batch %s",
+                    self.stream_id,
+                    ev.slot,
+                    ev.batch_index,
+                    self._slot_batch.get(ev.slot),
+                )
+            elif self.release(ev.slot):
                 extras = self.ring.notice_extras
                 if extras is not None:
                     extras.disarm(ev.slot)
