@@ -41,6 +41,8 @@ DTYPE_NAMES: tuple[str, ...] = (
     "float32",
     "float64",
     "bool",
+    "complex64",
+    "complex128",
 )
 DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
@@ -55,6 +57,8 @@ DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
     "float64": 8,
     "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
 }
 
 

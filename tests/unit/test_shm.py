@@ -34,7 +34,7 @@ def test_layout_is_aligned_and_deterministic() -> None:
     assert lab.offset % ALIGN == 0 and lab.offset >= 60 * 8
     assert lay.slot_bytes % ALIGN == 0 and lay.slot_bytes >= lab.offset + 8 * 8
     with pytest.raises(ValueError, match="wire cannot carry"):
-        slot_layout([("x", (1,), "complex64")], 2)
+        slot_layout([("x", (1,), "datetime64")], 2)
     with pytest.raises(ValueError, match="batch_size"):
         slot_layout([("x", (1,), "uint8")], 0)
 

@@ -308,6 +308,7 @@ class CudaIpcReceiver:
 _ITEMSIZE = {
     "uint8": 1, "int8": 1, "bool": 1, "uint16": 2, "int16": 2, "float16": 2,
     "uint32": 4, "int32": 4, "float32": 4, "uint64": 8, "int64": 8, "float64": 8,
+    "complex64": 8, "complex128": 16,
 }  # fmt: skip
 
 

@@ -31,6 +31,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_FLOAT64: _ClassVar[DType]
     DTYPE_BOOL: _ClassVar[DType]
+    DTYPE_COMPLEX64: _ClassVar[DType]
+    DTYPE_COMPLEX128: _ClassVar[DType]
 
 ORDER_UNSPECIFIED: Order
 ORDER_SEQUENTIAL: Order
@@ -49,6 +51,8 @@ DTYPE_FLOAT16: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
 DTYPE_BOOL: DType
+DTYPE_COMPLEX64: DType
+DTYPE_COMPLEX128: DType
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ()
