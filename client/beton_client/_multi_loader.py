@@ -52,12 +52,11 @@ from beton_wire.framing import ALIGN, Compression, DecodedBatch, OpenRequest
 from beton_wire.skipped import SKIPPED, Skipped
 from beton_wire.skipped import decode as decode_skipped
 from beton_wire.skipped import max_bytes as max_skipped_bytes
-from beton_wire.slots import DTYPE_NAMES
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
 from beton_client._forks import owner_only
 from beton_client._ops import PipelinePlan, explain_refusal
-from beton_client._tail import OutputInfo
+from beton_client._tail import OutputInfo, wire_dtype
 from beton_client._transport.grpc_codec import BatchStream, BufferPool
 from beton_client._transport.grpc_receiver import SAMPLE_IDS, GrpcSetupInfo
 from beton_client._transport.multi import AllDaemonsLostError, MultiDaemonReader, StreamLink
@@ -87,7 +86,7 @@ def max_batch_bytes(reply: Any) -> int:
     total = 8 * batch + ALIGN  # the sample ids
     total += max_skipped_bytes(batch) + ALIGN  # the samples it skipped, if any
     for o in reply.outputs:
-        itemsize = np.dtype(DTYPE_NAMES[o.dtype]).itemsize
+        itemsize = np.dtype(wire_dtype(o.dtype)).itemsize
         total += batch * int(np.prod(list(o.shape), dtype=np.int64)) * itemsize + ALIGN
     return int(total)
 

@@ -47,9 +47,31 @@ from beton_client._ops import (
     SpecOp,
     build_tail,
 )
-from beton_client.errors import PipelineError, SpecError
+from beton_client.errors import PipelineError, SpecError, TransportError
 
-__all__ = ["OutputInfo", "OutputTail", "State", "build_output_tails", "output_positions"]
+__all__ = [
+    "OutputInfo",
+    "OutputTail",
+    "State",
+    "build_output_tails",
+    "output_positions",
+    "wire_dtype",
+]
+
+
+def wire_dtype(code: int) -> str:
+    """The numpy name of an output's wire dtype (``beton_wire.slots.dtype_name``).
+
+    Raises:
+        TransportError: a dtype this client does not know (a daemon of a newer release).
+    """
+    from beton_wire.slots import dtype_name
+
+    try:
+        return dtype_name(code)
+    except ValueError as exc:
+        raise TransportError(str(exc)) from None
+
 
 log = logging.getLogger("beton_client")
 
@@ -82,12 +104,10 @@ class OutputInfo:
     @classmethod
     def from_wire(cls, msg: Any) -> OutputInfo:
         """From a ``beton_wire.v1.OutputSpec``."""
-        from beton_wire.slots import DTYPE_NAMES
-
         return cls(
             msg.name,
             tuple(int(d) for d in msg.shape),
-            DTYPE_NAMES[msg.dtype],
+            wire_dtype(msg.dtype),
             tuple(SpecOp.from_wire(op) for op in msg.client_ops),
         )
 

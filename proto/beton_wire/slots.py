@@ -21,7 +21,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ALIGN", "DTYPE_NAMES", "DTYPE_SIZES", "SlotLayout", "TensorSlot", "slot_layout"]
+__all__ = [
+    "ALIGN",
+    "DTYPE_NAMES",
+    "DTYPE_SIZES",
+    "SlotLayout",
+    "TensorSlot",
+    "dtype_name",
+    "slot_layout",
+]
 
 #: Alignment of every tensor and of every slot, in bytes (a cache line, and enough for AVX-512).
 ALIGN = 64
@@ -60,6 +68,21 @@ DTYPE_SIZES: dict[str, int] = {
     "complex64": 8,
     "complex128": 16,
 }
+
+
+def dtype_name(code: int) -> str:
+    """The numpy name of wire dtype ``code`` (a ``beton_wire.v1.DType`` value).
+
+    Raises:
+        ValueError: ``code`` is not one this release knows (a daemon of a newer release sent
+            it, or ``DTYPE_UNSPECIFIED``).
+    """
+    if 0 < code < len(DTYPE_NAMES):
+        return DTYPE_NAMES[code]
+    raise ValueError(
+        f"the daemon sent wire dtype {code}, which this client does not know: use a client of "
+        "the daemon's release"
+    )
 
 
 def _align(n: int) -> int:

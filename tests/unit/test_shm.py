@@ -333,3 +333,18 @@ def test_sweep_removes_an_old_unheld_hidden_marker(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert sorted(os.listdir(tmp_path)) == sorted([fresh.name, held.name, other.name])
+
+
+def test_a_dtype_this_client_does_not_know_is_a_clear_transport_error() -> None:
+    """A daemon of a newer release may send a wire dtype this client does not know: it raised
+    a bare ``IndexError`` while the stream opened."""
+    from beton_client._tail import OutputInfo
+    from beton_client.errors import TransportError
+    from beton_wire.slots import DTYPE_NAMES, dtype_name
+    from beton_wire.v1 import beton_pb2 as pb
+
+    assert [dtype_name(i) for i in range(1, len(DTYPE_NAMES))] == list(DTYPE_NAMES[1:])
+    assert OutputInfo.from_wire(pb.OutputSpec(name="x", dtype=13)).dtype == "complex64"
+    for code in (0, len(DTYPE_NAMES), 99):
+        with pytest.raises(TransportError, match=f"wire dtype {code}, which this client"):
+            OutputInfo.from_wire(pb.OutputSpec(name="x", dtype=code))
