@@ -29,15 +29,16 @@ leases within a second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from beton_wire.limits import MAX_BATCH_SIZE, human_bytes, usable_cpus
 from beton_wire.loader_state import batch_rows
@@ -102,6 +103,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("beton_serve.daemon")
+_T = TypeVar("_T")
 
 
 def local_identity() -> HostIdentity:
@@ -173,6 +175,9 @@ class Daemon:
     #: Zero-copy sharing arenas (``transport.arena``) not yet unlinked.
     arenas: ArenaBook = field(default_factory=ArenaBook)
     _monitor: asyncio.Task[None] | None = None
+    #: Resolved by :meth:`drain`: an ``open_stream`` waiting (for a compile, a file) ends at
+    #: once (futures, not an Event: one bound to no event loop).
+    _drain_waiters: set[asyncio.Future[None]] = field(default_factory=set)
 
     @classmethod
     def create(
@@ -290,6 +295,9 @@ class Daemon:
         have not ended after ``timeout`` seconds are cancelled.
         """
         self.draining = True
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
         self.plans.stopping.set()  # pre-compiling stops meanwhile (daemon._precompile)
         await self.streams.drain(
             lambda: ShuttingDown("the daemon is shutting down (SIGTERM); reconnect to a new one"),
@@ -362,16 +370,16 @@ class Daemon:
             TransportError: the forced transport cannot work, or no transport can.
             PipelineError: the pipeline failed to compile.
         """
-        if self.draining:
-            raise ShuttingDown("the daemon is shutting down; retry against a new daemon")
+        self._refuse_if_draining()
         ident = req.offer.identity
         same_host = bool(ident.boot_id) and ident.boot_id == self.facts.identity.boot_id
-        ds = await self.opener.dataset_for(req, same_host)
+        ds = await self._unless_drained(self.opener.dataset_for(req, same_host))
         validate_request(req, ds)
         neg, factory = self._negotiate(req.offer)
         # Plan and ring hold the largest batch of the epoch, not a batch_size far above it.
         rows = batch_rows(req.batch_size, _samples_per_epoch(req, ds))
-        entry, cached = await self.plans.get(req, ds, rows)
+        entry, cached = await self._unless_drained(self.plans.get(req, ds, rows))
+        # No await from here on: a drain cannot come between this check and streams.add.
         layout = batch_layout(entry.outputs, rows)
         stream = self._new_stream(req, ds, entry, layout, neg, factory, same_host)
         setup = self._offer_notices(stream, stream.ring.setup())
@@ -390,6 +398,36 @@ class Daemon:
             bad_sample_budget=self.bad_sample_budget,  # what _new_stream gave the source
             dataset_digest=ds.digest,
         )
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise ShuttingDown("the daemon is shutting down (SIGTERM); reconnect to a new one")
+
+    async def _unless_drained(self, step: Awaitable[_T]) -> _T:
+        """Await ``step`` (opening a file, compiling a plan) unless the daemon drains first:
+        then ``ShuttingDown`` at once. A stream that opened after :meth:`drain` was never
+        drained, and its client, with no such error, retried its whole budget against a
+        daemon that was gone; a compile that outlived the server's grace ended the call
+        without a status the client knows."""
+        self._refuse_if_draining()
+        task = asyncio.ensure_future(step)
+        drained = asyncio.get_running_loop().create_future()
+        self._drain_waiters.add(drained)
+        try:
+            await asyncio.wait((task, drained), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this call was cancelled: so is its step
+            task.cancel()
+            raise
+        finally:
+            self._drain_waiters.discard(drained)
+            drained.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            self._refuse_if_draining()
+        self._refuse_if_draining()
+        return task.result()
 
     def _new_stream(
         self,
