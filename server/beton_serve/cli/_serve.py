@@ -311,7 +311,8 @@ def address_lock(socket_path: str) -> Iterator[None]:
             os.close(fd)
             raise AddressInUse(
                 f"another beton-serve daemon already serves {socket_path}; stop it "
-                "(beton-serve stop --socket PATH) or use --socket"
+                f"(beton-serve stop --socket {socket_path}) or serve on another socket "
+                "(--socket OTHER_PATH)"
             ) from None
         if names_file(lock_path, fd):
             break
