@@ -409,7 +409,10 @@ class Daemon:
         drained, and its client, with no such error, retried its whole budget against a
         daemon that was gone; a compile that outlived the server's grace ended the call
         without a status the client knows."""
-        self._refuse_if_draining()
+        if self.draining:
+            if asyncio.iscoroutine(step):
+                step.close()  # never started: no "was never awaited" warning
+            self._refuse_if_draining()
         task = asyncio.ensure_future(step)
         drained = asyncio.get_running_loop().create_future()
         self._drain_waiters.add(drained)
@@ -425,8 +428,7 @@ class Daemon:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-            self._refuse_if_draining()
-        self._refuse_if_draining()
+        self._refuse_if_draining()  # a step that ended with the drain is not used either
         return task.result()
 
     def _new_stream(
