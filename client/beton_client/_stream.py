@@ -30,7 +30,7 @@ from beton_wire.slots import DTYPE_NAMES, slot_layout
 from beton_wire.v1 import beton_pb2 as pb
 
 from beton_client._forks import owner_only
-from beton_client._tail import OutputInfo
+from beton_client._tail import OutputInfo, wire_dtype
 from beton_client._transport import Receiver, ShmReceiver, TensorInfo
 from beton_client._transport.shm import NoticeChannel, SegmentGone
 from beton_client.errors import BetonClientError, ServerError, ServerUnavailable, from_rpc_error
@@ -38,6 +38,8 @@ from beton_client.frontend import RawBatch, pipelines_key
 
 __all__ = ["End", "Ready"]
 
+#: Wire dtype code -> numpy name, for the per-batch path (0 and unknown codes: not in it).
+_DTYPES = {code: name for code, name in enumerate(DTYPE_NAMES) if name}
 log = logging.getLogger("beton_client")
 
 #: Coalesced waits (see :meth:`_Stream.nap_for`): a stream whose batches come at most this many
@@ -110,7 +112,7 @@ class _Stream:
         self.shm = receiver if isinstance(receiver, ShmReceiver) else None
         self._release_hook = None if self.shm is not None else receiver.release
         self._layout = slot_layout(
-            [(o.name, tuple(o.shape), DTYPE_NAMES[o.dtype]) for o in reply.outputs],
+            [(o.name, tuple(o.shape), wire_dtype(o.dtype)) for o in reply.outputs],
             self.batch_rows,
         )
         self._full: list[TensorInfo] | None = None
@@ -292,7 +294,13 @@ class _Stream:
             return End(msg.end.epoch, msg.end.batches)
         b = msg.batch
         tensors = [
-            TensorInfo(t.name, tuple(t.shape), DTYPE_NAMES[t.dtype], t.offset, t.nbytes)
+            TensorInfo(
+                t.name,
+                tuple(t.shape),
+                _DTYPES.get(t.dtype) or wire_dtype(t.dtype),
+                t.offset,
+                t.nbytes,
+            )
             for t in b.tensors
         ]
         ids = np.frombuffer(b.sample_ids, dtype="<u8").astype(np.uint64)

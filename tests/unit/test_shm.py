@@ -348,3 +348,20 @@ def test_a_dtype_this_client_does_not_know_is_a_clear_transport_error() -> None:
     for code in (0, len(DTYPE_NAMES), 99):
         with pytest.raises(TransportError, match=f"wire dtype {code}, which this client"):
             OutputInfo.from_wire(pb.OutputSpec(name="x", dtype=code))
+
+
+@pytest.mark.parametrize("code", [0, 15, 99])
+def test_a_batch_message_with_an_unknown_dtype_is_a_transport_error(code: int) -> None:
+    """The check of the open reply's dtypes was not made on each batch message's own (the
+    Batches call without a notice channel): ``IndexError``, or dtype ``''`` for 0."""
+    from beton_client._stream import _Stream
+    from beton_client.errors import TransportError
+    from beton_wire.v1 import beton_pb2 as pb
+
+    def message(dtype: int) -> pb.ServerMessage:
+        tensor = pb.TensorDesc(name="x", shape=[1], dtype=dtype, offset=0, nbytes=8)
+        return pb.ServerMessage(batch=pb.BatchReady(epoch=0, batch_index=0, tensors=[tensor]))
+
+    assert _Stream._from_message(message(13)).tensors[0].dtype == "complex64"
+    with pytest.raises(TransportError, match=f"wire dtype {code}, which this client"):
+        _Stream._from_message(message(code))
