@@ -177,3 +177,21 @@ def resource_guard(request: pytest.FixtureRequest):
 def fixtures_dir() -> Path:
     """The FFCV-written fixtures (copied from shared/fixtures/ffcv)."""
     return ROOT / "tests" / "data" / "ffcv"
+
+
+@pytest.fixture
+def restore_op_registry():
+    """Plugins a test imports register ops in this process's default registry: remove them
+    again at its end, so that later tests (test_registry lists the built-ins) see only the
+    built-ins."""
+    from beton_serve.pipeline.registry import default_registry
+
+    reg = default_registry()
+    with reg._lock:
+        classes, lazy = dict(reg._classes), dict(reg._lazy)
+    yield
+    with reg._lock:
+        reg._classes.clear()
+        reg._classes.update(classes)
+        reg._lazy.clear()
+        reg._lazy.update(lazy)

@@ -47,20 +47,9 @@ from helpers.labelled import write_labelled
 
 
 @pytest.fixture(autouse=True)
-def _registry_restored():
-    """Plugins these tests import register ops in this process's default registry: remove them
-    again, so that later tests (test_registry lists the built-ins) see only the built-ins."""
-    from beton_serve.pipeline.registry import default_registry
-
-    reg = default_registry()
-    with reg._lock:
-        classes, lazy = dict(reg._classes), dict(reg._lazy)
+def _registry_restored(restore_op_registry):
+    """Every test here may import plugins: the registry is restored after each (conftest)."""
     yield
-    with reg._lock:
-        reg._classes.clear()
-        reg._classes.update(classes)
-        reg._lazy.clear()
-        reg._lazy.update(lazy)
 
 
 _LAUNCH = "import sys; from beton_serve.cli import main; sys.exit(main())"

@@ -57,6 +57,7 @@ def test_sigterm_while_a_stream_opens_ends_it_with_shutting_down(
     daemon_factory,  # noqa: F811
     fixtures_dir: Path,
     short_tmp: Path,  # noqa: F811
+    restore_op_registry,
 ) -> None:
     import uuid
 
