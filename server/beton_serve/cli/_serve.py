@@ -766,11 +766,10 @@ async def _file_watch(daemon: Daemon, handle: Any, every: float = FILE_WATCH_S) 
         for ds in served:
             with contextlib.suppress(FormatError):
                 ds.check_files()
-            if ds.watch is not None and ds.watch.broken is not None:
-                if handle.dataset_serving(ds.name):
-                    log.warning("health dataset/%s NOT_SERVING (refused until a restart)", ds.name)
-                    await handle.set_dataset(ds.name, False)
-        if all(ds.watch is not None and ds.watch.broken is not None for ds in served):
+            if ds.refused and handle.dataset_serving(ds.name):
+                log.warning("health dataset/%s NOT_SERVING (refused until a restart)", ds.name)
+                await handle.set_dataset(ds.name, False)
+        if all(ds.refused for ds in served):
             log.error(
                 "every dataset served from the start is refused (its file changed): health "
                 "NOT_SERVING; restart the daemon once the files are restored"

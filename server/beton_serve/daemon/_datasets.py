@@ -155,6 +155,11 @@ class Dataset:
         if self.watch is not None:
             self.watch.check(self.name)
 
+    @property
+    def refused(self) -> bool:
+        """Whether a file of it changed while served: refused until a restart (``_health``)."""
+        return self.watch is not None and self.watch.broken is not None
+
 
 def expand_dataset_args(files: Sequence[str], named: Sequence[str]) -> dict[str, list[str]]:
     """Map dataset names to files from positional files and ``NAME=GLOB[,GLOB...]`` arguments.
