@@ -347,11 +347,18 @@ class DaemonBackend:
 
     def _make_channel(self, target: str) -> grpc.Channel:
         """A channel to ``target`` with this Loader's TLS files and token (``_security``), once a
-        Unix socket's owner is checked (``check_unix_target``: raises UntrustedSocketError)."""
-        from beton_client._security import check_unix_target, secure_or_plain_channel
+        Unix socket's owner, or a plain loopback port's listener, is checked
+        (``check_unix_target``, ``check_loopback_target``: raise UntrustedSocketError)."""
+        from beton_client._security import (
+            check_loopback_target,
+            check_unix_target,
+            secure_or_plain_channel,
+        )
 
         check_unix_target(target, self.socket_owner)
         ca, cert, key = self._tls
+        if not (ca or cert or key):
+            check_loopback_target(target, self.socket_owner)
         return secure_or_plain_channel(
             target,
             ca_file=ca,

@@ -28,6 +28,15 @@ missing socket is not connected to either (a directory and socket made after the
 never have been checked).
 
     check_unix_target(target, owner=None) -> None      # raises UntrustedSocketError, ServerUnavailable
+
+Loopback TCP. Any local user may listen on a free loopback port (while the daemon restarts, or
+before it starts) and receive the token of a client that connects there, then serve it their
+data. Before a plain (non-TLS) channel to a loopback ``host:port`` is made,
+:func:`check_loopback_target` asks the kernel's socket table who listens on that port; a uid
+other than the expected one (and root) is refused. A TLS channel with ``tls_ca`` authenticates
+the daemon itself and is not checked.
+
+    check_loopback_target(target, owner=None) -> None  # raises UntrustedSocketError
 """
 
 from __future__ import annotations
@@ -38,12 +47,14 @@ from typing import Any
 
 import grpc
 from beton_wire.address import socket_path_of
-from beton_wire.private_dir import UnsafePathError, trusted_socket_present
+from beton_wire.private_dir import UnsafePathError, remedy, trusted_socket_present
+from beton_wire.socket_table import loopback_strangers
 
 from beton_client.errors import ServerUnavailable, SpecError, UntrustedSocketError
 
 __all__ = [
     "channel_credentials",
+    "check_loopback_target",
     "check_unix_target",
     "secure_or_plain_channel",
     "token_call_credentials",
@@ -70,19 +81,48 @@ def check_unix_target(target: str, owner: int | None = None, *, missing_ok: bool
     path = socket_path_of(target)
     if path is None:
         return
+    uid = os.getuid() if owner is None else owner
     try:
-        present = trusted_socket_present(path, os.getuid() if owner is None else owner)
+        present = trusted_socket_present(path, uid)
     except UnsafePathError as exc:
-        raise UntrustedSocketError(
-            f"refusing to connect to {target}: {exc}. Another user may have created it to "
-            "serve you their data. Remove it (and start your daemon again), use a socket in a "
-            "directory of your own, or, to trust a daemon that another user runs, pass "
-            "socket_owner=<their uid> to the Loader"
-        ) from None
+        if owner is not None and owner != os.getuid():
+            hint = (
+                f"The daemon of uid {owner} must serve a socket in a directory of its own that "
+                "you may search (mode 0711 or 0755) and that nobody else may write"
+            )
+        else:
+            hint = (
+                f"{remedy(exc, uid)} (and start your daemon again); or use a socket in a "
+                "directory of your own, or, to trust a daemon that another user runs, pass "
+                "socket_owner=<their uid> to the Loader"
+            )
+        raise UntrustedSocketError(f"refusing to connect to {target}: {exc}. {hint}") from None
     if not present and not missing_ok:  # what appears there later was never checked
         raise ServerUnavailable(
             f"no beton-serve daemon answers at {target}: there is no socket at {path}",
             code="UNAVAILABLE",
+        )
+
+
+def check_loopback_target(target: str, owner: int | None = None) -> None:
+    """Refuse a loopback ``host:port`` target on which a user other than ``owner`` (default:
+    this process's uid) and root listens (see the module docstring). Does nothing for other
+    targets, or when no listener is found (none yet, no ``/proc``, another network namespace).
+    Call it for plain channels only: TLS authenticates the daemon.
+
+    Raises:
+        UntrustedSocketError: another user listens there; the message says how to trust them.
+    """
+    uid = os.getuid() if owner is None else owner
+    strangers = loopback_strangers(target, uid)
+    if strangers:
+        who = ", ".join(str(u) for u in sorted(strangers))
+        raise UntrustedSocketError(
+            f"refusing to connect to {target}: the port is listened on by uid {who}, not by "
+            f"uid {uid}. Another local user may have taken the port to receive your token and "
+            "serve you their data. Start your daemon there again (or on another port), use TLS "
+            "(tls_ca) to authenticate it, or, to trust a daemon that user runs, pass "
+            f"socket_owner={min(strangers)} to the Loader"
         )
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "ensure_private_dir",
     "unix_target_problem",
     "open_private_file",
+    "remedy",
     "trusted_socket_present",
 ]
 
@@ -220,3 +221,29 @@ def names_file(path: str, fd: int) -> bool:
         return False
     own = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def remedy(exc: UnsafePathError, uid: int) -> str:
+    """What the user whose uid is ``uid`` can do about the path ``exc`` refused, in one
+    sentence (the caller adds its own alternative, such as another socket path): "remove it"
+    is no advice for a shared directory like ``/tmp``, nor for a directory of another user,
+    which only that user or root may remove from a sticky ``/tmp``."""
+    try:
+        st = os.lstat(exc.path)
+    except OSError:
+        return "Only its owner or root can change that"
+    if (
+        stat.S_ISDIR(st.st_mode)
+        and (st.st_mode & stat.S_ISVTX or st.st_uid == 0)
+        and st.st_uid != uid
+    ):
+        return (
+            f"{exc.path} is a shared directory (mode {stat.S_IMODE(st.st_mode):04o}); the "
+            "socket's directory must be one of your own (mode 0700)"
+        )
+    if st.st_uid != uid:
+        return (
+            f"Another user may have created it to intercept this daemon or its clients; only "
+            f"uid {st.st_uid} or root can remove it"
+        )
+    return "Another user may have put it there: remove it"

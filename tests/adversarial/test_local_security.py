@@ -484,3 +484,145 @@ def test_peer_credentials_come_from_the_kernels_socket_table(tmp_path: Path) -> 
     assert peer_credentials("ipv4:10.1.2.3:35482", tmp_path).uid is None  # another host
     unix = peer_credentials("unix:", tmp_path)
     assert (unix.uid, unix.pid) == (os.getuid(), 0)
+
+
+# -- a Unix socket opened to other users (the docs once suggested it for socket_owner=) ---------
+_OTHER_ON_SOCKET = """
+import json, os, sys
+import grpc
+import numpy as np, numpy.random  # noqa: F401  (everything is imported before setuid)
+import beton_client._multi_loader, beton_client._security, beton_client._spawn  # noqa: F401
+import beton_client._transport.grpc_receiver, beton_client._transport.shm  # noqa: F401
+from beton_client import Loader, ServeOptions
+from beton_client._transport import identity
+from beton_serve.fields.decoders import IntDecoder
+
+target, uid, private = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+facts = identity.gather_facts
+identity.gather_facts = lambda d, t="auto": facts(d, t, torch_module=None, cupy_available=False)
+pipes = {"int": [IntDecoder()], "float": None, "array": None, "blob": None, "meta": None}
+import grpc._channel  # noqa: F401
+grpc.insecure_channel("127.0.0.1:9").close()
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+serve = ServeOptions(server=target, spawn=False, reconnect=False, socket_owner=0)
+out = {"uid": os.getuid()}
+with Loader("mixed_fields", batch_size=5, pipelines=pipes, seed=1, serve=serve) as ld:
+    out["ints"] = [int(x) for b in ld for x in np.asarray(b[0]).reshape(-1)]
+    out["transport"] = ld.chosen_transport
+    out["codes"] = [r[1] for r in ld.transport_rejections]
+try:  # a file the daemon's user can read but serves to nobody: never opened for this caller
+    with Loader(private, batch_size=5, pipelines=pipes, serve=serve) as ld:
+        out["private"] = sum(1 for _ in ld)
+except Exception as exc:
+    out["private"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_unix_socket_opened_to_other_users_makes_its_callers_unverified(
+    daemon_factory, fixtures_dir: Path, short_tmp: Path
+) -> None:
+    """The daemon took every caller of its Unix socket for its own user (grpc hides the peer's
+    credentials there). Once the socket admitted others (a chmod, as the socket_owner docs
+    suggested), another user could have the daemon open any file the daemon's user can read.
+    Now such callers are unverified: grpc, and only the datasets served to any peer."""
+    _need_root()
+    sock = str(short_tmp / "d.sock")
+    d = daemon_factory([fixtures_dir / "mixed_fields.beton"], socket=sock)
+    private = short_tmp / "other.beton"  # the other uid can read it: only the daemon decides
+    private.write_bytes((fixtures_dir / "image_pairs.beton").read_bytes())
+    os.chmod(private, 0o644)
+    os.chmod(short_tmp, 0o711)
+    os.chmod(sock, 0o666)
+    r = subprocess.run(
+        [sys.executable, "-c", _OTHER_ON_SOCKET, f"unix:{sock}", str(OTHER), str(private)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd="/",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["uid"] == OTHER
+    # The dataset served from the start: over grpc, as to any other user, with the right data.
+    assert got["transport"] == "grpc" and got["codes"] == ["different_user"], got
+    assert got["ints"] == _expected_ints(fixtures_dir)
+    # The file it was never asked to serve: refused, not opened (old code: served it).
+    assert isinstance(got["private"], str) and "other.beton" in got["private"], got
+    assert "opened on demand" not in d.log(), d.log()[-2000:]
+    print(got["private"])
+    assert "admits other users" in d.log()
+
+
+def test_the_socket_watch_sees_a_socket_opened_to_others(tmp_path: Path) -> None:
+    from beton_serve.transport.peer import UnixSocketWatch, peer_credentials
+
+    path = str(tmp_path / "s.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        old = os.umask(0o177)
+        try:
+            s.bind(path)
+        finally:
+            os.umask(old)
+        watch = UnixSocketWatch(path)
+        assert watch.private()
+        assert peer_credentials("unix:", unix_socket=watch).uid == os.getuid()
+        os.chmod(path, 0o660)  # the group may connect now
+        assert not watch.private()
+        who = peer_credentials("unix:", unix_socket=watch)
+        assert who.uid is None and who.source != "unix socket"
+        os.chmod(path, 0o600)  # a connection made meanwhile may still be open
+        assert not watch.private()
+        # A removed socket keeps the verdict it had: nothing connects through it any more.
+        fresh = UnixSocketWatch(path)
+        os.unlink(path)
+        assert fresh.private()
+
+
+_SQUATTER = """
+import os, socket, sys
+os.setgroups([]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))
+s = socket.create_server(("127.0.0.1", 0))
+s.settimeout(8.0)
+print(s.getsockname()[1], flush=True)
+try:
+    conn, _ = s.accept()
+    print("CONNECTED", flush=True)
+    conn.close()
+except socket.timeout:
+    print("NOBODY", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_loopback_port_another_user_listens_on_gets_no_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Any local user may listen on a free loopback port (while the daemon restarts, say): a
+    Loader connected there and sent its token, then read that user's batches. Now a plain
+    loopback channel is refused when another uid listens on its port."""
+    _need_root()
+    from beton_client import ServeOptions
+
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", _SQUATTER, str(OTHER)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert squatter.stdout is not None
+        port = int(squatter.stdout.readline())
+        serve = ServeOptions(
+            server=f"127.0.0.1:{port}", spawn=False, reconnect=False, token="secret-token"
+        )
+        with pytest.raises(UntrustedSocketError, match=f"listened on by uid {OTHER}"):
+            Loader("mixed_fields", batch_size=4, pipelines=INT_ONLY, serve=serve)
+        # The CLI's health and stats, which may send a token too, refuse it as well.
+        from beton_serve.cli import main
+
+        for cmd in ("health", "stats"):
+            assert main([cmd, "--server", f"127.0.0.1:{port}", "--timeout", "2"]) != 0
+            assert f"listened on by uid {OTHER}" in capsys.readouterr().err
+        assert squatter.stdout.readline().strip() == "NOBODY"  # nothing was sent to it
+    finally:
+        squatter.kill()
+        squatter.wait(10)

@@ -117,15 +117,20 @@ def add_socket_owner_argument(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="UID",
-        help="the uid that must own a unix: socket and its directory (default: yours)",
+        help="the uid that must own a unix: socket and its directory, or may listen on a plain "
+        "loopback TCP port (default: yours)",
     )
 
 
-def check_trusted(target: str, owner: int | None = None, timeout: float = 0.0) -> bool:
+def check_trusted(
+    target: str, owner: int | None = None, timeout: float = 0.0, *, tls: bool = False
+) -> bool:
     """Wait up to ``timeout`` seconds for a ``unix:`` target's socket to be there, trusted: a
     socket of ``owner`` (default: this user) in a directory nobody else may write, as the Loader
     requires, before anything (a token, a request) is sent to it. Whether it came (always
-    ``True`` for a TCP target).
+    ``True`` for a TCP target). A plain (``tls=False``) loopback TCP target must not be
+    listened on by another user than ``owner`` and root (``beton_wire.socket_table``), as the
+    Loader requires too.
 
     Why wait here and not in gRPC (``wait_for_ready``): a directory missing when looked at
     could be made by another user meanwhile, with a socket of theirs in it, and gRPC would
@@ -140,11 +145,20 @@ def check_trusted(target: str, owner: int | None = None, timeout: float = 0.0) -
 
     from beton_wire.address import socket_path_of
     from beton_wire.private_dir import UnsafePathError, trusted_socket_present
+    from beton_wire.socket_table import loopback_strangers
 
     path = socket_path_of(target)
-    if path is None:
-        return True
     uid = os.getuid() if owner is None else owner
+    if path is None:
+        strangers = set() if tls else loopback_strangers(target, uid)
+        if strangers:
+            raise ConfigError(
+                f"refusing to connect to {target}: the port is listened on by uid "
+                f"{', '.join(map(str, sorted(strangers)))}, not by uid {uid}. Another local user "
+                "may have taken it to receive your token; use TLS (--tls-ca), or, to trust a "
+                f"daemon that user runs, pass --socket-owner {min(strangers)}"
+            )
+        return True
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -187,7 +201,7 @@ def check(
     import time
 
     t0 = time.monotonic()
-    if not check_trusted(target, socket_owner, timeout):
+    if not check_trusted(target, socket_owner, timeout, tls=credentials is not None):
         return "UNREACHABLE"
     timeout = max(0.1, timeout - (time.monotonic() - t0))
     # Lazy imports: the grpc stubs are only needed by this subcommand.

@@ -144,7 +144,7 @@ def fetch_stats(
 
     budget = timeout
     t0 = time.monotonic()
-    if not check_trusted(target, socket_owner, timeout):
+    if not check_trusted(target, socket_owner, timeout, tls=credentials is not None):
         raise TransportError(
             f"no beton-serve daemon answered at {target} within {budget:g} s; start one "
             "(beton-serve DATASET.beton) or pass --server"

@@ -44,7 +44,7 @@ from beton_serve.daemon import (
 )
 from beton_serve.errors import SpecError
 from beton_serve.transport.negotiate import ClientOffer
-from beton_serve.transport.peer import PeerCredentials
+from beton_serve.transport.peer import UNIX_SOCKET, PeerCredentials
 
 __all__ = [
     "MAX_INDICES",
@@ -305,7 +305,7 @@ def stream_request(
         client_name=msg.client_name,
         custom_fields=tuple(msg.custom_fields),
         file=_file_identity(msg.file) if msg.HasField("file") else None,
-        owner_peer=peer.source == "unix socket",
+        owner_peer=peer.source == UNIX_SOCKET,
     )
 
 

@@ -25,6 +25,7 @@ from beton_serve.rpc._service import BetonServeServicer
 from beton_serve.rpc._strict import add_strict_servicer
 from beton_serve.transport.grpc_codec import add_batch_stream_handler
 from beton_serve.transport.grpc_ring import BATCH_SERVICE
+from beton_serve.transport.peer import UnixSocketWatch
 from beton_serve.transport.security import (
     AioBearerTokenInterceptor,
     TlsConfig,
@@ -133,7 +134,8 @@ def create_server(
     interceptors = [AioBearerTokenInterceptor(token)] if token else []
     server = grpc.aio.server(options=list(SERVER_OPTIONS), interceptors=interceptors)
     # A message that does not parse is INVALID_ARGUMENT, not grpcio's UNKNOWN (_strict).
-    add_strict_servicer(BetonServeServicer(daemon), server)
+    servicer = BetonServeServicer(daemon)
+    add_strict_servicer(servicer, server)
     grpc_factory = daemon.grpc_factory
     if grpc_factory is not None:
         add_batch_stream_handler(
@@ -166,6 +168,7 @@ def create_server(
             raise ConfigError(f"cannot listen on unix socket {unix_socket}: {exc}") from None
         finally:
             os.umask(old_umask)
+        servicer.unix_socket = UnixSocketWatch(unix_socket)
     creds = server_credentials(tls) if tls is not None else None
     for addr in listen:
         try:

@@ -29,7 +29,7 @@ from beton_serve.rpc._convert import (
     stream_request,
 )
 from beton_serve.rpc._errors import ERROR_METADATA_KEY, status_for
-from beton_serve.transport.peer import peer_credentials
+from beton_serve.transport.peer import UNIX_SOCKET, UnixSocketWatch, peer_credentials
 
 __all__ = ["BetonServeServicer"]
 
@@ -44,10 +44,17 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException
 
 
 class BetonServeServicer(pb_grpc.BetonServeServicer):
-    """Serves one daemon."""
+    """Serves one daemon.
 
-    def __init__(self, daemon: Daemon) -> None:
+    Args:
+        daemon: what to serve.
+        unix_socket: the daemon's Unix socket, whose callers count as the daemon's user only
+            while it admits nobody else (``transport.peer``); ``None`` when it has none.
+    """
+
+    def __init__(self, daemon: Daemon, unix_socket: UnixSocketWatch | None = None) -> None:
         self.daemon = daemon
+        self.unix_socket = unix_socket
 
     async def ListDatasets(self, request: pb.ListDatasetsRequest, context: Any) -> Any:
         try:
@@ -71,7 +78,7 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
                 if grpc_factory is None:
                     raise SpecError("this daemon does not offer the grpc transport (compression)")
                 compression = grpc_factory.check_compression(request.compression)
-            peer = peer_credentials(context.peer())
+            peer = peer_credentials(context.peer(), unix_socket=self.unix_socket)
             opened = await self.daemon.open_stream(stream_request(request, peer))
             reply = opened_message(opened)
             if reply.transport.kind == "grpc":
@@ -82,8 +89,8 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> Any:
         try:
-            peer = peer_credentials(context.peer())
-            return stats_message(self.daemon.stats(owner_peer=peer.source == "unix socket"))
+            peer = peer_credentials(context.peer(), unix_socket=self.unix_socket)
+            return stats_message(self.daemon.stats(owner_peer=peer.source == UNIX_SOCKET))
         except Exception as exc:
             await _abort(context, exc)
 

@@ -4,12 +4,17 @@ A client reports its uid and pid in ``OpenStreamRequest.host``. The daemon never
 decision, because any process can write anything there. What it uses (:func:`peer_credentials`,
 called by the RPC layer with ``context.peer()`` when a stream opens):
 
-* **a call on the Unix socket**: the daemon's own uid. grpc does not expose ``SO_PEERCRED`` for
-  a call (grpc/grpc#15511 and #28755: the auth context of a Unix-socket call is empty, and
-  ``peer()`` is just ``"unix:"``). But the kernel lets only the daemon's user and root connect:
-  the socket is created with mode 0600 (``rpc.create_server`` binds it under umask 0177), in a
-  directory of the daemon's user that nobody else may write (``cli._serve.address_lock``).
-  Root may read the daemon's shared memory anyway, so it is treated like the daemon's user.
+* **a call on the Unix socket**: the daemon's own uid, while the socket admits no one else.
+  grpc does not expose ``SO_PEERCRED`` for a call (grpc/grpc#15511 and #28755: the auth context
+  of a Unix-socket call is empty, and ``peer()`` is just ``"unix:"``). But connecting needs write
+  permission on the socket file, and the socket is created with mode 0600
+  (``rpc.create_server`` binds it under umask 0177), so the kernel lets only the daemon's user
+  and root connect. Root may read the daemon's shared memory anyway, so it is treated like the
+  daemon's user. The socket's mode is looked at again on every call (:class:`UnixSocketWatch`):
+  once it admits others (a ``chmod``, an ACL, another owner), which the docs once suggested for
+  ``socket_owner=``, its callers are unverified from then on (uid ``None``), as a TCP peer that
+  is not in the socket table: grpc only, and only the datasets any peer may read. Before, such a
+  caller was taken for the daemon's user and could open any file that user can read.
 * **a TCP call**: the uid that owns the client's socket in the kernel's socket table
   (``/proc/net/tcp`` and ``tcp6``: the established entry whose local address is the peer's
   address). A peer that is not there (another host, another network namespace) is unverified:
@@ -22,17 +27,21 @@ called by the RPC layer with ``context.peer()`` when a stream opens):
 
 from __future__ import annotations
 
-import ipaddress
+import logging
 import os
-import struct
+import stat
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PeerCredentials", "peer_credentials", "tcp_socket_uid"]
+from beton_wire.socket_table import tcp_socket_uid
 
-_IP = ipaddress.IPv4Address | ipaddress.IPv6Address
-_ESTABLISHED = "01"
+__all__ = ["PeerCredentials", "UnixSocketWatch", "peer_credentials", "tcp_socket_uid"]
+
+#: ``PeerCredentials.source`` of a call on the daemon's own, private Unix socket.
+UNIX_SOCKET = "unix socket"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,57 +59,62 @@ class PeerCredentials:
     source: str = "unverified"
 
 
-def _plain(ip: _IP) -> _IP:
-    """An IPv4-mapped IPv6 address as the IPv4 address (``::ffff:127.0.0.1`` is 127.0.0.1)."""
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return mapped if mapped is not None else ip
+class UnixSocketWatch:
+    """Whether the daemon's Unix socket still admits only the daemon's user (and root).
 
-
-def _decode(field: str) -> tuple[_IP, int]:
-    """An address of ``/proc/net/tcp*`` (``0100007F:8A9A``: 32-bit words in host order)."""
-    host, _, port = field.partition(":")
-    raw = b"".join(struct.pack("=I", int(host[i : i + 8], 16)) for i in range(0, len(host), 8))
-    return _plain(ipaddress.ip_address(raw)), int(port, 16)
-
-
-def tcp_socket_uid(host: str, port: int, proc: Path = Path("/proc")) -> int | None:
-    """The uid owning the established TCP socket whose local address is ``host:port`` in this
-    network namespace, or ``None`` if there is none or the entries disagree.
+    Connecting to a Unix socket needs write permission on its file, so a socket owned by the
+    daemon's uid with no group or other permission bits (an ACL shows in the group bits) admits
+    nobody else. :meth:`private` looks again (one ``lstat``) on every call that asks who its peer
+    is. Once the socket was seen admitting others it stays untrusted for the daemon's life: a
+    connection made then may still be open. A socket file removed or replaced keeps the last
+    verdict (nothing new connects through the daemon's own socket any more).
 
     Args:
-        host: an IPv4 or IPv6 address (IPv4-mapped IPv6 addresses match their IPv4 form).
-        port: the port.
-        proc: procfs root (tests).
+        path: the socket the daemon listens on (bound already).
     """
-    try:
-        want = (_plain(ipaddress.ip_address(host)), port)
-    except ValueError:
-        return None
-    uids: set[int] = set()
-    for name in ("tcp", "tcp6"):
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        st = os.lstat(path)
+        self._inode = (st.st_dev, st.st_ino)
+        self.shared = False
+
+    def private(self) -> bool:
+        """Whether the socket admits only the daemon's user (see the class docstring)."""
+        if self.shared:
+            return False
         try:
-            lines = (proc / "net" / name).read_text().splitlines()[1:]
+            st = os.lstat(self.path)
         except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if len(f) < 8 or f[3] != _ESTABLISHED:
-                continue
-            try:
-                if _decode(f[1]) == want:
-                    uids.add(int(f[7]))
-            except ValueError:
-                continue
-    return uids.pop() if len(uids) == 1 else None
+            return True
+        if (st.st_dev, st.st_ino) != self._inode:
+            return True
+        if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return True
+        self.shared = True
+        log.warning(
+            "the socket %s admits other users (mode %o, owner uid %d): its callers are "
+            "unverified from now on (grpc only, only the datasets any peer may read), until a "
+            "restart. Serve other users over TCP with a token and TLS instead",
+            self.path,
+            stat.S_IMODE(st.st_mode),
+            st.st_uid,
+        )
+        return False
 
 
-def peer_credentials(peer: str, proc: Path = Path("/proc")) -> PeerCredentials:
+def peer_credentials(
+    peer: str, proc: Path = Path("/proc"), unix_socket: UnixSocketWatch | None = None
+) -> PeerCredentials:
     """The credentials of the peer that grpc's ``context.peer()`` names (see the module
     docstring): ``unix:...``, ``ipv4:HOST:PORT`` or ``ipv6:[HOST]:PORT`` (possibly
-    percent-encoded). Anything else is unverified."""
+    percent-encoded). Anything else is unverified, and so is a Unix-socket peer once
+    ``unix_socket`` (the daemon's socket) admits other users."""
     text = urllib.parse.unquote(peer)
     if text.startswith("unix:"):
-        return PeerCredentials(uid=os.getuid(), source="unix socket")
+        if unix_socket is not None and not unix_socket.private():
+            return PeerCredentials(uid=None, source="shared unix socket")
+        return PeerCredentials(uid=os.getuid(), source=UNIX_SOCKET)
     for prefix in ("ipv4:", "ipv6:"):
         if text.startswith(prefix):
             host, sep, port = text[len(prefix) :].rpartition(":")
