@@ -30,4 +30,14 @@ def cfunc(sig: Any) -> Callable[[Callable[..., Any]], Any]:
         return _factory(sig)
     import numba
 
-    return numba.cfunc(sig, cache=True)  # type: ignore[no-any-return]
+    cached = numba.cfunc(sig, cache=True)
+
+    def compile_(fn: Callable[..., Any]) -> Any:
+        # Numba's cache needs a writable directory (``~/.cache/numba`` or beside the module):
+        # without one (HOME unwritable, a read-only install) it raises, and the guard was lost.
+        try:
+            return cached(fn)
+        except RuntimeError:
+            return numba.cfunc(sig)(fn)
+
+    return compile_

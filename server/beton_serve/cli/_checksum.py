@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _one(path: str, verify: bool, custom_fields: dict[str, type]) -> int:
     """Write or verify ``path``'s sidecar; 1 if a sample is bad, else 0."""
+    # The pipeline package registers the per-user compile cache (`beton-serve cache`) for
+    # the reader's SIGBUS guard, which went to ~/.cache/numba, or nowhere, without it.
+    import beton_serve.pipeline  # noqa: F401
     from beton_serve.format import BetonReader, ChecksumVerifier, write_sidecar
 
     with BetonReader(path, custom_fields=custom_fields or None) as reader:

@@ -30,6 +30,9 @@ def describe_file(path: str, custom_fields: dict[str, type] | None = None) -> di
     ``custom_fields`` reads those fields with those classes (FFCV's ``custom_fields``)."""
     import numpy as np
 
+    # The pipeline package registers the per-user compile cache (`beton-serve cache`) for
+    # the reader's SIGBUS guard, which went to ~/.cache/numba, or nowhere, without it.
+    import beton_serve.pipeline  # noqa: F401
     from beton_serve.errors import FormatError
     from beton_serve.fields import TYPE_NAMES, BytesField, JSONField, RGBImageField
     from beton_serve.format import BetonReader
