@@ -208,7 +208,7 @@ def test_registered_in_the_cli(health_server) -> None:
     assert main(["health", "--server", target, "--timeout", "2"]) == 0
 
 
-def test_tls_listener(tmp_path) -> None:
+def test_tls_listener(tmp_path, capsys) -> None:
     """A TLS-only daemon answers with --tls-ca; without it (or with the wrong CA) it does not."""
     from helpers.tls_certs import available, make_tls_files
 
@@ -231,9 +231,13 @@ def test_tls_listener(tmp_path) -> None:
         assert _health.run(good, environ={}) == _health.EXIT_SERVING
         wrong = _args(target, timeout=0.5)
         wrong.tls_ca = tls.other_ca_cert
+        capsys.readouterr()
         assert _health.run(wrong, environ={}) == _health.EXIT_UNREACHABLE
+        # Something listens there: said, with the likely reason (it read as "nothing answered").
+        assert "the TLS handshake may have failed" in capsys.readouterr().err
         plain = _args(target, timeout=0.5)
         assert _health.run(plain, environ={}) == _health.EXIT_UNREACHABLE
+        assert "if it serves TLS (--tls-cert)" in capsys.readouterr().err
     finally:
         server.stop(grace=None).wait(5)
         pool.shutdown(wait=True)

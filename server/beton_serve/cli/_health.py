@@ -228,6 +228,34 @@ def check(
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
+def unanswered_hint(target: str, tls: bool, client_cert: bool | None = None) -> str:
+    """Why a ``host:port`` daemon may not have answered although something listens there
+    (one TCP connect, up to 1 s): a TLS daemon asked in plain text, or a mutual-TLS daemon
+    that refused the client's certificate, or its lack of one. gRPC only retries those until
+    the deadline, which read as "no daemon answered". ``""`` when nothing listens there, or
+    for a Unix socket."""
+    import socket
+
+    from beton_wire.socket_table import split_host_port
+
+    hp = split_host_port(target)
+    if hp is None:
+        return ""
+    try:
+        socket.create_connection(hp, timeout=1.0).close()
+    except OSError:
+        return ""
+    if not tls:
+        why = "if it serves TLS (--tls-cert), pass the CA that signed its certificate: --tls-ca"
+    else:
+        why = "the TLS handshake may have failed: check that --tls-ca signed its certificate; " + (
+            "if it requires client certificates (--tls-client-ca), pass --tls-cert/--tls-key"
+            if not client_cert
+            else "it may have refused this client certificate (another CA, or expired?)"
+        )
+    return f"something accepts connections at {target} but no answer came: {why}"
+
+
 def resolve_target(explicit: str | None, environ: Mapping[str, str]) -> str:
     """Pick the address: ``--server``, else ``BETON_SERVE_ADDRESS``, else the per-user default.
 
@@ -325,5 +353,10 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     if status == "SERVING":
         return EXIT_SERVING
     if status == "UNREACHABLE":
+        hint = unanswered_hint(
+            target, creds is not None, getattr(args, "tls_cert", None) is not None
+        )
+        if hint:
+            sys.stderr.write(hint + "\n")
         return EXIT_UNREACHABLE
     return EXIT_NOT_SERVING

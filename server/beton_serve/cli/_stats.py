@@ -140,7 +140,7 @@ def fetch_stats(
     from beton_wire.v1 import beton_pb2 as pb
     from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 
-    from beton_serve.cli._health import check_trusted
+    from beton_serve.cli._health import check_trusted, unanswered_hint
 
     budget = timeout
     t0 = time.monotonic()
@@ -166,9 +166,11 @@ def fetch_stats(
             code = exc.code() if hasattr(exc, "code") else None
             detail = exc.details() if hasattr(exc, "details") else str(exc)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                hint = unanswered_hint(target, credentials is not None)
                 raise TransportError(
-                    f"no beton-serve daemon answered at {target} within {budget:g} s; start one "
-                    "(beton-serve DATASET.beton) or pass --server"
+                    hint
+                    or f"no beton-serve daemon answered at {target} within {budget:g} s; start "
+                    "one (beton-serve DATASET.beton) or pass --server"
                 ) from None
             name = code.name if code is not None else "UNKNOWN"
             raise TransportError(f"Stats RPC to {target} failed: {name}: {detail}") from None
