@@ -16,18 +16,25 @@ after the owner check of ``health`` (the socket and its directory must be this u
 ``--socket-owner UID``'s; otherwise nothing, not even the token, is sent, and the daemon is
 reported running with "stats unavailable" and the reason).
 
+When this user cannot look (the lock file is another user's, mode 0600, or
+``/proc/<pid>/fd`` of its pid is not readable), nothing is known: that is never reported as
+"not running" (:class:`DaemonStateUnknown`). Only a lock file that does not exist means none.
+
 =====  ===========================================================================
 exit   ``status``
 =====  ===========================================================================
 0      a daemon is running (details printed; "stats unavailable" if it did not answer)
 3      no daemon is running at that socket (LSB's "program is not running")
+4      this user cannot tell (LSB's "status is unknown"): an ``error:`` line says why
 =====  ===========================================================================
 
 ``stop`` sends SIGTERM to the lock holder (through a pidfd, so a pid reused meanwhile is never
 signalled) and waits until it has exited: it drains its streams, frees its shared memory and
 removes its socket, lock and spawn log. Exit 0 once it is gone, and 0 with the message "not
 running" when there was none (stopping a stopped daemon succeeds, as ``systemctl stop`` does;
-use ``status`` to tell the two apart). Exit 1 if it has not exited after ``--timeout`` seconds.
+use ``status`` to tell the two apart). Exit 1 if it has not exited after ``--timeout`` seconds,
+or when this user cannot tell whether one runs (``stop`` exits 0 only when it knows that no
+daemon runs there, or it has stopped it). ``reload`` exits 1 then too (nothing sent).
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ __all__ = [
     "EXIT_NOT_RELOADED",
     "EXIT_NOT_RUNNING",
     "EXIT_RUNNING",
+    "EXIT_STATUS_UNKNOWN",
     "EXIT_STOP_TIMEOUT",
+    "DaemonStateUnknown",
     "daemon_pid",
     "register",
     "resolve_socket_path",
@@ -62,6 +71,8 @@ __all__ = [
 
 EXIT_RUNNING = 0
 EXIT_NOT_RUNNING = 3
+#: ``status`` when this user cannot tell whether a daemon runs (LSB's "status is unknown").
+EXIT_STATUS_UNKNOWN = 4
 EXIT_STOP_TIMEOUT = 1
 EXIT_NOT_RELOADED = 1
 
@@ -71,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "status",
         help="is the per-user daemon running: pid, address, uptime, datasets, streams "
-        "(exit 0 running, 3 not)",
+        "(exit 0 running, 3 not, 4 this user cannot tell)",
         description="Show the daemon serving the per-user socket (or --socket PATH).",
     )
     _socket_arg(p)
@@ -91,7 +102,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "stop",
         help="stop the per-user daemon (SIGTERM, then wait for it to exit)",
         description="Stop the daemon serving the per-user socket (or --socket PATH) and wait "
-        "until it has exited. Exit 0 when it is gone or was not running.",
+        "until it has exited. Exit 0 when it is gone or was not running, 1 after --timeout "
+        "or when this user cannot tell whether one runs (another user's daemon).",
     )
     _socket_arg(q)
     q.add_argument(
@@ -104,11 +116,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r = subparsers.add_parser(
         "reload",
         help="make the per-user daemon re-read its --config file (SIGHUP; exit 0 sent, 3 not "
-        "running, 1 no --config or an invalid file)",
+        "running, 1 no --config, an invalid file, or this user cannot tell)",
         description="Send SIGHUP to the daemon serving the per-user socket (or --socket PATH): "
         "it re-reads its --config file and logs the keys it applied or refused. Exit 0 when "
         "the signal was sent, 3 when no daemon runs there, 1 (nothing sent) when the daemon "
-        "runs without --config or its file does not load.",
+        "runs without --config or its file does not load, or this user cannot tell whether "
+        "one runs (another user's daemon).",
     )
     _socket_arg(r)
     r.set_defaults(func=run_reload)
@@ -148,29 +161,89 @@ def resolve_socket_path(explicit: str | None, environ: Mapping[str, str]) -> str
     return path
 
 
+class DaemonStateUnknown(ConfigError):
+    """This user cannot tell whether a daemon serves the socket: its lock file, or the
+    ``/proc/<pid>/fd`` of the pid written there, is not readable (another user's daemon).
+    ``status`` exits :data:`EXIT_STATUS_UNKNOWN`; ``stop`` and ``reload`` exit 1."""
+
+
+#: A lock path that does not exist (a missing directory too): no daemon serves there.
+_ABSENT = (FileNotFoundError, NotADirectoryError)
+
+
+def _process_uids(pid: int) -> set[int] | None:
+    """The real, effective, saved and filesystem uids of ``pid`` (``/proc/<pid>/status``,
+    readable by every user), or ``None`` when they cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return {int(u) for u in line.split()[1:]}
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def _holds_open(pid: int, path: str) -> bool:
-    """Whether process ``pid`` has the file at ``path`` open (same device and inode)."""
+    """Whether process ``pid`` has the file at ``path`` open (same device and inode).
+
+    Raises:
+        DaemonStateUnknown: ``/proc/<pid>/fd`` is not readable by this user (the process is
+            another user's) and ``pid`` may be the process that wrote the lock.
+    """
     try:
         want = os.stat(path, follow_symlinks=False)
-        fd_dir = f"/proc/{pid}/fd"
-        for name in os.listdir(fd_dir):
-            with contextlib.suppress(OSError):
-                st = os.stat(os.path.join(fd_dir, name))  # follows the magic link to the file
-                if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
-                    return True
-    except OSError:
-        return False
+    except _ABSENT:
+        return False  # removed meanwhile: its daemon has stopped
+    except OSError as exc:
+        raise DaemonStateUnknown(_unreadable_lock(path, exc)) from None
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # no such process
+    except OSError as exc:
+        uids = _process_uids(pid)
+        if uids is not None and want.st_uid not in uids:
+            # Another user's process cannot have written this user's lock: the daemon that
+            # did is gone and its pid was reused (a stale lock, not a daemon).
+            return False
+        raise DaemonStateUnknown(
+            f"cannot tell whether pid {pid} holds the daemon's lock {path}: {fd_dir} is not "
+            f"readable ({exc.strerror}); it may be another user's daemon: run this as that "
+            "user (or root)"
+        ) from None
+    for name in names:
+        with contextlib.suppress(OSError):  # an fd closed meanwhile
+            st = os.stat(os.path.join(fd_dir, name))  # follows the magic link to the file
+            if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+                return True
     return False
 
 
+def _unreadable_lock(lock_path: str, exc: OSError) -> str:
+    why = f"cannot read the daemon's lock {lock_path} ({exc.strerror or exc})"
+    if isinstance(exc, PermissionError):
+        return f"{why}: it may belong to another user; run this as that user (or root)"
+    return f"{why}: whether a daemon serves there is unknown"
+
+
 def daemon_pid(socket_path: str) -> int | None:
-    """The pid of the live daemon that holds ``<socket>.lock``, or ``None`` (module docstring)."""
+    """The pid of the live daemon that holds ``<socket>.lock``, or ``None`` when none does
+    (module docstring).
+
+    Raises:
+        DaemonStateUnknown: this user cannot tell (the lock file, or its holder's
+            ``/proc/<pid>/fd``, is not readable: another user's daemon). Never ``None`` then:
+            ``stop`` would say "not running" and exit 0 while the daemon runs on.
+    """
     lock_path = socket_path + ".lock"
     try:
         with open(lock_path, "rb") as f:
             text = f.read(64).decode(errors="replace").strip()
-    except OSError:
+    except _ABSENT:
         return None
+    except OSError as exc:
+        raise DaemonStateUnknown(_unreadable_lock(lock_path, exc)) from None
     if not text.isdigit():
         return None
     pid = int(text)
@@ -206,7 +279,8 @@ def _duration(s: float) -> str:
 
 
 def run_status(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
-    """``beton-serve status``; returns 0 when a daemon runs, 3 when none does."""
+    """``beton-serve status``; returns 0 when a daemon runs, 3 when none does, 4
+    (:data:`EXIT_STATUS_UNKNOWN`) when this user cannot tell (an ``error:`` line says why)."""
     from beton_wire.address import unix_target
 
     from beton_serve.errors import BetonError
@@ -214,7 +288,14 @@ def run_status(args: argparse.Namespace, environ: Mapping[str, str] | None = Non
     env = os.environ if environ is None else environ
     sock = resolve_socket_path(args.socket, env)
     target = unix_target(sock)
-    pid = daemon_pid(sock)
+    try:
+        pid = daemon_pid(sock)
+    except DaemonStateUnknown as exc:
+        if args.json:
+            unknown = {"running": None, "address": target, "pid": None, "error": str(exc)}
+            sys.stdout.write(json.dumps(unknown, sort_keys=True) + "\n")
+        sys.stderr.write(f"error: {exc}\n")
+        return EXIT_STATUS_UNKNOWN
     info: dict[str, Any] = {"running": pid is not None, "address": target, "pid": pid}
     if pid is not None:
         token = None
@@ -277,6 +358,8 @@ def run_stop(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
 
     Raises:
         ConfigError: the daemon belongs to another user (signalling it is not permitted).
+        DaemonStateUnknown: this user cannot tell whether a daemon runs there (exit 1, never
+            0: "not running" would leave another user's daemon running unsaid).
     """
     from beton_wire.address import unix_target
 
@@ -377,6 +460,7 @@ def run_reload(args: argparse.Namespace, environ: Mapping[str, str] | None = Non
 
     Raises:
         ConfigError: the daemon belongs to another user.
+        DaemonStateUnknown: this user cannot tell whether a daemon runs there (nothing sent).
     """
     from beton_wire.address import unix_target
 
