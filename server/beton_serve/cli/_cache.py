@@ -3,7 +3,9 @@
 The cache directory is ``$BETON_SERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/beton-serve``, else
 ``~/.cache/beton-serve`` (see :mod:`beton_serve.pipeline.compile_cache`); ``--dir`` overrides
 it. ``info`` never creates the directory; ``clear`` removes every entry, and is safe while
-trainers or a daemon run (they recompile what they miss).
+trainers or a daemon run (they recompile what they miss). A path that is not a usable cache
+directory (a file, another user's) makes ``clear`` remove nothing and exit 1, with the reason
+``info`` gives as "not used: ...".
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from beton_serve.pipeline.compile_cache import DiskStore
 
 __all__ = ["main", "register"]
 
@@ -62,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
         print("the compile cache is off (BETON_SERVE_CACHE_DIR=off)")
         return 0
     if action == "clear":
+        problem = _clear_problem(store)
+        if problem:
+            # As ``info`` says it; clearing "0 kernels" from a path that is not a cache
+            # directory (BETON_SERVE_CACHE_DIR naming a file) used to exit 0.
+            print(f"error: not used: {problem}; nothing removed", file=sys.stderr)
+            return 1
         removed = store.clear()
         print(f"removed {removed} cached kernel(s) from {store.entries_dir}")
         left = store.info().entries
@@ -103,6 +115,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"entries:  {info.entries}")
     print(f"size:     {_mib(info.total_bytes)} of {_mib(info.max_bytes)}")
     return 0
+
+
+def _clear_problem(store: DiskStore) -> str:
+    """Why ``clear`` must not touch ``store``'s directory (the reason ``info`` gives as
+    "not used: ..."), or ``""`` when it may. An absent directory, or an absent ``kernels/``
+    in it, is not a problem: there is nothing to clear."""
+    if not os.path.lexists(store.root):
+        return ""
+    problem = store._check_dir(store.root, create=False)
+    if problem or not os.path.lexists(store.entries_dir):
+        return problem
+    return store._check_dir(store.entries_dir, create=False)
 
 
 def _cannot_create(path: Path) -> str:
