@@ -110,7 +110,8 @@ class TransportError(BetonError):
 
 
 class ShuttingDown(TransportError):
-    """The daemon is draining (SIGTERM) and accepts no new streams; retry against a new one."""
+    """The daemon is draining (SIGTERM, SIGINT, its idle timeout: the message names which) and
+    accepts no new streams; retry against a new one."""
 
 
 class ResourceExhausted(BetonError):

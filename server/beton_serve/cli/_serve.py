@@ -279,7 +279,12 @@ def address_lock(socket_path: str) -> Iterator[None]:
         ConfigError: the directory or the lock file cannot be trusted or prepared (the message
             says which, and to remove it or use ``--socket``).
     """
-    from beton_wire.private_dir import UnsafePathError, ensure_private_dir, open_private_file
+    from beton_wire.private_dir import (
+        UnsafePathError,
+        ensure_private_dir,
+        open_private_file,
+        remedy,
+    )
 
     d = os.path.dirname(os.path.abspath(socket_path))
     lock_path = socket_path + ".lock"
@@ -288,9 +293,8 @@ def address_lock(socket_path: str) -> Iterator[None]:
         ensure_private_dir(d, uid)
     except UnsafePathError as exc:
         raise ConfigError(
-            f"refusing to serve {socket_path}: {exc}. Another user may have created it to "
-            "intercept this daemon or its clients: remove it, or use --socket PATH in a "
-            "directory of your own (mode 0700)"
+            f"refusing to serve {socket_path}: {exc}. {remedy(exc, uid)}; or use --socket PATH "
+            "in a directory of your own (mode 0700), or set XDG_RUNTIME_DIR"
         ) from None
     except OSError as exc:
         raise ConfigError(f"cannot prepare the socket directory {d}: {exc}") from None
@@ -299,9 +303,8 @@ def address_lock(socket_path: str) -> Iterator[None]:
             fd = open_private_file(lock_path, os.O_RDWR, uid)
         except UnsafePathError as exc:
             raise ConfigError(
-                f"refusing to serve {socket_path}: {exc}. Another user may have created it to "
-                "intercept this daemon or its clients: remove it, or use --socket PATH in a "
-                "directory of your own (mode 0700)"
+                f"refusing to serve {socket_path}: {exc}. {remedy(exc, uid)}; or use --socket "
+                "PATH in a directory of your own (mode 0700), or set XDG_RUNTIME_DIR"
             ) from None
         except OSError as exc:
             raise ConfigError(f"cannot open the address lock {lock_path}: {exc}") from None
@@ -396,13 +399,37 @@ def _restore_signals(previous: dict[int, Any]) -> None:
         signal.signal(sig, handler)
 
 
+def _startup_stop_name() -> str:
+    """The name of the first SIGTERM/SIGINT that arrived during start-up, ``""`` if none."""
+    stops = [s for s in _startup_signals if s != signal.SIGHUP]
+    return signal.Signals(stops[0]).name if stops else ""
+
+
 def _stopped_during_startup(stage: str) -> bool:
     """Whether a SIGTERM/SIGINT arrived during start-up; logs it, naming the stage it stops at."""
-    stops = [s for s in _startup_signals if s != signal.SIGHUP]
-    if not stops:
+    name = _startup_stop_name()
+    if not name:
         return False
-    log.info("%s during start-up (%s): stopping", signal.Signals(stops[0]).name, stage)
+    log.info("%s during start-up (%s): stopping", name, stage)
     return True
+
+
+class _StopRequest:
+    """Why the serving daemon stops: set once, by the first of SIGTERM, SIGINT (their names)
+    and the idle timeout, on the event loop; :meth:`Daemon.drain` names ``cause`` in the
+    ``ShuttingDown`` its clients get (it said "SIGTERM" for a Ctrl-C too)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self.cause = ""
+
+    def set(self, cause: str) -> None:
+        if not self.cause:
+            self.cause = cause
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
 
 
 #: The daemon's soft limit on open descriptors is raised to its hard limit, up to this.
@@ -692,14 +719,14 @@ async def _serve(
                 len(ds.paths),
                 ",".join(n for n, _ in ds.fields),
             )
-        stop = asyncio.Event()
+        stop = _StopRequest()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stop.set, sig.name)
         if daemon.reloader is not None:  # SIGHUP reloads the config (_reload)
             loop.add_signal_handler(signal.SIGHUP, daemon.reloader)
         if _stopped_during_startup("before serving"):
-            stop.set()
+            stop.set(_startup_stop_name())
         elif signal.SIGHUP in _startup_signals and daemon.reloader is not None:
             log.info("SIGHUP during start-up: reloading the config now")
             daemon.reloader()
@@ -715,7 +742,7 @@ async def _serve(
         idle.cancel()
         log.info("draining streams=%d", len(daemon.streams))
         await handle.set_serving(False)
-        await daemon.drain()
+        await daemon.drain(cause=stop.cause)
     finally:
         if metrics is not None:
             # A scrape in flight waits for this loop (at most 2 s), so stop off the loop.
@@ -778,7 +805,7 @@ async def _file_watch(daemon: Daemon, handle: Any, every: float = FILE_WATCH_S) 
             return
 
 
-async def _idle_watch(daemon: Daemon, timeout: float, stop: asyncio.Event) -> None:
+async def _idle_watch(daemon: Daemon, timeout: float, stop: _StopRequest) -> None:
     if timeout <= 0:
         return
     last_busy = time.monotonic()
@@ -788,5 +815,5 @@ async def _idle_watch(daemon: Daemon, timeout: float, stop: asyncio.Event) -> No
             last_busy = time.monotonic()
         elif time.monotonic() - last_busy >= timeout:
             log.info("idle for %.1f s: exiting", timeout)
-            stop.set()
+            stop.set(f"idle for {timeout:g} s")
             return

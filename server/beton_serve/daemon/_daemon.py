@@ -157,6 +157,9 @@ class Daemon:
     stats_book: StatsBook
     liveness_interval: float = 0.25
     draining: bool = False
+    #: Why it drains, set by :meth:`drain` and named in every stream's ``ShuttingDown``
+    #: (``SIGINT``, ``SIGTERM``, ``idle for 300 s``).
+    drain_cause: str = ""
     #: Identical streams share decoding (``beton_serve.engine.sharing``); ``None`` turns it off.
     sharing: SharingRegistry[Produced] | None = None
     #: Failing samples each stream may skip (``--bad-sample-budget``; 0: fail the stream).
@@ -288,21 +291,22 @@ class Daemon:
             except OSError as exc:
                 log.warning("no shm notice channel (%s); shm batches go over gRPC", exc)
 
-    async def drain(self, timeout: float = 3.0) -> None:
+    async def drain(self, timeout: float = 3.0, *, cause: str = "stop requested") -> None:
         """Refuse new streams, end every open one with ``ShuttingDown`` and free its slots.
 
         Streams being served get the error as their final status (``UNAVAILABLE``); tasks that
-        have not ended after ``timeout`` seconds are cancelled.
+        have not ended after ``timeout`` seconds are cancelled. ``cause`` (the signal's name,
+        ``idle for N s``) is what the error says the daemon is shutting down for: it said
+        "SIGTERM" whatever the cause, SIGINT (Ctrl-C) included.
         """
+        if not self.draining:
+            self.drain_cause = cause
         self.draining = True
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
         self.plans.stopping.set()  # pre-compiling stops meanwhile (daemon._precompile)
-        await self.streams.drain(
-            lambda: ShuttingDown("the daemon is shutting down (SIGTERM); reconnect to a new one"),
-            timeout,
-        )
+        await self.streams.drain(self._shutting_down, timeout)
 
     def close(self) -> None:
         """Free every stream, stop the engine and close the datasets (idempotent)."""
@@ -399,9 +403,16 @@ class Daemon:
             dataset_digest=ds.digest,
         )
 
+    def _shutting_down(self) -> ShuttingDown:
+        """The error of a stream ended, or refused, by :meth:`drain`; it names the cause."""
+        return ShuttingDown(
+            f"the daemon is shutting down ({self.drain_cause or 'stop requested'}); "
+            "reconnect to a new one"
+        )
+
     def _refuse_if_draining(self) -> None:
         if self.draining:
-            raise ShuttingDown("the daemon is shutting down (SIGTERM); reconnect to a new one")
+            raise self._shutting_down()
 
     async def _unless_drained(self, step: Awaitable[_T]) -> _T:
         """Await ``step`` (opening a file, compiling a plan) unless the daemon drains first:
