@@ -1,4 +1,4 @@
-"""SIGTERM while a client's stream is still opening (its plan compiling).
+"""SIGTERM or SIGINT while a client's stream is still opening (its plan compiling).
 
 Found by a docs audit (session 50): ``Daemon.open_stream`` checked for a drain only when it
 began. A stream whose plan was still compiling when SIGTERM came opened after the drain had
@@ -53,7 +53,9 @@ class SlowToCompile(Operation):
 '''
 
 
-def test_sigterm_while_a_stream_opens_ends_it_with_shutting_down(
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_a_stream_opens_ends_it_with_shutting_down(
+    sig: signal.Signals,
     daemon_factory,  # noqa: F811
     fixtures_dir: Path,
     short_tmp: Path,  # noqa: F811
@@ -92,12 +94,14 @@ def test_sigterm_while_a_stream_opens_ends_it_with_shutting_down(
         assert time.monotonic() < deadline, d.log()[-3000:]
         time.sleep(0.05)
     t0 = time.monotonic()
-    d.proc.send_signal(signal.SIGTERM)
+    d.proc.send_signal(sig)
     client.join(20)
-    assert not client.is_alive(), "the client still waits 20 s after the SIGTERM"
+    assert not client.is_alive(), f"the client still waits 20 s after the {sig.name}"
     (exc,) = outcome
     assert isinstance(exc, ServerUnavailable), exc
     assert exc.server_error == "ShuttingDown", exc
+    # It names the signal: it said "(SIGTERM)" for a Ctrl-C too (non-root audit).
+    assert f"the daemon is shutting down ({sig.name})" in str(exc), exc
     assert time.monotonic() - t0 < 5, "ShuttingDown came only after the compile"
     assert d.proc.wait(30) == 0, d.log()[-3000:]
     assert "opened" not in d.log().split("draining", 1)[1]

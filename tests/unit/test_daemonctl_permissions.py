@@ -98,28 +98,20 @@ def test_status_json_of_an_unreadable_lock(
     assert "Permission denied" in info["error"]
 
 
-def test_stop_of_an_unreadable_lock_fails_and_sends_nothing(
-    sock: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("command", ["stop", "reload"])
+def test_stop_and_reload_of_an_unreadable_lock_fail_and_send_nothing(
+    command: str,
+    sock: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     lock = sock + ".lock"
     _deny_open(monkeypatch, lock)
     _never_signal(monkeypatch)
-    assert cli.main(["stop", "--socket", sock]) == 1
+    assert cli.main([command, "--socket", sock]) == 1  # stop exited 0: "not running"
     out, err = capsys.readouterr()
     assert "not running" not in out + err
-    assert f"error: cannot read the daemon's lock {lock} (Permission denied)" in err
-
-
-def test_reload_of_an_unreadable_lock_fails_and_sends_nothing(
-    sock: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    lock = sock + ".lock"
-    _deny_open(monkeypatch, lock)
-    _never_signal(monkeypatch)
-    assert cli.main(["reload", "--socket", sock]) == 1
-    out, err = capsys.readouterr()
-    assert "not running" not in out + err
-    assert "(Permission denied): it may belong to another user" in err
+    assert f"error: cannot read the daemon's lock {lock} (Permission denied): it may belong" in err
 
 
 def test_any_other_read_error_is_unknown_too(
