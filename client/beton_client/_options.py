@@ -61,8 +61,8 @@ class ServeOptions:
         socket_owner: the uid that must own a Unix-socket daemon's socket and its directory
             (default: this process's uid). Checked before every connection, for the default
             socket and for ``server=`` alike; a socket of anyone else raises
-            :class:`~beton_client.errors.UntrustedSocketError`. The same uid (or root) must
-            listen on a plain (non-TLS) loopback ``host:port``: another local user may take a
+            :class:`~beton_client.errors.UntrustedSocketError`. On a plain (non-TLS)
+            loopback ``host:port`` the listener must be that uid, yours or root: another local user may take a
             free loopback port to receive the token. Name another user's uid here to trust a
             daemon that user runs (its Unix socket then treats this client as any other user:
             grpc, and only the datasets any peer may read).

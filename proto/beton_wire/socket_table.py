@@ -15,6 +15,7 @@ API::
 from __future__ import annotations
 
 import ipaddress
+import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,8 +134,8 @@ def split_host_port(target: str) -> tuple[str, int] | None:
 
 
 def loopback_strangers(target: str, owner: int, proc: Path = Path("/proc")) -> set[int]:
-    """The uids other than ``owner`` and root that listen on ``target``'s port, when ``target``
-    is a loopback TCP address (else, or when none is found, the empty set).
+    """The uids other than ``owner``, this process's and root that listen on ``target``'s port,
+    when ``target`` is a loopback TCP address (else, or when none is found, the empty set).
 
     A client about to send its token (and to trust the data it gets back) over a plain loopback
     connection asks this first: any local user may bind a free loopback port, for example while
@@ -143,4 +144,4 @@ def loopback_strangers(target: str, owner: int, proc: Path = Path("/proc")) -> s
     hp = split_host_port(target)
     if hp is None or not is_loopback(hp[0]):
         return set()
-    return tcp_listener_uids(hp[0], hp[1], proc) - {owner, 0}
+    return tcp_listener_uids(hp[0], hp[1], proc) - {owner, os.getuid(), 0}
