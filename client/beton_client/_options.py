@@ -62,10 +62,10 @@ class ServeOptions:
             (default: this process's uid). Checked before every connection, for the default
             socket and for ``server=`` alike; a socket of anyone else raises
             :class:`~beton_client.errors.UntrustedSocketError`. On a plain (non-TLS)
-            loopback ``host:port`` the listener must be that uid, yours or root: another local user may take a
-            free loopback port to receive the token. Name another user's uid here to trust a
-            daemon that user runs (its Unix socket then treats this client as any other user:
-            grpc, and only the datasets any peer may read).
+            loopback ``host:port`` the listener must be that uid, yours or root: another
+            local user may take a free loopback port to receive the token. Name another
+            user's uid here to trust a daemon that user runs (its Unix socket then treats
+            this client as any other user: grpc, and only the datasets any peer may read).
         connect_timeout: seconds one connection attempt may take, TCP or TLS handshake
             included, before it counts as failed (gRPC's own default is 20 s). An address that
             accepts connections but never answers (a stopped or wedged daemon, a wrong port)
