@@ -53,3 +53,15 @@ def test_clear_of_an_absent_or_empty_cache_succeeds(
     cache_env.mkdir(mode=0o700)  # the directory, but no kernels/ yet
     assert cache_main(["clear"]) == 0
     assert "removed 0 cached kernel(s)" in capsys.readouterr().out
+
+
+def test_info_of_a_cache_without_its_kernels_directory_is_ok(
+    cache_env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "not used: cannot stat .../kernels" for a directory the first compile had not
+    filled yet."""
+    cache_env.mkdir(mode=0o700)
+    assert cache_main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "status:   ok" in out and "not used" not in out
+    assert not (cache_env / "kernels").exists()  # info creates nothing

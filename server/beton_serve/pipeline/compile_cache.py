@@ -194,7 +194,9 @@ class DiskStore:
             if self._ready is not None:
                 return self._reason
             reason = self._check_dir(self.root, create=create)
-            if not reason:
+            # Without ``create``, a missing ``kernels/`` is an empty cache, not a problem (the
+            # first compile makes it): `cache info` said "not used: cannot stat .../kernels".
+            if not reason and (create or os.path.lexists(self.entries_dir)):
                 reason = self._check_dir(self.entries_dir, create=create)
             if create:
                 if reason:
