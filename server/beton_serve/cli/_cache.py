@@ -121,12 +121,7 @@ def _clear_problem(store: DiskStore) -> str:
     """Why ``clear`` must not touch ``store``'s directory (the reason ``info`` gives as
     "not used: ..."), or ``""`` when it may. An absent directory, or an absent ``kernels/``
     in it, is not a problem: there is nothing to clear."""
-    if not os.path.lexists(store.root):
-        return ""
-    problem = store._check_dir(store.root, create=False)
-    if problem or not os.path.lexists(store.entries_dir):
-        return problem
-    return store._check_dir(store.entries_dir, create=False)
+    return store.problem(create=False) if os.path.lexists(store.root) else ""
 
 
 def _cannot_create(path: Path) -> str:
