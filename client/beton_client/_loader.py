@@ -43,7 +43,7 @@ from beton_wire.address import (
     socket_path_problem,
     unix_target,
 )
-from beton_wire.file_identity import FileIdentity, mapping_problem, unmappable
+from beton_wire.file_identity import FileIdentity, compare_digests, mapping_problem, unmappable
 from beton_wire.limits import (
     MAX_INDICES,
     MAX_NAME_CHARS,
@@ -413,15 +413,26 @@ class DaemonBackend:
         """
         feed = self._open(args, plans)
         digest = feed.dataset_digest
-        if digest and self._dataset_digest and digest != self._dataset_digest:
+        same = compare_digests(digest, self._dataset_digest)
+        if same is None and digest and self._dataset_digest:
+            log.warning(
+                "the daemon at %s came back as another beton-serve version that names datasets "
+                "differently (dataset digest %s, was %s): the files it serves as %r are checked "
+                "by their batch count only",
+                self.server,
+                digest[:15],
+                self._dataset_digest[:15],
+                self.dataset,
+            )
+        if same is False:
             feed.close()
             raise ServerError(
                 f"the daemon at {self.server} now serves other files as {self.dataset!r} than "
                 "the ones this Loader started on (their contents differ: dataset digest "
-                f"{digest[:12]}, was {self._dataset_digest[:12]}), so the Loader cannot go on: "
+                f"{digest[:15]}, was {self._dataset_digest[:15]}), so the Loader cannot go on: "
                 "build a new Loader to read the new dataset"
             )
-        self._dataset_digest = self._dataset_digest or digest
+        self._dataset_digest = digest or self._dataset_digest
         return feed
 
     def _open(self, args: LoaderArgs, plans: Sequence[PipelinePlan]) -> Feed:

@@ -48,6 +48,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from beton_wire.file_identity import compare_digests
 from beton_wire.framing import ALIGN, Compression, DecodedBatch, OpenRequest
 from beton_wire.skipped import SKIPPED, Skipped
 from beton_wire.skipped import decode as decode_skipped
@@ -404,14 +405,24 @@ def open_remote(
                     f"{first_reply.num_batches} of {[o.name for o in first_reply.outputs]}: "
                     "every daemon must serve the same dataset file"
                 )
-            digests = (reply.dataset_digest, first_reply.dataset_digest)
-            if all(digests) and digests[0] != digests[1]:
+            same = compare_digests(reply.dataset_digest, first_reply.dataset_digest)
+            if same is False:
                 ch.close()  # a copy of the file has the same digest on any host
                 raise SpecError(
                     f"the daemon at {t} serves another file under this name than the one at "
                     f"{targets[0]} (their contents differ: dataset digest "
-                    f"{reply.dataset_digest[:12]} against {first_reply.dataset_digest[:12]}): "
+                    f"{reply.dataset_digest[:15]} against {first_reply.dataset_digest[:15]}): "
                     "every daemon must serve the same dataset file"
+                )
+            if same is None and reply.dataset_digest and first_reply.dataset_digest:
+                log.warning(
+                    "the daemons at %s and %s run beton-serve versions that name datasets "
+                    "differently (dataset digests %s and %s): that they serve the same file is "
+                    "checked by its batch count and outputs only; run one version on all",
+                    t,
+                    targets[0],
+                    reply.dataset_digest[:15],
+                    first_reply.dataset_digest[:15],
                 )
             daemons.append(_Daemon(t, ch, True, reply, pool))
         return RemoteStream(daemons, key, owner=owner)

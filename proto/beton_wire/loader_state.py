@@ -26,6 +26,11 @@ key               type       meaning
                              Loader could not tell. Optional: a state without it is not checked on it
 ================  =========  ======================================================================
 
+The ``dataset`` digest starts with its scheme (``"v2:"``). One saved by a beton-serve whose
+digests hashed only the files' ends (no prefix) cannot be compared with this version's
+(:func:`beton_wire.file_identity.compare_digests`): such a state resumes, unchecked on
+``dataset``, and a warning says so.
+
 **Compatibility rule.** A state resumes on any Loader, in-process or served, over any transport,
 whose :class:`StateIdentity` is equal: then the rest of the epoch is bit-identical, because a batch
 is a pure function of (dataset, pipelines, identity, epoch, batch index). Any difference is refused
@@ -35,13 +40,14 @@ version-less dicts some callers build by hand (``epoch``, ``batch`` and any of t
 version 1's ``num_indices``), still load: they are checked on the keys they have. A state of an
 unknown version is refused, never guessed at.
 
-Only the stdlib and numpy are imported: both the daemon's and the client's packages use this
-module, and each translates :class:`StateError` into its own ``SpecError``.
+Only the stdlib, numpy and ``beton_wire`` are imported: both the daemon's and the client's
+packages use this module, and each translates :class:`StateError` into its own ``SpecError``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -49,7 +55,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from beton_wire.file_identity import compare_digests
 from beton_wire.limits import MAX_EPOCH
+
+_log = logging.getLogger("beton_wire")
 
 __all__ = [
     "LEGACY_VERSIONS",
@@ -204,10 +213,19 @@ def _check_keys(state: Mapping[str, Any], mine: StateIdentity) -> None:
             continue
         want = getattr(mine, f.name)
         got = state[f.name]
-        if f.name in _OPTIONAL:
+        if f.name == "dataset":
             if got is None or want is None:
                 continue
-            same = got == want
+            same = compare_digests(str(got), str(want))
+            if same is None:
+                _log.warning(
+                    "the Loader state's dataset digest %.15s was made by another beton-serve "
+                    "version than this Loader's %.15s and cannot be compared with it: the state "
+                    "resumes without checking that it was saved on these files",
+                    got,
+                    want,
+                )
+                continue
         elif isinstance(want, bool):
             same = isinstance(got, bool | np.bool_) and bool(got) == want
         elif isinstance(want, int):

@@ -18,7 +18,11 @@ import pytest
 import torch
 from beton_client import Loader, OrderOption, RetryPolicy, ServerError, ServerUnavailable
 from beton_serve.daemon._streams import MAX_RING_SLOTS
-from beton_serve.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+from beton_serve.fields.decoders import (
+    IntDecoder,
+    NDArrayDecoder,
+    RandomResizedCropRGBImageDecoder,
+)
 from beton_serve.transforms import RandomHorizontalFlip, ToTensor
 from helpers.daemon import (  # noqa: F401
     SHM,
@@ -28,7 +32,7 @@ from helpers.daemon import (  # noqa: F401
     start_daemon,
     wait_until_serving,
 )
-from helpers.labelled import write_labelled
+from helpers.labelled import write_labelled, write_pixels
 
 pytestmark = pytest.mark.slow
 
@@ -175,6 +179,43 @@ def test_a_daemon_restarted_with_another_file_of_the_same_name_is_refused(
     finally:
         ld.close()
     # The same file under the same name (a plain restart) still resumes: test above.
+
+
+@pytest.mark.timeout(180)
+def test_a_daemon_restarted_on_pixels_regenerated_between_the_files_ends_is_refused(
+    daemon_factory, short_tmp: Path
+) -> None:
+    """As above, but the other ``train.beton`` is the same dataset with its raw pixels
+    regenerated: same sizes, labels and order, and the same first and last 64 KiB. The dataset
+    digest hashed only those, so the Loader went on with the new pixels at the old position."""
+    old = write_pixels(short_tmp / "a" / "train.beton", 256)
+    new = write_pixels(short_tmp / "b" / "train.beton", 256, shift=7, changed=range(40, 216))
+    d1 = daemon_factory([old])
+    pipes = {"pixels": [NDArrayDecoder(), ToTensor()], "label": [IntDecoder(), ToTensor()]}
+    ld = Loader(
+        "train",
+        batch_size=8,
+        order=OrderOption.SEQUENTIAL,
+        pipelines=pipes,
+        server=d1.address,
+        batches_ahead=1,
+        copy=True,
+        reconnect=RetryPolicy(budget_s=60.0, initial_s=0.05, max_s=0.5),
+    )
+    try:
+        it = iter(ld)
+        for _ in range(3):
+            pixels, label = next(it)
+            assert torch.equal(pixels[:, 0].long(), label.reshape(-1).long() % 251)
+        d1.proc.send_signal(signal.SIGKILL)
+        d1.proc.wait(10)
+        daemon_factory([new], socket=d1.socket)
+        with pytest.raises(ServerError, match=r"now serves other files as 'train'"):
+            for pixels, label in it:
+                # published by d1 before it died: the old file's pixels
+                assert torch.equal(pixels[:, 0].long(), label.reshape(-1).long() % 251)
+    finally:
+        ld.close()
 
 
 @pytest.mark.timeout(180)

@@ -275,7 +275,8 @@ def test_a_state_of_another_file_of_the_same_size_is_refused(tmp_path) -> None:
         it = iter(ld)
         next(it), next(it)
         s = ld.state_dict()
-    assert isinstance(s["dataset"], str) and len(s["dataset"]) == 32
+    assert isinstance(s["dataset"], str) and s["dataset"].startswith("v2:")
+    assert len(s["dataset"]) == 35
     with _file_loader(b) as other:
         with pytest.raises(SpecError, match=r"dataset=.*saved on another file"):
             other.load_state_dict(s)
@@ -285,6 +286,46 @@ def test_a_state_of_another_file_of_the_same_size_is_refused(tmp_path) -> None:
     with _file_loader(copy) as same:
         same.load_state_dict(s)
         assert _file_labels(same) == want[2:]
+
+
+def test_a_state_whose_dataset_digest_is_of_an_older_version_resumes_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Digests before ``v2:`` hashed only the files' ends and cannot be compared with this
+    version's: such a state resumes, unchecked on ``dataset``, and says so."""
+    import dataclasses
+    import logging
+
+    ident = dataclasses.replace(IDENT, dataset="v2:" + "a" * 32)
+    state = make_state(epoch=1, batch=2, identity=ident)
+    with caplog.at_level(logging.WARNING, logger="beton_wire"):
+        assert check_state({**state, "dataset": "f" * 32}, ident) == (1, 2)
+    assert "another beton-serve version" in caplog.text
+    with pytest.raises(StateError, match="dataset="):
+        check_state({**state, "dataset": "v2:" + "b" * 32}, ident)
+
+
+def test_a_state_of_a_dataset_regenerated_between_its_ends_is_refused(tmp_path) -> None:
+    """Raw pixels regenerated with the same sizes, labels and order leave a file's first and
+    last 64 KiB as they were; the dataset digest hashed only those, so a state saved on the old
+    file resumed on the new one, its pixels read at the old position with no word."""
+    from beton_serve.fields.decoders import IntDecoder, NDArrayDecoder
+    from helpers.labelled import write_pixels
+
+    old = write_pixels(tmp_path / "old" / "train.beton", 256)
+    new = write_pixels(tmp_path / "new" / "train.beton", 256, shift=7, changed=range(40, 216))
+    pipes = {"pixels": [NDArrayDecoder()], "label": [IntDecoder()]}
+    kw = {"batch_size": 16, "num_workers": 1, "seed": 7, "order": OrderOption.RANDOM}
+    with Loader(str(old), pipelines=pipes, **kw) as ld:
+        it = iter(ld)
+        next(it)
+        s = ld.state_dict()
+    with Loader(str(new), pipelines=pipes, **kw) as other:
+        pixels = np.concatenate([np.asarray(p)[:, 0] for p, _ in other])
+        labels = np.concatenate([np.asarray(y).reshape(-1) for _, y in other])
+        assert (pixels != labels % 251).any()  # the new file's pixels are other pixels
+        with pytest.raises(SpecError, match=r"dataset=.*saved on another file"):
+            other.load_state_dict(s)
 
 
 def test_next_epoch_set_after_a_partial_epoch_or_a_loaded_state_is_what_iter_and_state_do(

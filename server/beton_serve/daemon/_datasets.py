@@ -382,10 +382,16 @@ class DatasetTable:
         other = self._by_name.get(name)
         if other is not None and (visible is None or visible(other)):
             theirs = ", ".join(f.describe() for f in other.files)
+            skew = "" if same_host else other.files[0].scheme_note(file) if other.files else ""
             raise SpecError(
                 f"this Loader names {file.describe()}, but the daemon's dataset {name!r} is another "
-                f"file: {theirs} ({how} differ){note}. Serve the file you mean (beton-serve "
-                f"{_short(file.path)}), or open the daemon's dataset by its name"
+                f"file: {theirs} ({how} differ){note}. "
+                + (
+                    f"Perhaps it is a copy of it: {skew}"
+                    if skew
+                    else f"Serve the file you mean (beton-serve {_short(file.path)}), or open the "
+                    "daemon's dataset by its name"
+                )
             )
         served = "; ".join(
             f"{d.name!r}: {', '.join(d.paths)}"
