@@ -163,27 +163,49 @@ def test_the_mapped_file_decides_not_the_path_that_was_checked(tree: SimpleNames
 def test_a_file_replaced_while_opened_is_opened_again(
     tree: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Reader, identity and watch each open the path: a rename between them made the dataset
-    describe one file and map another, and the wrong file was served under the named one."""
+    """The reader and the watch each open the path: a rename between them made the dataset
+    describe and map one file and watch another, and the wrong file was served under the named
+    one. (The dataset's identity is the reader's own, so it always names the mapped file.)"""
+    import shutil
+
     table = DatasetTable({"public": [str(tree.public)]}, EngineBackend())
-    other = FileIdentity.of(tree.outside)
-    real_identity = _datasets._identity
+    real_watch = _datasets.FileWatch
     calls = {"n": 0}
 
-    def swapped_once(path: str) -> FileIdentity:
-        calls["n"] += 1
-        return other if calls["n"] == 1 else real_identity(path)
+    def rename_over(path: Path) -> None:
+        fresh = tree.tmp / f"fresh{calls['n']}.beton"
+        shutil.copy(tree.outside, fresh)
+        os.replace(fresh, path)  # a new inode at the path, after the reader mapped the old one
 
-    monkeypatch.setattr(_datasets, "_identity", swapped_once)
+    def renamed_once(paths: list[str]) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            rename_over(tree.inside)
+        return real_watch(paths)
+
+    monkeypatch.setattr(_datasets, "FileWatch", renamed_once)
     try:
         ds = table.open_file(str(tree.inside))
         try:
             assert calls["n"] == 2  # opened again
-            assert ds.files[0].inode == os.stat(tree.inside).st_ino
-            assert tuple(ds.readers[0].identity)[:2] == (ds.files[0].device, ds.files[0].inode)
+            st = os.stat(tree.inside)
+            assert (ds.files[0].device, ds.files[0].inode) == (st.st_dev, st.st_ino)
+            assert tuple(ds.readers[0].identity) == (
+                ds.files[0].device,
+                ds.files[0].inode,
+                ds.files[0].size,
+                ds.files[0].mtime_ns,
+            )
+            assert ds.files[0].fingerprint == FileIdentity.of(tree.outside).fingerprint
         finally:
             table.remove(ds)
-        monkeypatch.setattr(_datasets, "_identity", lambda path: other)  # replaced every time
+
+        def renamed_every_time(paths: list[str]) -> Any:
+            calls["n"] += 1
+            rename_over(tree.inside)
+            return real_watch(paths)
+
+        monkeypatch.setattr(_datasets, "FileWatch", renamed_every_time)
         with pytest.raises(SpecError, match="kept being replaced"):
             table.open_file(str(tree.inside))
     finally:

@@ -310,7 +310,7 @@ class DatasetTable:
             schema_key=key,
             combined=combined,
             watch=FileWatch(paths),
-            files=tuple(_identity(p) for p in paths),
+            files=tuple(_identity(p, r) for p, r in zip(paths, readers, strict=True)),
             custom=tuple(sorted(f"{k}={_class_path(v)}" for k, v in (custom_fields or {}).items())),
             real_paths=tuple(
                 getattr(r, "real_path", None) or os.path.realpath(p)
@@ -496,7 +496,9 @@ OPEN_TRIES = 3
 
 def _consistent(ds: Dataset) -> bool:
     """Whether the files ``ds`` maps, identifies and watches are one file each (a reader of a
-    test backend without ``identity`` counts as consistent)."""
+    test backend without ``identity`` counts as consistent). An identity taken from the reader
+    (:func:`_identity`) agrees with its mapping by construction; the watch, which opens
+    each path after the readers did, tells a path replaced in between."""
     watched = ds.watch.watched() if ds.watch is not None else {}
     for p, r, ident in zip(ds.paths, ds.readers, ds.files, strict=True):
         mapped = getattr(r, "identity", None)
@@ -519,7 +521,21 @@ def _close_dataset(ds: Dataset) -> None:
         r.close()
 
 
-def _identity(path: str) -> FileIdentity:
+def _identity(path: str, reader: Any) -> FileIdentity:
+    """The identity of the file ``reader`` maps, opened from ``path``: from the reader's own
+    ``stat`` and fingerprint when it has them (the file is not read a second time; that
+    ``path`` still names it is the watch's check, in :func:`_consistent`), else from ``path``."""
+    mapped, fingerprint = getattr(reader, "identity", None), getattr(reader, "fingerprint", "")
+    if mapped is not None and fingerprint:
+        device, inode, size, mtime_ns = mapped
+        return FileIdentity(
+            path=os.path.abspath(path),
+            device=device,
+            inode=inode,
+            size=size,
+            mtime_ns=mtime_ns,
+            fingerprint=fingerprint,
+        )
     try:
         return FileIdentity.of(path)
     except OSError:  # a test backend's name that is not a file: identified by its path alone
