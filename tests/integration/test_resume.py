@@ -140,6 +140,21 @@ def test_sigkilled_daemon_restarted_on_the_same_socket_resumes_exactly_once(
         ld.close()
 
 
+def _by_name(address: str, pipes: dict, transport: str = "auto") -> Loader:
+    """``Loader("train")``, SEQUENTIAL batches of 8, reconnecting after a daemon dies."""
+    return Loader(
+        "train",
+        batch_size=8,
+        order=OrderOption.SEQUENTIAL,
+        pipelines=pipes,
+        server=address,
+        transport=transport,
+        batches_ahead=1,
+        copy=True,
+        reconnect=RetryPolicy(budget_s=60.0, initial_s=0.05, max_s=0.5),
+    )
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_a_daemon_restarted_with_another_file_of_the_same_name_is_refused(
@@ -152,18 +167,7 @@ def test_a_daemon_restarted_with_another_file_of_the_same_name_is_refused(
     a = write_labelled(short_tmp / "a" / "train.beton", 256, base=0)
     b = write_labelled(short_tmp / "b" / "train.beton", 256, base=10_000)
     d1 = daemon_factory([a])
-    pipes = {"vec": None, "label": [IntDecoder(), ToTensor()]}
-    ld = Loader(
-        "train",
-        batch_size=8,
-        order=OrderOption.SEQUENTIAL,
-        pipelines=pipes,
-        server=d1.address,
-        transport=transport,
-        batches_ahead=1,
-        copy=True,
-        reconnect=RetryPolicy(budget_s=60.0, initial_s=0.05, max_s=0.5),
-    )
+    ld = _by_name(d1.address, {"vec": None, "label": [IntDecoder(), ToTensor()]}, transport)
     try:
         it = iter(ld)
         labels = [next(it)[0].reshape(-1).tolist() for _ in range(3)]
@@ -192,16 +196,7 @@ def test_a_daemon_restarted_on_pixels_regenerated_between_the_files_ends_is_refu
     new = write_pixels(short_tmp / "b" / "train.beton", 256, shift=7, changed=range(40, 216))
     d1 = daemon_factory([old])
     pipes = {"pixels": [NDArrayDecoder(), ToTensor()], "label": [IntDecoder(), ToTensor()]}
-    ld = Loader(
-        "train",
-        batch_size=8,
-        order=OrderOption.SEQUENTIAL,
-        pipelines=pipes,
-        server=d1.address,
-        batches_ahead=1,
-        copy=True,
-        reconnect=RetryPolicy(budget_s=60.0, initial_s=0.05, max_s=0.5),
-    )
+    ld = _by_name(d1.address, pipes)
     try:
         it = iter(ld)
         for _ in range(3):
