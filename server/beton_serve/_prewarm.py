@@ -13,7 +13,10 @@ compile cache (their keys, for the argument types the decoders pass). For what i
   cache, then, for a TurboJPEG decoder,
   the batch kernel (``_tj3.batch_kernel``) once this process's ``area_resize`` is in the cache
   (the kernel calls it: waiting for its entry saves compiling it twice);
-* a thread of this process (``beton-prewarm``) compiles ``area_resize``;
+* a thread of this process (``beton-prewarm``) compiles ``area_resize``, then what
+  :func:`ahead` queued: the plan's ``compile_ahead`` ops, called on zeros
+  (``Plan._compile_ahead``), which would otherwise compile after the decoder, on the first
+  batch's path;
 * the decoders' ``_crops`` calls :func:`wait` for the helper before their first sampler call, so
   that the sampler is loaded from the cache rather than compiled here a second time; the batch
   kernel's background build waits for it too. So the cache holds the batch kernel even when
@@ -51,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WAIT_TIMEOUT_S", "join", "main", "start", "wait"]
+__all__ = ["WAIT_TIMEOUT_S", "ahead", "join", "main", "start", "wait"]
 
 log = logging.getLogger("beton_serve.prewarm")
 
@@ -150,6 +153,10 @@ _proc_of: dict[str, subprocess.Popen[bytes]] = {}  # group -> the helper compili
 #: Helpers a wait timed out on (hung): stopped at exit.
 _given_up: set[subprocess.Popen[bytes]] = set()
 _threads: list[threading.Thread] = []
+#: Work queued behind this process's own compile (:func:`ahead`), and whether the
+#: ``beton-prewarm`` thread still takes it (guarded by :data:`_lock`).
+_queued: list[Callable[[], None]] = []
+_local_open = False
 
 
 def start(groups: Sequence[str] = ("crop",)) -> None:
@@ -175,12 +182,14 @@ def start(groups: Sequence[str] = ("crop",)) -> None:
     except Exception as exc:  # the look-up must never stop a Loader
         log.debug("prewarm: look-up failed (%r); compiling as needed", exc)
         return
+    global _local_open
     if todo:
         _spawn(todo, store.root)
     if local:
         t = threading.Thread(target=_compile_local, name="beton-prewarm", daemon=True)
         with _lock:
             _threads.append(t)
+            _local_open = True
         t.start()
 
 
@@ -189,6 +198,47 @@ def _compile_local() -> None:
         _run(LOCAL())
     except Exception as exc:  # the decoder's own call then fails the same way, with its sample
         log.warning("prewarm: compiling the resize kernel failed: %r", exc)
+    _drain()
+
+
+def ahead(fn: Callable[[], None]) -> bool:
+    """Run ``fn``, compile work of this process (``Plan._compile_ahead``), on a prewarm
+    thread, when a cold compile is under way here: queued behind this process's own
+    ``beton-prewarm`` compile, or on a thread of its own while only the helper process
+    compiles (this process would otherwise wait for it with its compile lock idle). Returns
+    ``False``, and ``fn`` is not run, when nothing is under way (a warm cache, or
+    ``BETON_SERVE_PREWARM=0``). What ``fn`` raises is logged at debug level; never raises."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return False
+    with _lock:
+        if _local_open:
+            _queued.append(fn)
+            return True
+        if not any(not ev.is_set() for ev in _pending.values()):
+            return False
+        t = threading.Thread(target=_call, args=(fn,), name="beton-prewarm", daemon=True)
+        _threads.append(t)
+    t.start()
+    return True
+
+
+def _drain() -> None:
+    """Run what :func:`ahead` queued, until nothing is left; then the thread takes no more."""
+    global _local_open
+    while True:
+        with _lock:
+            if not _queued:
+                _local_open = False
+                return
+            fn = _queued.pop(0)
+        _call(fn)
+
+
+def _call(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as exc:  # what was not compiled here is compiled at its first call
+        log.debug("prewarm: compiling ahead failed (%r)", exc)
 
 
 def _command(groups: Sequence[str]) -> list[str]:
@@ -318,6 +368,7 @@ def _reset_for_tests() -> None:
         _proc_of.clear()
         _given_up.clear()
         _threads.clear()
+        _queued.clear()
 
 
 # -- the helper process ------------------------------------------------------------------

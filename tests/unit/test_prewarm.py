@@ -30,6 +30,7 @@ from beton_serve.fields.decoders import (
     RandomResizedCropRGBImageDecoder,
 )
 from beton_serve.loader import Loader
+from beton_serve.transforms import RandomHorizontalFlip
 from beton_serve.writer import DatasetWriter
 from helpers.child import child_env, run_json
 
@@ -66,12 +67,15 @@ from beton_serve._kernels import crop, resize
 from beton_serve.fields.decoders import (CenterCropRGBImageDecoder, IntDecoder,
                                          RandomResizedCropRGBImageDecoder)
 from beton_serve.loader import Loader
+from beton_serve.transforms import RandomHorizontalFlip
 path, out = sys.argv[1], sys.argv[2]
+ahead, _ahead = [], _prewarm.ahead
+_prewarm.ahead = lambda fn: ahead.append(_ahead(fn)) or ahead[-1]
 arrays = {}
 for name, dec in (("rrc", RandomResizedCropRGBImageDecoder((24, 24))),
                   ("center", CenterCropRGBImageDecoder((24, 24), 0.875))):
     with Loader(path, batch_size=4, num_workers=2, seed=5,
-                pipelines={"image": [dec], "label": [IntDecoder()]}) as ld:
+                pipelines={"image": [dec, RandomHorizontalFlip()], "label": [IntDecoder()]}) as ld:
         for b, (img, label) in enumerate(ld):
             arrays[f"{name}{b}"] = np.array(img)
             arrays[f"{name}{b}_label"] = np.array(label)
@@ -91,6 +95,7 @@ print(json.dumps({
     "rrc_misses": sum(crop.rrc_batch._cache_misses.values()),
     "center_hits": sum(crop.center_crop_batch._cache_hits.values()),
     "resize_compiled": len(resize.area_resize.overloads),
+    "ahead": ahead,
 }))
 """
 
@@ -110,7 +115,7 @@ def _reference(data: Path) -> dict[str, np.ndarray]:
             batch_size=4,
             num_workers=2,
             seed=5,
-            pipelines={"image": [dec], "label": [IntDecoder()]},
+            pipelines={"image": [dec, RandomHorizontalFlip()], "label": [IntDecoder()]},
         ) as ld:
             for b, (img, label) in enumerate(ld):
                 arrays[f"{name}{b}"] = np.array(img)
@@ -128,6 +133,9 @@ def test_cold_cache_loader_takes_the_samplers_from_the_helper_and_matches(
     assert stats["rrc_hits"] == 1 and stats["rrc_misses"] == 0, stats
     assert stats["center_hits"] == 1, stats
     assert stats["resize_compiled"] >= 1
+    # the first plan's flip and label decoder compiled while the crop kernels did (the
+    # second Loader's may find nothing under way any more)
+    assert stats["ahead"][0] is True, stats
     assert (cache / "prewarm.lock").exists()
     # the helper also compiled the TurboJPEG batch kernel into the cache (when there is one)
     assert stats["kernel_entry"] in (True, None), stats
@@ -140,6 +148,7 @@ def test_cold_cache_loader_takes_the_samplers_from_the_helper_and_matches(
     # a warm cache: nothing is started, everything is loaded, the same bytes again
     stats2 = _run_loader(data, cache, tmp_path / "b.npz", "1")
     assert stats2["rrc_hits"] == 1 and stats2["rrc_misses"] == 0
+    assert stats2["ahead"] == [False, False]  # warm: nothing compiles ahead
     again = dict(np.load(tmp_path / "b.npz"))
     for k in ref:
         np.testing.assert_array_equal(again[k], ref[k], err_msg=k)

@@ -77,6 +77,7 @@ def _jit_state(previous_state: State, shape: tuple[int, ...], dtype: Any) -> Sta
 # -- scalars ---------------------------------------------------------------------------------
 class _ScalarDecoder(Operation):
     _dtype: Any = None
+    compile_ahead = True
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         md = _require_metadata(self)

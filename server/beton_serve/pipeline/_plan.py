@@ -47,6 +47,7 @@ the op as its last argument.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -67,6 +68,8 @@ from beton_serve.pipeline.compiler import Compiler
 from beton_serve.pipeline.operation import same_array
 from beton_serve.pipeline.pipeline_spec import PipelineSpec
 from beton_serve.pipeline.state import State, is_torch_dtype
+
+log = logging.getLogger("beton_serve.pipeline")
 
 __all__ = [
     "IDLE_WORKSPACE_SHARE_OF_MEMORY",
@@ -160,6 +163,16 @@ def _empty(q: AllocationQuery, batch: int | None) -> Any:
 
         return torch.empty(shape, dtype=q.dtype, device=q.device or "cpu")
     return batch_empty(shape, q.dtype)
+
+
+def _zeros(q: Any) -> Any:
+    """A one-sample batch of zeros for allocation ``q`` (``None``, a query or a list of them),
+    shaped as :meth:`Workspace.buffer` and :func:`_slice` give it to an op."""
+    if q is None:
+        return None
+    if isinstance(q, list):
+        return tuple(_zeros(x) for x in q)
+    return np.zeros((1, *q.shape), q.dtype)
 
 
 def _slice(buf: Any, n: int) -> Any:
@@ -518,6 +531,7 @@ class Plan:
         self._metadata = {n: reader.field_metadata(n) for n in {nd.field_name for nd in nodes}}
         self._declare()
         self._generate(use_cache=True)
+        self._compile_ahead()
 
     # -- planning ------------------------------------------------------------------------
     def _declare(self) -> bool:
@@ -689,6 +703,67 @@ class Plan:
         self._steps = self._build_steps()
         if self._cache is not None and self._cache_key is not None and cached is None:
             self._cache.put(self._cache_key, fns)
+
+    def _compile_ahead(self) -> bool:
+        """With a cold compile cache, compile the ops that allow it (``Operation.compile_ahead``)
+        while the decoders' kernels compile, instead of after them (issue 14 §2).
+
+        A crop decoder's first batch waits for its kernels (this process's ``beton-prewarm``
+        thread and the prewarm helper process), and only then did the ops after it meet their
+        first call and compile, one after the other on the first batch's path: a flip and the
+        label's decoder added ~1.4 s to a cold RandomResizedCrop start. Queued behind this
+        process's own prewarm compile (:func:`beton_serve._prewarm.ahead`), they compile while
+        the helper still works. Nothing happens with a warm cache (nothing is under way), nor
+        for ops that do not allow it. Whether anything was queued."""
+        if not any(step[0].op.compile_ahead for step in self._steps):
+            return False
+        from beton_serve import _prewarm
+
+        return _prewarm.ahead(self._run_on_zeros)
+
+    def _run_on_zeros(self) -> None:
+        """Call each ``compile_ahead`` op once, as :meth:`run` would call it (the same argument
+        types, so the same compiled specialisation), on a private one-sample batch of zeros: the
+        output of an op that is not called here (a crop decoder) is zeros of its declared state.
+        Nothing the workers use is touched; an op that fails is skipped, and compiles at its
+        first batch as it would have without this."""
+        idx = np.zeros(1, np.uint64)
+        seed = np.uint64(0)
+        results: dict[int, Any] = {}
+        passed: dict[int, Any] = {}
+        for step in list(self._steps):
+            node, pos, fn, parent, metadata, with_indices, with_seed, _, over, mirror, copy = step
+            if mirror is _ABSORBED:
+                if over in results:
+                    results[pos] = passed[pos] = results[over]
+                continue
+            ok = node.op.compile_ahead and mirror is None and self._shared_alloc[pos] is None
+            if parent is None and (metadata is None or len(metadata) == 0):
+                ok = False  # a decoder reads sample 0's metadata: there must be one
+            if not ok:
+                continue
+            if parent is not None and parent not in results:
+                st = self._states[parent]
+                results[parent] = passed[parent] = np.zeros((1, *(st.shape or ())), st.dtype)
+            if over is not None and results.get(over) is passed.get(over):
+                dst = results[over]
+            else:
+                dst = _zeros(self._alloc[pos])
+            if parent is None:
+                args: list[Any] = [idx, dst, metadata, self._storage_state]
+            else:
+                src = results[parent]
+                args = [src.copy() if copy and isinstance(src, np.ndarray) else src, dst]
+                if with_indices:
+                    args.append(idx)
+            if with_seed:
+                args.append(seed)
+            try:
+                results[pos] = fn(*args)
+            except Exception as exc:  # compiled at the first batch instead
+                log.debug("compile ahead: %s failed on zeros (%r)", node.name, exc)
+                continue
+            passed[pos] = dst
 
     def refresh(self, epoch: int, *, recompile: bool = False) -> bool:
         """Re-declare every op's state before ``epoch`` (FFCV does this each epoch).

@@ -76,9 +76,17 @@ class Operation(ABC):
     #: the op before it returned the very buffer the planner gave it and no other op reads it,
     #: so that the ops share one buffer (and a decoder before it writes the batch's destination).
     #: A subclass that overrides ``generate_code`` is not ``inplace`` unless it says so itself.
+    #: ``compile_ahead``: the op's function has no effect but its return value and writes into
+    #: the arrays it is given, whatever their values. With a cold compile cache, the planner may
+    #: then call it once on a private one-sample batch of zeros, on a background thread while
+    #: the decoders' kernels compile, so that its Numba code is compiled before the first batch
+    #: needs it instead of after the decoder (issue 14). Only set by built-in ops: user ops are
+    #: never called on data they did not ask for. Reset, as ``inplace``, by a subclass that
+    #: overrides ``generate_code``.
     torch_op: ClassVar[bool] = False
     batch_wide: ClassVar[bool] = False
     inplace: ClassVar[bool] = False
+    compile_ahead: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Wrap the subclass's own ``__init__`` so that each instance records the arguments it
@@ -88,6 +96,8 @@ class Operation(ABC):
             # ``inplace`` vouches for one generate_code: a subclass that replaces the code (a
             # user's variant of RandomHorizontalFlip, say) declares it again, or is not in place
             cls.inplace = False
+        if "generate_code" in cls.__dict__ and "compile_ahead" not in cls.__dict__:
+            cls.compile_ahead = False  # likewise: it vouches for the code it was set beside
         init = cls.__dict__.get("__init__")
         if init is None or getattr(init, "_beton_records_args", False):
             return

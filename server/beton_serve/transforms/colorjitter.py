@@ -29,6 +29,7 @@ _BRIGHTNESS, _CONTRAST, _SATURATION = 0, 1, 2
 
 class _ColorJitter(Operation):
     _kind = _BRIGHTNESS
+    compile_ahead = True
 
     def __init__(self, magnitude: float, p: float = 0.5) -> None:
         super().__init__()

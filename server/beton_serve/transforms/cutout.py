@@ -24,6 +24,7 @@ class Cutout(Operation):
     """
 
     spec_name = "Cutout"
+    compile_ahead = True
 
     def __init__(self, crop_size: int, fill: tuple[int, int, int] = (0, 0, 0)) -> None:
         super().__init__()

@@ -43,6 +43,7 @@ class RandomHorizontalFlip(Operation):
 
     spec_name = "RandomHorizontalFlip"
     inplace = True
+    compile_ahead = True
 
     def __init__(self, flip_prob: float = 0.5) -> None:
         super().__init__()

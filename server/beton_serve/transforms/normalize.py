@@ -32,6 +32,7 @@ class NormalizeImage(Operation):
     """``(img - mean) / std`` per channel through a 256-entry table, output dtype ``type``."""
 
     spec_name = "NormalizeImage"
+    compile_ahead = True
 
     def __init__(self, mean: np.ndarray, std: np.ndarray, type: Any) -> None:
         super().__init__()

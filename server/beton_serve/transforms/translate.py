@@ -27,6 +27,7 @@ class RandomTranslate(Operation):
     """
 
     spec_name = "RandomTranslate"
+    compile_ahead = True
 
     def __init__(self, padding: int, fill: tuple[int, int, int] = (0, 0, 0)) -> None:
         super().__init__()
