@@ -124,6 +124,11 @@ def derive_seed_key(seed: int, epoch: int, op_position: int | str) -> np.uint64:
 
 # -- Numba versions (also callable from Python) -------------------------------------------------
 # Compiler.kernel: the same options as every op, and the persistent compile cache (issue 14).
+# Compiled callers pass the counter (and randint's bounds) as ``np.int64(k)``, not a literal
+# ``k``: Numba types a literal argument as its own constant, so each literal compiled (and
+# cached) its own copy of the draw, and a flip's ``uniform(..., 0)`` could not load the entry the
+# crop sampler's ``uniform(..., counter)`` had written into the cache (a cold start compiled it
+# again, ~0.2 s). The values, and so the draws, are the same.
 _jit = Compiler.kernel
 
 

@@ -49,9 +49,9 @@ class _ColorJitter(Operation):
             h, w = images.shape[1], images.shape[2]
             for i in range(images.shape[0]):
                 sid = np.uint64(batch_indices[i])
-                if not uniform(seed_key, sid, 0) < p:
+                if not uniform(seed_key, sid, np.int64(0)) < p:
                     continue
-                f = uniform_range(seed_key, sid, 1, lo, hi)
+                f = uniform_range(seed_key, sid, np.int64(1), lo, hi)
                 img = images[i]
                 mean = 0.0
                 if kind == 1:

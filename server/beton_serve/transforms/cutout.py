@@ -47,8 +47,8 @@ class Cutout(Operation):
             h, w = images.shape[1], images.shape[2]
             for i in range(images.shape[0]):
                 sid = np.uint64(batch_indices[i])
-                y = randint(seed_key, sid, 0, 0, h - s + 1)
-                x = randint(seed_key, sid, 1, 0, w - s + 1)
+                y = randint(seed_key, sid, np.int64(0), np.int64(0), h - s + 1)
+                x = randint(seed_key, sid, np.int64(1), np.int64(0), w - s + 1)
                 for c in range(3):
                     images[i, y : y + s, x : x + s, c] = fill[c]
             return images

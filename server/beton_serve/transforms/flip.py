@@ -66,7 +66,7 @@ class RandomHorizontalFlip(Operation):
             n = batch_indices.shape[0]
             out = np.empty(n, np.bool_)
             for i in range(n):
-                out[i] = uniform(seed_key, np.uint64(batch_indices[i]), 0) < p
+                out[i] = uniform(seed_key, np.uint64(batch_indices[i]), np.int64(0)) < p
             return out
 
         def flip_any(images, dst, mask):  # pragma: no cover - compiled

@@ -55,8 +55,8 @@ class RandomTranslate(Operation):
                     canvas[:, :, c] = fill[c]
                 canvas[pad : pad + h, pad : pad + w] = images[i]
                 sid = np.uint64(batch_indices[i])
-                y = randint(seed_key, sid, 0, 0, 2 * pad + 1)
-                x = randint(seed_key, sid, 1, 0, 2 * pad + 1)
+                y = randint(seed_key, sid, np.int64(0), np.int64(0), 2 * pad + 1)
+                x = randint(seed_key, sid, np.int64(1), np.int64(0), 2 * pad + 1)
                 images[i] = canvas[y : y + h, x : x + w]
             return images
 
