@@ -350,6 +350,48 @@ def _release_held(box: list[Any]) -> None:
         held.release()
 
 
+def _check_same_stream(target: str, reply: Any, first_target: str, first_reply: Any) -> None:
+    """Check that the daemon at ``target`` opened the same stream as the first one: the grpc
+    transport, the same batch count and outputs, and the same dataset digest (two versions'
+    digests cannot be compared: a warning, and the count and outputs stand alone).
+
+    Raises:
+        SpecError: it differs (the message names both daemons and what differs).
+    """
+    if reply.transport.kind != "grpc":
+        raise SpecError(
+            f"the daemon at {target} chose the {reply.transport.kind} transport; several "
+            "daemons are read over grpc only"
+        )
+    if reply.num_batches != first_reply.num_batches or [o.name for o in reply.outputs] != [
+        o.name for o in first_reply.outputs
+    ]:
+        raise SpecError(
+            f"the daemon at {target} serves {reply.num_batches} batches of outputs "
+            f"{[o.name for o in reply.outputs]}, the one at {first_target} "
+            f"{first_reply.num_batches} of {[o.name for o in first_reply.outputs]}: "
+            "every daemon must serve the same dataset file"
+        )
+    same = compare_digests(reply.dataset_digest, first_reply.dataset_digest)
+    if same is False:  # a copy of the file has the same digest on any host
+        raise SpecError(
+            f"the daemon at {target} serves another file under this name than the one at "
+            f"{first_target} (their contents differ: dataset digest "
+            f"{reply.dataset_digest[:15]} against {first_reply.dataset_digest[:15]}): "
+            "every daemon must serve the same dataset file"
+        )
+    if same is None and reply.dataset_digest and first_reply.dataset_digest:
+        log.warning(
+            "the daemons at %s and %s run beton-serve versions that name datasets "
+            "differently (dataset digests %s and %s): that they serve the same file is "
+            "checked by its batch count and outputs only; run one version on all",
+            target,
+            first_target,
+            reply.dataset_digest[:15],
+            first_reply.dataset_digest[:15],
+        )
+
+
 def open_remote(
     *,
     request: Any,
@@ -389,41 +431,11 @@ def open_remote(
             except BaseException:
                 ch.close()
                 raise
-            if reply.transport.kind != "grpc":
+            try:
+                _check_same_stream(t, reply, targets[0], first_reply)
+            except BaseException:
                 ch.close()
-                raise SpecError(
-                    f"the daemon at {t} chose the {reply.transport.kind} transport; several "
-                    "daemons are read over grpc only"
-                )
-            if reply.num_batches != first_reply.num_batches or [o.name for o in reply.outputs] != [
-                o.name for o in first_reply.outputs
-            ]:
-                ch.close()
-                raise SpecError(
-                    f"the daemon at {t} serves {reply.num_batches} batches of outputs "
-                    f"{[o.name for o in reply.outputs]}, the one at {targets[0]} "
-                    f"{first_reply.num_batches} of {[o.name for o in first_reply.outputs]}: "
-                    "every daemon must serve the same dataset file"
-                )
-            same = compare_digests(reply.dataset_digest, first_reply.dataset_digest)
-            if same is False:
-                ch.close()  # a copy of the file has the same digest on any host
-                raise SpecError(
-                    f"the daemon at {t} serves another file under this name than the one at "
-                    f"{targets[0]} (their contents differ: dataset digest "
-                    f"{reply.dataset_digest[:15]} against {first_reply.dataset_digest[:15]}): "
-                    "every daemon must serve the same dataset file"
-                )
-            if same is None and reply.dataset_digest and first_reply.dataset_digest:
-                log.warning(
-                    "the daemons at %s and %s run beton-serve versions that name datasets "
-                    "differently (dataset digests %s and %s): that they serve the same file is "
-                    "checked by its batch count and outputs only; run one version on all",
-                    t,
-                    targets[0],
-                    reply.dataset_digest[:15],
-                    first_reply.dataset_digest[:15],
-                )
+                raise
             daemons.append(_Daemon(t, ch, True, reply, pool))
         return RemoteStream(daemons, key, owner=owner)
     except BaseException:
