@@ -163,6 +163,7 @@ def start(groups: Sequence[str] = ("crop",)) -> None:
     """Start compiling what of ``groups`` (and the local ``area_resize``) is missing from the
     compile cache (see the module docstring); returns at once. Each group once per process and
     cache directory; never raises."""
+    global _local_open
     if os.environ.get(ENV, "1").strip() == "0":
         return
     try:
@@ -182,7 +183,6 @@ def start(groups: Sequence[str] = ("crop",)) -> None:
     except Exception as exc:  # the look-up must never stop a Loader
         log.debug("prewarm: look-up failed (%r); compiling as needed", exc)
         return
-    global _local_open
     if todo:
         _spawn(todo, store.root)
     if local:
