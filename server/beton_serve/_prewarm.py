@@ -2,26 +2,32 @@
 
 Numba compiles under one process-wide lock, so a process compiles its kernels one after the
 other, whatever its thread count. With an empty compile cache, a RandomResizedCrop pipeline's
-first batch waited for the area resize (``area_resize``, about 3.2 s here) and then for the crop
-sampler (``rrc_batch``, about 1.5 s), on one core of two.
+first batch waited for the area resize (``area_resize``, about 3.2 s here), the crop sampler
+(``rrc_batch``, about 1.5 s), the area upscale (``upscale_into``, about 1.4 s) and the ops after
+the decoder, on one core of two.
 
 When a crop decoder builds its batch loop, :func:`start` looks the module-level kernels up in the
-compile cache (their keys, for the argument types the decoders pass). For what is missing:
+compile cache (their keys, for the argument types the decoders pass), by name (:data:`GROUPS`).
+What is missing is split between two lanes:
 
-* a helper process (``python -m beton_serve._prewarm crop tj3``) compiles the crop samplers
-  (``rrc_batch``, ``center_crop_batch``) and the area upscale (``upscale_into``) into the same
-  cache, then, for a TurboJPEG decoder,
-  the batch kernel (``_tj3.batch_kernel``) once this process's ``area_resize`` is in the cache
-  (the kernel calls it: waiting for its entry saves compiling it twice);
-* a thread of this process (``beton-prewarm``) compiles ``area_resize``, then what
-  :func:`ahead` queued: the plan's ``compile_ahead`` ops, called on zeros
+* a helper process (``python -m beton_serve._prewarm rng resize center tj3``) compiles the
+  counter RNG's draws (which the sampler and the flip here then load) and the largest kernel,
+  ``area_resize``; then, at a lower priority (:func:`_background`), the sampler this pipeline
+  does not use (so that a validation Loader built next finds it) and, for a TurboJPEG decoder,
+  the batch kernel (``_tj3.batch_kernel``) once the kernels it calls are in the cache (waiting
+  for this process's ``upscale_into`` entry saves compiling it twice). The in-process Loader
+  starts this helper as soon as it sees a crop decoder in its pipelines (:func:`spawn_early`),
+  before it opens the file, so that the helper's own start (~0.9 s here) overlaps the Loader's;
+* a thread of this process (``beton-prewarm``) compiles ``upscale_into`` and the pipeline's own
+  sampler, then what :func:`ahead` queued: the plan's ``compile_ahead`` ops, called on zeros
   (``Plan._compile_ahead``), which would otherwise compile after the decoder, on the first
-  batch's path;
-* the decoders' ``_crops`` calls :func:`wait` for the helper before their first sampler call, so
-  that the sampler is loaded from the cache rather than compiled here a second time; the batch
-  kernel's background build waits for it too. So the cache holds the batch kernel even when
-  this process exits right after its first batch, and the next process runs it from its first
-  batch.
+  batch's path. (The split is measured: the two lanes end within about 0.5 s of each other;
+  RESULTS "Session 54".)
+* the decoders' ``_crops`` calls :func:`wait` for the helper's ``resize`` (and, if the helper
+  compiles it, their sampler) before the batch, so that the kernel is loaded from the cache
+  rather than compiled here a second time; the batch kernel's background build waits for
+  ``tj3`` too. So the cache holds the batch kernel even when this process exits right after
+  its first batch, and the next process runs it from its first batch.
 
 With a warm cache (or ``BETON_SERVE_PREWARM=0``) nothing starts: the look-up is a few ``stat``
 calls. The helper cannot change any pixel: it compiles the same functions for the same
@@ -37,7 +43,8 @@ waiting exits at once, and one that is compiling a group finishes that group int
 then exits, never starting another: a process that exits right after its first batch (a short
 script, a benchmark) would otherwise leave the cache without the TurboJPEG batch kernel, which
 the helper compiles last, and every later start would run its first batch without it and
-compile it again. At exit this process joins its own compile thread.
+compile it again. At exit this process joins its own compile thread (never the helper: a Loader
+that fails to open its file exits at once).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WAIT_TIMEOUT_S", "ahead", "join", "main", "start", "wait"]
+__all__ = ["WAIT_TIMEOUT_S", "ahead", "join", "main", "spawn_early", "start", "wait"]
 
 log = logging.getLogger("beton_serve.prewarm")
 
@@ -68,23 +75,35 @@ Calls = list[tuple[Any, tuple[Any, ...]]]
 
 
 # -- what is compiled: the decoders' argument types (one source for the look-up and the helper)
-def _crop_calls() -> Calls:
+_IDX = (np.zeros(1, np.uint64), np.full(1, 8, np.int64))  # batch indices; image heights/widths
+
+
+def _rng_calls() -> Calls:
+    """The counter RNG's draws, as the crop sampler and the flip call them (their compiled
+    callers load them from the cache when the helper got there first)."""
+    from beton_serve.pipeline import rng
+
+    key = np.uint64(0)
+    return [(rng.uniform_range, (key, key, np.int64(0), 0.0, 1.0))]
+
+
+def _rrc_calls() -> Calls:
     from beton_serve._kernels import crop
 
-    idx = np.zeros(1, np.uint64)  # the engine's batch indices
-    hw = np.full(1, 8, np.int64)  # _ImageColumns.heights / widths
+    idx, hw = _IDX
     scale, ratio = np.array([0.08, 1.0]), np.array([3.0 / 4.0, 4.0 / 3.0])
-    return [
-        (crop.rrc_batch, (np.uint64(0), idx, hw, hw, scale, ratio)),
-        (crop.center_crop_batch, (idx, hw, hw, 0.875)),
-        *_upscale_calls(),
-    ]
+    return [(crop.rrc_batch, (np.uint64(0), idx, hw, hw, scale, ratio))]
+
+
+def _center_calls() -> Calls:
+    from beton_serve._kernels import crop
+
+    idx, hw = _IDX
+    return [(crop.center_crop_batch, (idx, hw, hw, 0.875))]
 
 
 def _upscale_calls() -> Calls:
-    """The area upscale, as ``resize_crop`` calls it: the first batch's upscales need it, and
-    compiled here (about 1 s) it is no longer queued behind ``area_resize`` on this process's
-    compile lock."""
+    """The area upscale, as ``resize_crop`` calls it (the first batch's upscales need it)."""
     from beton_serve._kernels.upscale import rows_size, upscale_into
 
     flat = np.zeros(4 * 4 * 3, np.uint8)
@@ -108,13 +127,30 @@ def _tj3_calls() -> Calls:
     return [_tj3._kernel_and_args(_tj3.load()), *_tj3._after_kernel_calls()]
 
 
-#: Groups the helper process compiles, by name (its command line), in this order.
-GROUPS: dict[str, Callable[[], Calls]] = {"crop": _crop_calls, "tj3": _tj3_calls}
-#: Seconds the helper waits for this process's ``area_resize`` entry before the ``tj3`` group
-#: (then it compiles it too).
+#: What may be compiled ahead, by name: a helper process's groups (its command line, compiled in
+#: the order given) and this process's ``beton-prewarm`` thread take them from here.
+GROUPS: dict[str, Callable[[], Calls]] = {
+    "rng": _rng_calls,
+    "resize": _resize_calls,
+    "rrc": _rrc_calls,
+    "center": _center_calls,
+    "upscale": _upscale_calls,
+    "tj3": _tj3_calls,
+}
+#: What the ``tj3`` group's kernels call, compiled by another group (maybe in the other
+#: process): the helper waits up to :data:`AFTER_LOCAL_S` for their entries before ``tj3``.
+TJ3_CALLEES = ("resize", "upscale")
+#: Seconds the helper waits for the :data:`TJ3_CALLEES` entries before the ``tj3`` group (then
+#: it compiles them too).
 AFTER_LOCAL_S = 30.0
-#: What this process compiles meanwhile, on its ``beton-prewarm`` thread.
-LOCAL: Callable[[], Calls] = _resize_calls
+
+
+def lanes(sampler: str, tj3: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(helper groups, local groups)`` for a crop decoder whose sampler is ``sampler``
+    (``"rrc"`` or ``"center"``): the area resize and the other sampler on the helper, the
+    pipeline's sampler and the upscale here (module docstring)."""
+    other = "center" if sampler == "rrc" else "rrc"
+    return ("rng", "resize", other, *(("tj3",) if tj3 else ())), ("upscale", sampler)
 
 
 def _run(calls: Calls) -> None:
@@ -159,10 +195,14 @@ _queued: list[Callable[[], None]] = []
 _local_open = False
 
 
-def start(groups: Sequence[str] = ("crop",)) -> None:
-    """Start compiling what of ``groups`` (and the local ``area_resize``) is missing from the
-    compile cache (see the module docstring); returns at once. Each group once per process and
-    cache directory; never raises."""
+def start(
+    helper: Sequence[str] = ("resize", "center"),
+    local: Sequence[str] = ("rrc", "upscale"),
+) -> None:
+    """Start compiling what of the :data:`GROUPS` named is missing from the compile cache:
+    ``helper`` in a helper process, ``local`` on this process's ``beton-prewarm`` thread (see
+    the module docstring); returns at once. Each name once per process and cache directory,
+    whichever lane asked first; never raises."""
     global _local_open
     if os.environ.get(ENV, "1").strip() == "0":
         return
@@ -174,30 +214,38 @@ def start(groups: Sequence[str] = ("crop",)) -> None:
             return
         root = str(store.root)
         with _lock:
-            todo = [g for g in GROUPS if g in groups and (root, g) not in _started]
-            local_todo = (root, "") not in _started
+            todo = [g for g in dict.fromkeys(helper) if g in GROUPS and (root, g) not in _started]
             _started.update((root, g) for g in todo)
-            _started.add((root, ""))
+            mine = [g for g in dict.fromkeys(local) if g in GROUPS and (root, g) not in _started]
+            _started.update((root, g) for g in mine)
         todo = [g for g in todo if _group_missing(g, GROUPS[g], store)]
-        local = local_todo and _group_missing("local", LOCAL, store)
+        mine = [g for g in mine if _group_missing(g, GROUPS[g], store)]
     except Exception as exc:  # the look-up must never stop a Loader
         log.debug("prewarm: look-up failed (%r); compiling as needed", exc)
         return
     if todo:
         _spawn(todo, store.root)
-    if local:
-        t = threading.Thread(target=_compile_local, name="beton-prewarm", daemon=True)
+    if mine:
+        t = threading.Thread(target=_compile_local, args=(mine,), name="beton-prewarm", daemon=True)
         with _lock:
             _threads.append(t)
             _local_open = True
         t.start()
 
 
-def _compile_local() -> None:
-    try:
-        _run(LOCAL())
-    except Exception as exc:  # the decoder's own call then fails the same way, with its sample
-        log.warning("prewarm: compiling the resize kernel failed: %r", exc)
+def spawn_early(helper: Sequence[str]) -> None:
+    """Start only the helper process's part of :func:`start` (the in-process Loader calls this
+    before it opens its file; the decoder's own :func:`start` then adds this process's lane).
+    Nothing is left for this process to wait for at exit if the Loader then fails."""
+    start(helper, ())
+
+
+def _compile_local(names: Sequence[str]) -> None:
+    for name in names:
+        try:
+            _run(GROUPS[name]())
+        except Exception as exc:  # the decoder's own call then fails the same way, with its sample
+            log.warning("prewarm: compiling the %s kernels failed: %r", name, exc)
     _drain()
 
 
@@ -439,9 +487,33 @@ def _compile_group(name: str) -> bool:
     return not orphaned
 
 
+#: The groups a first batch waits for; the helper compiles the others at a lower priority.
+FOREGROUND = frozenset({"rng", "resize", "upscale"})
+#: The helper's ``nice`` increment for the groups not in :data:`FOREGROUND` (:func:`_background`).
+BACKGROUND_NICE = 10
+
+
+_niced = False
+
+
+def _background() -> None:
+    """Lower this helper's CPU priority, once: the groups outside :data:`FOREGROUND` (the other
+    sampler, the TurboJPEG batch kernel) are not on the first batch's path, and at the same
+    priority they took a core's share from the trainer's own compile and first batches."""
+    global _niced
+    if _niced:
+        return
+    _niced = True
+    try:
+        os.nice(BACKGROUND_NICE)
+    except OSError:  # not allowed: compile at the same priority
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m beton_serve._prewarm GROUP...``: compile the groups into the compile cache,
-    printing ``compiling GROUP`` before and ``done GROUP`` after each. Exit status 2 when the
+    printing ``compiling GROUP`` before and ``done GROUP`` after each; from the first group
+    outside :data:`FOREGROUND` on, at a lower CPU priority (``nice`` +:data:`BACKGROUND_NICE`). Exit status 2 when the
     cache cannot be used. Once its parent is gone it exits within ``ORPHAN_POLL_S``, or, if it
     is compiling a group then, as soon as that group is in the cache (a few seconds; at most
     ``ORPHAN_FINISH_S``; never another group)."""
@@ -472,8 +544,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # another helper compiling the same groups: wait for it, then load its entries
         fcntl.flock(fd, fcntl.LOCK_EX)
         for g in groups:
+            if g not in FOREGROUND:
+                _background()
             if g == "tj3":
-                _wait_for_entries(LOCAL(), store, AFTER_LOCAL_S)
+                callees = [c for name in TJ3_CALLEES for c in GROUPS[name]()]
+                _wait_for_entries(callees, store, AFTER_LOCAL_S)
             if not _compile_group(g):
                 return 0  # orphaned: the group it was compiling is in the cache
             _say(f"done {g}")

@@ -311,9 +311,8 @@ def test_ahead_queues_behind_the_local_compile_which_drains_it(
     assert _prewarm.ahead(boom)
     assert _prewarm.ahead(lambda: ran.append("after"))
     assert ran == []  # queued, not run by the caller
-    monkeypatch.setattr(_prewarm, "LOCAL", lambda: [])
     with caplog.at_level("DEBUG", logger="beton_serve.prewarm"):
-        t = threading.Thread(target=_prewarm._compile_local, name="beton-prewarm")
+        t = threading.Thread(target=_prewarm._compile_local, args=([],), name="beton-prewarm")
         t.start()
         t.join(30)
     assert ran == ["beton-prewarm", "after"]  # in order; a failure does not stop the rest
@@ -326,7 +325,7 @@ def test_ahead_runs_on_its_own_thread_while_only_the_helper_compiles(
     fresh: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ev = threading.Event()
-    monkeypatch.setitem(_prewarm._pending, "crop", ev)
+    monkeypatch.setitem(_prewarm._pending, "resize", ev)
     done = threading.Event()
     names: list[str] = []
 

@@ -1,7 +1,9 @@
 """The parallel cold compile (``beton_serve._prewarm``, issue 14 §2).
 
-On an empty compile cache a crop decoder starts a helper process that compiles the crop
-samplers into the cache while this process compiles the area resize. Checked here in fresh
+On an empty compile cache a crop decoder starts a helper process that compiles the area resize
+(and the counter RNG's draws, the other sampler, the TurboJPEG batch kernel) into the cache
+while this process compiles its own sampler, the upscale and the ops after the decoder; the
+in-process Loader starts the helper before it opens its file. Checked here in fresh
 processes (the test process has its kernels compiled already): the helper really writes the
 entries the decoders then load, the Loader's batches are the same bytes as without it, and
 every failure of the helper (non-zero exit, a hang, no helper at all) leaves the process
@@ -23,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from beton_serve import _prewarm
+from beton_serve.errors import FormatError
 from beton_serve.fields import IntField, RGBImageField
 from beton_serve.fields.decoders import (
     CenterCropRGBImageDecoder,
@@ -94,6 +97,8 @@ print(json.dumps({
     "rrc_hits": sum(crop.rrc_batch._cache_hits.values()),
     "rrc_misses": sum(crop.rrc_batch._cache_misses.values()),
     "center_hits": sum(crop.center_crop_batch._cache_hits.values()),
+    "resize_hits": sum(resize.area_resize._cache_hits.values()),
+    "resize_misses": sum(resize.area_resize._cache_misses.values()),
     "resize_compiled": len(resize.area_resize.overloads),
     "ahead": ahead,
 }))
@@ -123,16 +128,19 @@ def _reference(data: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def test_cold_cache_loader_takes_the_samplers_from_the_helper_and_matches(
+def test_cold_cache_loader_takes_the_resize_from_the_helper_and_matches(
     data: Path, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cc"
     stats = _run_loader(data, cache, tmp_path / "a.npz", "1")
     assert stats["joined"]
-    # the helper compiled the samplers into the cache; this process only loaded them
-    assert stats["rrc_hits"] == 1 and stats["rrc_misses"] == 0, stats
-    assert stats["center_hits"] == 1, stats
+    # the helper compiled the area resize into the cache; this process only loaded it
+    assert stats["resize_hits"] == 1 and stats["resize_misses"] == 0, stats
     assert stats["resize_compiled"] >= 1
+    # this process compiled its own sampler (no helper had it)...
+    assert stats["rrc_hits"] == 0 and stats["rrc_misses"] == 1, stats
+    # ...and the helper the other one, which the second Loader waited for and loaded
+    assert stats["center_hits"] == 1, stats
     # the first plan's flip and label decoder compiled while the crop kernels did (the
     # second Loader's may find nothing under way any more)
     assert stats["ahead"][0] is True, stats
@@ -148,6 +156,7 @@ def test_cold_cache_loader_takes_the_samplers_from_the_helper_and_matches(
     # a warm cache: nothing is started, everything is loaded, the same bytes again
     stats2 = _run_loader(data, cache, tmp_path / "b.npz", "1")
     assert stats2["rrc_hits"] == 1 and stats2["rrc_misses"] == 0
+    assert stats2["resize_misses"] == 0  # (called at all only without the batch kernel)
     assert stats2["ahead"] == [False, False]  # warm: nothing compiles ahead
     again = dict(np.load(tmp_path / "b.npz"))
     for k in ref:
@@ -163,14 +172,14 @@ def test_prewarm_off_compiles_everything_here(data: Path, tmp_path: Path) -> Non
 
 def test_two_helpers_at_once_both_finish(tmp_path: Path) -> None:
     cache = tmp_path / "cc"
-    cmd = [sys.executable, "-m", "beton_serve._prewarm", "crop"]
+    cmd = [sys.executable, "-m", "beton_serve._prewarm", "resize"]
     procs = [
         subprocess.Popen(cmd, env=_env(cache, "0"), stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
-    assert all("done crop" in o for o in outs), outs
+    assert all("done resize" in o for o in outs), outs
     assert list((cache / "kernels").glob("*.nbk"))
 
 
@@ -186,13 +195,71 @@ def test_unknown_group_and_unusable_cache_are_refused(tmp_path: Path) -> None:
     foreign = tmp_path / "file"
     foreign.write_text("not a directory")
     refused = subprocess.run(
-        [sys.executable, "-m", "beton_serve._prewarm", "crop"],
+        [sys.executable, "-m", "beton_serve._prewarm", "resize"],
         env=_env(foreign, "0"),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert refused.returncode == 2 and "cannot be used" in refused.stdout
+
+
+@pytest.mark.parametrize("sampler", ["rrc", "center"])
+@pytest.mark.parametrize("tj3", [True, False])
+def test_the_lanes_split_every_kernel_once(sampler: str, tj3: bool) -> None:
+    helper, local = _prewarm.lanes(sampler, tj3)
+    assert not set(helper) & set(local)
+    assert set(helper) | set(local) == set(_prewarm.GROUPS) - ({"tj3"} if not tj3 else set())
+    assert sampler in local and "resize" in helper  # the decoder loads "resize" only
+    # what a first batch waits for comes first, at full priority; the rest after it
+    fg = [g in _prewarm.FOREGROUND for g in helper]
+    assert fg == sorted(fg, reverse=True) and fg[0]
+
+
+def test_the_loader_starts_the_helper_before_opening_its_file(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from beton_serve.format import _reader
+
+    events: list[Any] = []
+    monkeypatch.setattr(_prewarm, "spawn_early", lambda helper: events.append(tuple(helper)))
+    opened = _reader.BetonReader.__init__
+
+    def open_(self: Any, *a: Any, **k: Any) -> None:
+        events.append("open")
+        opened(self, *a, **k)
+
+    monkeypatch.setattr(_reader.BetonReader, "__init__", open_)
+    rrc = RandomResizedCropRGBImageDecoder((24, 24))
+    pipes = {"image": [rrc, RandomHorizontalFlip()], "label": [IntDecoder()]}
+    with Loader(str(data), batch_size=4, num_workers=1, pipelines=pipes):
+        pass
+    helper, _ = rrc._prewarm_lanes()
+    assert events == [helper, "open"]
+
+    # no crop decoder, or no such file: nothing is started (a typo costs nothing at exit)
+    events.clear()
+    with Loader(str(data), batch_size=4, num_workers=1, pipelines={"label": [IntDecoder()]}):
+        pass
+    assert events == ["open"]
+    events.clear()
+    with pytest.raises(FormatError, match="No such file"):
+        Loader(str(tmp_path / "missing.beton"), batch_size=4, pipelines=pipes)
+    assert events == ["open"]
+
+
+def test_the_helper_lowers_its_priority_once_for_background_groups() -> None:
+    code = (
+        "import os\n"
+        "from beton_serve import _prewarm\n"
+        "before = os.nice(0)\n"
+        "_prewarm._background(); _prewarm._background()\n"
+        "print(os.nice(0) - before)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert int(out.stdout) == min(_prewarm.BACKGROUND_NICE, 19 - os.nice(0))
 
 
 @pytest.fixture
@@ -211,9 +278,9 @@ def test_a_failing_helper_releases_the_waiters_and_is_logged(
         _prewarm, "_command", lambda groups: [sys.executable, "-c", "print('boom'); exit(3)"]
     )
     with caplog.at_level(logging.WARNING, logger="beton_serve.prewarm"):
-        _prewarm._spawn(["crop"], tmp_path)
+        _prewarm._spawn(["resize"], tmp_path)
         t0 = time.monotonic()
-        _prewarm.wait("crop", timeout=30)
+        _prewarm.wait("resize", timeout=30)
         assert time.monotonic() - t0 < 20
         assert _prewarm.join(30)
         deadline = time.monotonic() + 10
@@ -228,15 +295,15 @@ def test_a_hung_helper_costs_at_most_the_wait_timeout(
     monkeypatch.setattr(
         _prewarm, "_command", lambda groups: [sys.executable, "-c", "import time; time.sleep(60)"]
     )
-    _prewarm._spawn(["crop"], tmp_path)
+    _prewarm._spawn(["resize"], tmp_path)
     with caplog.at_level(logging.WARNING, logger="beton_serve.prewarm"):
         t0 = time.monotonic()
-        _prewarm.wait("crop", timeout=0.5)
+        _prewarm.wait("resize", timeout=0.5)
         waited = time.monotonic() - t0
     assert 0.4 < waited < 10
     assert "did not finish" in caplog.text
     t0 = time.monotonic()
-    _prewarm.wait("crop", timeout=30)  # given up once: later callers do not wait again
+    _prewarm.wait("resize", timeout=30)  # given up once: later callers do not wait again
     assert time.monotonic() - t0 < 0.5
     _prewarm._at_exit()  # what the interpreter's exit does: a helper given up on is stopped
     assert _prewarm.join(10)
@@ -246,9 +313,9 @@ def test_no_interpreter_means_no_helper_and_no_wait(
     fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_prewarm, "_command", lambda groups: ["/nonexistent/python"])
-    _prewarm._spawn(["crop"], tmp_path)
+    _prewarm._spawn(["resize"], tmp_path)
     t0 = time.monotonic()
-    _prewarm.wait("crop", timeout=30)
+    _prewarm.wait("resize", timeout=30)
     assert time.monotonic() - t0 < 0.5
 
 
@@ -294,11 +361,11 @@ from beton_serve import _prewarm
 
 def watch(proc, events):  # the real watcher, telling the test when the helper compiles
     for raw in proc.stdout:
-        if raw.startswith(b"compiling crop"):
+        if raw.startswith(b"compiling resize"):
             print("COMPILING", flush=True)
 
 _prewarm._watch = watch
-_prewarm._spawn(["crop"], _prewarm.Path(sys.argv[1]))
+_prewarm._spawn(["resize"], _prewarm.Path(sys.argv[1]))
 print(_prewarm._procs[0].pid, flush=True)
 time.sleep(120)
 """
@@ -322,7 +389,7 @@ def test_a_helper_compiling_when_its_parent_dies_finishes_that_group_and_exits(
     code = (
         "from beton_serve import _prewarm\n"
         "from beton_serve.pipeline.compile_cache import default_store\n"
-        "print(_prewarm._missing(_prewarm._crop_calls(), default_store()))\n"
+        "print(_prewarm._missing(_prewarm._resize_calls(), default_store()))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

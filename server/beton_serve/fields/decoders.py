@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -568,13 +568,33 @@ class _CropDecoder(SimpleRGBImageDecoder):
     def _crops(self, batch_indices: np.ndarray, seed_key: Any) -> np.ndarray:
         raise NotImplementedError
 
+    #: This decoder's crop sampler, by its ``beton_serve._prewarm`` group name.
+    _sampler = "rrc"
+
+    def _prewarm_lanes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(helper, local)`` kernel groups to compile ahead on a cold compile cache
+        (``beton_serve._prewarm.lanes``)."""
+        from beton_serve import _prewarm
+        from beton_serve.jpeg import resolve_backend
+
+        tj3 = resolve_backend(self.jpeg_backend) == "tj3" and self.resize == "area"
+        return _prewarm.lanes(self._sampler, tj3)
+
+    def _wait_for_helper(self) -> None:
+        """Before a batch: wait for kernels a prewarm helper is compiling into the cache (the
+        area resize, maybe this sampler), so that they are loaded, not compiled a second time."""
+        from beton_serve import _prewarm
+
+        _prewarm.wait("resize")
+        _prewarm.wait(self._sampler)
+
     def _make_loop(self) -> Callable[..., Any]:
         from beton_serve import _prewarm
         from beton_serve.jpeg import resolve_backend
 
         tj3 = resolve_backend(self.jpeg_backend) == "tj3"
         # a cold compile cache: the crop kernels compile in parallel (and the batch kernel)
-        _prewarm.start(("crop", "tj3") if tj3 and self.resize == "area" else ("crop",))
+        _prewarm.start(*self._prewarm_lanes())
         if tj3:
             return self._make_tj3_loop()
         return self._make_simplejpeg_loop()
@@ -884,12 +904,36 @@ def _share_args(op: _CropDecoder, share_decode: object, share_min_side: object) 
     return bool(share_decode), int(share_min_side)
 
 
+def start_prewarm_early(pipelines: Mapping[str, Any]) -> None:
+    """Start the prewarm helper process of each crop decoder in ``pipelines`` (lists of ops),
+    before the in-process Loader opens its file: on a cold compile cache the helper's own start
+    (about 0.9 s here) then overlaps the Loader's construction (``beton_serve._prewarm``). The
+    decoder starts this process's lane itself when it builds its loop. Never raises: a
+    decoder that cannot be planned is left for the pipeline to report."""
+    from beton_serve import _prewarm
+
+    for ops in pipelines.values():
+        if not isinstance(ops, list | tuple):
+            continue
+        for op in ops:
+            if not isinstance(op, _CropDecoder):
+                continue
+            try:
+                helper, _ = op._prewarm_lanes()
+            except Exception:  # e.g. jpeg_backend="tj3" without the library: its own error
+                continue
+            if getattr(op, "share_decode", False):
+                helper = tuple(g for g in helper if g != "tj3")
+            _prewarm.spawn_early(helper)
+
+
 def _shared_loop(decoder: _CropDecoder) -> Callable[..., Any]:
     """``share_decode=True``: decodes shared with the decode group (issue 16)."""
     from beton_serve import _prewarm
     from beton_serve.fields._shared_decode import make_shared_loop
 
-    _prewarm.start()
+    helper, local = decoder._prewarm_lanes()
+    _prewarm.start([g for g in helper if g != "tj3"], local)
     return make_shared_loop(decoder)
 
 
@@ -941,10 +985,9 @@ class RandomResizedCropRGBImageDecoder(_CropDecoder):
         self.scale, self.ratio = crop_ranges("RandomResizedCropRGBImageDecoder", scale, ratio)
 
     def _crops(self, batch_indices: np.ndarray, seed_key: Any) -> np.ndarray:
-        from beton_serve import _prewarm
         from beton_serve._kernels.crop import rrc_batch
 
-        _prewarm.wait("crop")  # a helper may be compiling rrc_batch into the cache
+        self._wait_for_helper()
         cols = self._cols
         return rrc_batch(  # type: ignore[no-any-return]
             np.uint64(seed_key),
@@ -988,6 +1031,7 @@ class CenterCropRGBImageDecoder(_CropDecoder):
     """
 
     spec_name = "CenterCropRGBImageDecoder"
+    _sampler = "center"
 
     def __init__(
         self,
@@ -1015,10 +1059,9 @@ class CenterCropRGBImageDecoder(_CropDecoder):
             raise SpecError(f"CenterCropRGBImageDecoder: ratio must be in (0, 1], got {ratio}")
 
     def _crops(self, batch_indices: np.ndarray, seed_key: Any) -> np.ndarray:
-        from beton_serve import _prewarm
         from beton_serve._kernels.crop import center_crop_batch
 
-        _prewarm.wait("crop")
+        self._wait_for_helper()
         cols = self._cols
         return center_crop_batch(  # type: ignore[no-any-return]
             np.asarray(batch_indices),

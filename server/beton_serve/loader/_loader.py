@@ -603,6 +603,10 @@ class Loader(FrontEnd):
         if isinstance(fname, str | os.PathLike):
             from beton_serve.format import BetonReader
 
+            if pipelines and os.path.isfile(fname):
+                from beton_serve.fields.decoders import start_prewarm_early
+
+                start_prewarm_early(pipelines)  # a cold cache: the helper starts now
             reader = BetonReader(fname, custom_fields=dict(args.custom_fields) or None)
             owns = True
         else:
