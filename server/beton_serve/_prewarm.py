@@ -10,12 +10,12 @@ When a crop decoder builds its batch loop, :func:`start` looks the module-level 
 compile cache (their keys, for the argument types the decoders pass), by name (:data:`GROUPS`).
 What is missing is split between two lanes:
 
-* a helper process (``python -m beton_serve._prewarm rng resize center tj3``) compiles the
+* a helper process (``python -m beton_serve._prewarm rng resize tj3 center``) compiles the
   counter RNG's draws (which the sampler and the flip here then load) and the largest kernel,
-  ``area_resize``; then, at a lower priority (:func:`_background`), the sampler this pipeline
-  does not use (so that a validation Loader built next finds it) and, for a TurboJPEG decoder,
-  the batch kernel (``_tj3.batch_kernel``) once the kernels it calls are in the cache (waiting
-  for this process's ``upscale_into`` entry saves compiling it twice). The in-process Loader
+  ``area_resize``; then, at a lower priority (:func:`_background`), for a TurboJPEG decoder the
+  batch kernel (``_tj3.batch_kernel``) once the kernels it calls are in the cache (waiting for
+  this process's ``upscale_into`` entry saves compiling it twice), and the sampler this
+  pipeline does not use (so that a validation Loader built next finds it). The in-process Loader
   starts this helper as soon as it sees a crop decoder in its pipelines (:func:`spawn_early`),
   before it opens the file, so that the helper's own start (~0.9 s here) overlaps the Loader's;
 * a thread of this process (``beton-prewarm``) compiles ``upscale_into`` and the pipeline's own
@@ -150,7 +150,9 @@ def lanes(sampler: str, tj3: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     (``"rrc"`` or ``"center"``): the area resize and the other sampler on the helper, the
     pipeline's sampler and the upscale here (module docstring)."""
     other = "center" if sampler == "rrc" else "rrc"
-    return ("rng", "resize", other, *(("tj3",) if tj3 else ())), ("upscale", sampler)
+    # the batch kernel before the other sampler: a trainer that exits right after its first
+    # batch leaves the helper finishing the group it is compiling, and no other (main)
+    return ("rng", "resize", *(("tj3",) if tj3 else ()), other), ("upscale", sampler)
 
 
 def _run(calls: Calls) -> None:
@@ -526,10 +528,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     threading.Thread(
         target=_exit_when_orphaned, args=(ppid,), name="prewarm-orphan", daemon=True
     ).start()
+    groups = list(sys.argv[1:] if argv is None else argv)
+    if not FOREGROUND.intersection(groups):
+        _background()  # nothing a first batch waits for: even the imports yield to the trainer
 
     from beton_serve.pipeline.compile_cache import default_store
 
-    groups = list(sys.argv[1:] if argv is None else argv)
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
         _say(f"unknown group(s) {unknown}; known: {sorted(GROUPS)}")

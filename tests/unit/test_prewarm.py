@@ -262,6 +262,27 @@ def test_the_helper_lowers_its_priority_once_for_background_groups() -> None:
     assert int(out.stdout) == min(_prewarm.BACKGROUND_NICE, 19 - os.nice(0))
 
 
+def test_a_helper_with_only_background_groups_yields_from_its_start(tmp_path: Path) -> None:
+    # "tj3" first waits (up to 30 s) for the resize and upscale entries an empty cache lacks
+    helper = subprocess.Popen(
+        [sys.executable, "-m", "beton_serve._prewarm", "tj3"],
+        env=_env(tmp_path / "cc", "0"),
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        want = min(os.nice(0) + _prewarm.BACKGROUND_NICE, 19)
+        deadline = time.monotonic() + 30
+        nice = None
+        while time.monotonic() < deadline and nice != want:
+            with open(f"/proc/{helper.pid}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])
+            time.sleep(0.02)
+        assert nice == want
+    finally:
+        helper.kill()
+        helper.wait(10)
+
+
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setenv("BETON_SERVE_CACHE_DIR", str(tmp_path / "cc"))
