@@ -10,12 +10,11 @@ When a crop decoder builds its batch loop, :func:`start` looks the module-level 
 compile cache (their keys, for the argument types the decoders pass), by name (:data:`GROUPS`).
 What is missing is split between two lanes:
 
-* a helper process (``python -m beton_serve._prewarm rng resize tj3 center``) compiles the
-  counter RNG's draws (which the sampler and the flip here then load) and the largest kernel,
+* a helper process (``python -m beton_serve._prewarm rng resize tj3``) compiles the counter
+  RNG's draws (which the sampler and the flip here then load) and the largest kernel,
   ``area_resize``; then, at a lower priority (:func:`_background`), for a TurboJPEG decoder the
   batch kernel (``_tj3.batch_kernel``) once the kernels it calls are in the cache (waiting for
-  this process's ``upscale_into`` entry saves compiling it twice), and the sampler this
-  pipeline does not use (so that a validation Loader built next finds it). The in-process Loader
+  this process's ``upscale_into`` entry saves compiling it twice). The in-process Loader
   starts this helper as soon as it sees a crop decoder in its pipelines (:func:`spawn_early`),
   before it opens the file, so that the helper's own start (~0.9 s here) overlaps the Loader's;
 * a thread of this process (``beton-prewarm``) compiles ``upscale_into`` and the pipeline's own
@@ -147,12 +146,12 @@ AFTER_LOCAL_S = 30.0
 
 def lanes(sampler: str, tj3: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(helper groups, local groups)`` for a crop decoder whose sampler is ``sampler``
-    (``"rrc"`` or ``"center"``): the area resize and the other sampler on the helper, the
-    pipeline's sampler and the upscale here (module docstring)."""
-    other = "center" if sampler == "rrc" else "rrc"
-    # the batch kernel before the other sampler: a trainer that exits right after its first
-    # batch leaves the helper finishing the group it is compiling, and no other (main)
-    return ("rng", "resize", *(("tj3",) if tj3 else ()), other), ("upscale", sampler)
+    (``"rrc"`` or ``"center"``): the RNG's draws, the area resize and the TurboJPEG batch kernel
+    on the helper, the upscale and the pipeline's sampler here (module docstring). The other
+    sampler is left to its own first use (0.35 s for CenterCrop, 1.3 s for RandomResizedCrop
+    here): compiled ahead, it was still missing whenever a trainer exited soon after its first
+    batch, and every later short process started a helper for it again."""
+    return ("rng", "resize", *(("tj3",) if tj3 else ())), ("upscale", sampler)
 
 
 def _run(calls: Calls) -> None:
@@ -198,7 +197,7 @@ _local_open = False
 
 
 def start(
-    helper: Sequence[str] = ("resize", "center"),
+    helper: Sequence[str] = ("rng", "resize"),
     local: Sequence[str] = ("rrc", "upscale"),
 ) -> None:
     """Start compiling what of the :data:`GROUPS` named is missing from the compile cache:
@@ -499,9 +498,9 @@ _niced = False
 
 
 def _background() -> None:
-    """Lower this helper's CPU priority, once: the groups outside :data:`FOREGROUND` (the other
-    sampler, the TurboJPEG batch kernel) are not on the first batch's path, and at the same
-    priority they took a core's share from the trainer's own compile and first batches."""
+    """Lower this helper's CPU priority, once: the groups outside :data:`FOREGROUND` (the
+    TurboJPEG batch kernel) are not on the first batch's path, and at the same priority they
+    took a core's share from the trainer's own compile and first batches."""
     global _niced
     if _niced:
         return
