@@ -581,21 +581,19 @@ class _CropDecoder(SimpleRGBImageDecoder):
         return _prewarm.lanes(self._sampler, tj3)
 
     def _wait_for_helper(self) -> None:
-        """Before a batch: wait for kernels a prewarm helper is compiling into the cache (the
-        area resize, maybe this sampler), so that they are loaded, not compiled a second time."""
+        """Before a batch: wait for the area resize a prewarm helper may be compiling into the
+        cache, so that it is loaded, not compiled here a second time."""
         from beton_serve import _prewarm
 
         _prewarm.wait("resize")
-        _prewarm.wait(self._sampler)
 
     def _make_loop(self) -> Callable[..., Any]:
         from beton_serve import _prewarm
         from beton_serve.jpeg import resolve_backend
 
-        tj3 = resolve_backend(self.jpeg_backend) == "tj3"
         # a cold compile cache: the crop kernels compile in parallel (and the batch kernel)
         _prewarm.start(*self._prewarm_lanes())
-        if tj3:
+        if resolve_backend(self.jpeg_backend) == "tj3":
             return self._make_tj3_loop()
         return self._make_simplejpeg_loop()
 
