@@ -2,6 +2,7 @@
 
     python benchmarks/bench_startup.py [--n 2000] [--repeats 3] [--batch 256] [--json]
                                        [--ffcv-python ../peers/ffcv-venv/bin/python] [--smoke]
+                                       [--baseline-src DIR]
 
 Pipeline: RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip, ToTensor,
 ToTorchImage + IntDecoder, ToTensor; order RANDOM, ``num_workers=2``; the ImageNetLike dataset of
@@ -24,6 +25,12 @@ Each figure is one new Python process, timed from ``Popen`` until it holds its f
 
 ``after torch`` subtracts the child's ``import torch``: a trainer has imported torch before it
 builds a Loader, whichever loader it uses. The median of ``--repeats`` runs is reported.
+``--baseline-src DIR`` adds ``inproc-baseline``: the in-process cold start of another checkout
+of this project (``git worktree add DIR <commit>``; its ``proto/``, ``server/`` and ``client/``
+first on ``PYTHONPATH``, its bytecode compiled as ours is, an empty cache directory per run),
+run right after ``inproc-cold`` in the same way, so that "at most 0.5x today's" (issue 14 §2)
+is a ratio in one run, not against a figure from another day; ``cold ÷ baseline`` is printed
+below the table.
 ``--smoke`` runs one repeat of each at batch 32 (a quick check that the script works; not a
 measurement).
 
@@ -246,6 +253,25 @@ def compile_bytecode() -> list[str]:
     return done
 
 
+def _baseline(src: Path, path: Path, args: argparse.Namespace, env: dict, work: Path) -> dict:
+    """``inproc-cold`` for the checkout at ``src`` (see the module docstring)."""
+    import compileall
+
+    src = src.resolve()
+    folders = [src / "proto", src / "server", src / "client"]
+    for folder in folders:
+        if folder.is_dir():
+            compileall.compile_dir(str(folder), quiet=1)
+    pythonpath = os.pathsep.join(str(f) for f in folders if f.is_dir())
+    runs = []
+    for i in range(args.repeats):
+        run_env = dict(env, PYTHONPATH=pythonpath, BETON_SERVE_CACHE_DIR=str(work / f"base-{i}"))
+        runs.append(_child(sys.executable, "inproc", path, args.batch, "", run_env))
+    out = _summary(runs)
+    out["src"] = str(src)
+    return out
+
+
 def _summary(runs: list[dict]) -> dict:
     keys = ("wall", "torch", "imports", "loader", "first")
     med = {k: round(statistics.median(r[k] for r in runs), 3) for k in keys}
@@ -263,6 +289,11 @@ def main() -> int:
         "--ffcv-python", default=str(ROOT.parent / "peers" / "ffcv-venv" / "bin" / "python")
     )
     ap.add_argument("--skip-ffcv", action="store_true")
+    ap.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="another checkout of this project: its in-process cold start, side by side",
+    )
     ap.add_argument("--smoke", action="store_true", help="one repeat, batch 32: checks the script")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument(
@@ -271,6 +302,8 @@ def main() -> int:
         help="do not compile our packages' bytecode first (time the editable checkout as is)",
     )
     args = ap.parse_args()
+    if args.baseline_src is not None and not (args.baseline_src / "server/beton_serve").is_dir():
+        ap.error(f"--baseline-src {args.baseline_src}: no server/beton_serve there")
     if args.smoke:
         args.repeats, args.batch = 1, 32
     from bench_loader import build
@@ -295,6 +328,8 @@ def main() -> int:
             env = dict(base_env, BETON_SERVE_CACHE_DIR=str(work / f"cold-{i}"))
             cold.append(_child(sys.executable, "inproc", path, args.batch, "", env))
         results["inproc-cold"] = _summary(cold)
+        if args.baseline_src is not None:
+            results["inproc-baseline"] = _baseline(args.baseline_src, path, args, base_env, work)
         env = dict(base_env, BETON_SERVE_CACHE_DIR=str(work / "cold-0"))
         results["inproc-warm"] = _summary(
             [
@@ -362,6 +397,11 @@ def main() -> int:
         print(
             f"{name:<22}{r['wall']:>9.2f}{r['after_torch']:>13.2f}{r['torch']:>7.2f}"
             f"{r['imports']:>9.2f}{r['loader']:>10.2f}{r['first']:>11.2f}{x:>8}"
+        )
+    if "inproc-baseline" in results:
+        base = results["inproc-baseline"]
+        print(
+            f"cold ÷ baseline ({base['src']}): {results['inproc-cold']['wall'] / base['wall']:.3f}"
         )
     if resume:
         print(
