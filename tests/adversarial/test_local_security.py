@@ -73,10 +73,23 @@ def _serve(args: list[str], env: dict[str, str] | None = None) -> tuple[int, str
 
 
 def _kill_spawned(sock: str) -> None:
-    """Stop any daemon a (buggy) spawn started on ``sock``: it is not our child."""
-    for pid in daemons_serving(sock):
+    """Stop any daemon a (buggy) spawn started on ``sock``: it is not our child. Its segments
+    are then swept as the next daemon's start would sweep them: a SIGKILL leaves them, and the
+    resource guard saw them as leaked whenever the orphan was reaped before its check. The
+    sweep is retried until they are gone: the killed daemon's threads may still hold its live
+    marker's lock for a moment after its main thread shows as a zombie."""
+    pids = daemons_serving(sock)
+    for pid in pids:
         os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not daemons_serving(sock), 10.0)
+
+    def swept() -> bool:
+        sweep_stale_segments()
+        left = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+        return not any(n.startswith(f"beton-{pid}-") for pid in pids for n in left)
+
+    if pids:
+        wait_for(swept, 10.0)
 
 
 _PLANTED = """
