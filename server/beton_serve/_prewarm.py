@@ -23,9 +23,10 @@ What is missing is split between two lanes:
   batch's path. (The split is measured: the two lanes end within about 0.5 s of each other;
   RESULTS "Session 54".)
 * the decoders' ``_crops`` calls :func:`wait` for the helper's ``resize`` before the batch, so
-  that the kernel is loaded from the cache rather than compiled here a second time; the batch kernel's background build waits for
-  ``tj3`` too. So the cache holds the batch kernel even when this process exits right after
-  its first batch, and the next process runs it from its first batch.
+  that the kernel is loaded from the cache rather than compiled here a second time; the batch
+  kernel's background build waits for ``tj3`` too. So the cache holds the batch kernel even
+  when this process exits right after its first batch, and the next process runs it from its
+  first batch.
 
 With a warm cache (or ``BETON_SERVE_PREWARM=0``) nothing starts: the look-up is a few ``stat``
 calls. The helper cannot change any pixel: it compiles the same functions for the same
@@ -514,9 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m beton_serve._prewarm GROUP...``: compile the groups into the compile cache,
     printing ``compiling GROUP`` before and ``done GROUP`` after each; from the first group
     outside :data:`FOREGROUND` on, at a lower CPU priority (``nice`` +:data:`BACKGROUND_NICE`).
-    Exit status 2 when the cache cannot be used. Once its parent is gone it exits within ``ORPHAN_POLL_S``, or, if it
-    is compiling a group then, as soon as that group is in the cache (a few seconds; at most
-    ``ORPHAN_FINISH_S``; never another group)."""
+    Exit status 2 when the cache cannot be used. Once its parent is gone it exits within
+    ``ORPHAN_POLL_S``, or, if it is compiling a group then, as soon as that group is in the cache
+    (a few seconds; at most ``ORPHAN_FINISH_S``; never another group)."""
     import fcntl
 
     parent = os.environ.get(_PARENT_ENV, "")

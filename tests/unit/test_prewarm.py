@@ -218,6 +218,24 @@ def test_the_lanes_split_every_kernel_once(sampler: str, tj3: bool) -> None:
     assert fg == sorted(fg, reverse=True) and fg[0]
 
 
+@pytest.mark.parametrize("cls", [RandomResizedCropRGBImageDecoder, CenterCropRGBImageDecoder])
+def test_a_shared_decode_never_asks_for_the_batch_kernel(cls: Any) -> None:
+    """The TurboJPEG batch kernel runs only in a decoder's own loop: with ``share_decode`` the
+    group decodes, and neither the early helper nor the decoder's own start may compile it."""
+    from beton_serve.jpeg import resolve_backend
+
+    if resolve_backend("auto") != "tj3":
+        pytest.skip("no TurboJPEG 3 here")
+    args = ((24, 24),) if cls is RandomResizedCropRGBImageDecoder else ((24, 24), 0.875)
+    own = cls(*args, jpeg_backend="tj3")
+    shared = cls(*args, jpeg_backend="tj3", share_decode=True)
+    assert "tj3" in own._prewarm_lanes()[0]
+    assert shared._prewarm_lanes() == (
+        tuple(g for g in own._prewarm_lanes()[0] if g != "tj3"),
+        own._prewarm_lanes()[1],
+    )
+
+
 def test_the_loader_starts_the_helper_before_opening_its_file(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

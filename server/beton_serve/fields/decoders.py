@@ -573,11 +573,16 @@ class _CropDecoder(SimpleRGBImageDecoder):
 
     def _prewarm_lanes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``(helper, local)`` kernel groups to compile ahead on a cold compile cache
-        (``beton_serve._prewarm.lanes``)."""
+        (``beton_serve._prewarm.lanes``). The TurboJPEG batch kernel only where this decoder's
+        own loop runs it: not with ``share_decode``, whose group decodes each sample."""
         from beton_serve import _prewarm
         from beton_serve.jpeg import resolve_backend
 
-        tj3 = resolve_backend(self.jpeg_backend) == "tj3" and self.resize == "area"
+        tj3 = (
+            resolve_backend(self.jpeg_backend) == "tj3"
+            and self.resize == "area"
+            and not getattr(self, "share_decode", False)
+        )
         return _prewarm.lanes(self._sampler, tj3)
 
     def _wait_for_helper(self) -> None:
@@ -920,8 +925,6 @@ def start_prewarm_early(pipelines: Mapping[str, Any]) -> None:
                 helper, _ = op._prewarm_lanes()
             except Exception:  # e.g. jpeg_backend="tj3" without the library: its own error
                 continue
-            if getattr(op, "share_decode", False):
-                helper = tuple(g for g in helper if g != "tj3")
             _prewarm.spawn_early(helper)
 
 
@@ -930,8 +933,7 @@ def _shared_loop(decoder: _CropDecoder) -> Callable[..., Any]:
     from beton_serve import _prewarm
     from beton_serve.fields._shared_decode import make_shared_loop
 
-    helper, local = decoder._prewarm_lanes()
-    _prewarm.start([g for g in helper if g != "tj3"], local)
+    _prewarm.start(*decoder._prewarm_lanes())
     return make_shared_loop(decoder)
 
 
