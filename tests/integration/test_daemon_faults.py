@@ -24,6 +24,7 @@ from beton_client import (
 )
 from beton_serve.fields.decoders import IntDecoder
 from beton_serve.transforms import ToTensor
+from beton_serve.transport.shm import sweep_stale_segments
 from beton_wire.v1 import beton_pb2 as pb
 from beton_wire.v1 import beton_pb2_grpc as pb_grpc
 from helpers.daemon import (  # noqa: F401
@@ -33,7 +34,9 @@ from helpers.daemon import (  # noqa: F401
     daemon_factory,
     short_tmp,
     start_daemon,
+    wait_for,
 )
+from helpers.shm_markers import MarkerHolder, dead_pid
 
 pytestmark = pytest.mark.slow
 
@@ -179,6 +182,29 @@ def test_daemon_after_a_sigkilled_one_sweeps_its_segments(
     assert not any((SHM / s).exists() for s in stale)
     with Loader("mixed_fields", batch_size=4, pipelines=INT_ONLY, server=d2.address) as ld2:
         assert sum(1 for _ in ld2) == 12
+
+
+def test_a_daemon_sweeps_again_a_group_still_locked_at_its_start(
+    daemon_factory, fixtures_dir: Path
+) -> None:
+    """A daemon started right after ``kill -9`` of its predecessor can find that daemon's live
+    marker still locked (its main thread a zombie, its other threads still exiting) and left
+    its segments until the next start. It now sweeps again shortly after its start: here the
+    lock is held by a stand-in, released once the new daemon serves."""
+    holder = MarkerHolder(SHM, dead_pid())
+    try:
+        d = daemon_factory([fixtures_dir / "mixed_fields.beton"])
+        assert holder.ring.exists()  # locked at the daemon's start: left
+        holder.release()
+        wait_for(lambda: not holder.ring.exists(), 30.0)
+        assert not any(n.startswith(holder.prefix) for n in os.listdir(SHM))
+        # The daemon swept it (no other daemon starts during this test), and still serves.
+        wait_for(lambda: holder.ring.name in d.log(), 5.0)
+        with Loader("mixed_fields", batch_size=4, pipelines=INT_ONLY, server=d.address) as ld:
+            assert sum(1 for _ in ld) == 12
+    finally:
+        holder.release()
+        sweep_stale_segments()
 
 
 class _FakeOp:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import re
@@ -17,7 +18,9 @@ import numpy as np
 import pytest
 from beton_serve.errors import TransportError
 from beton_serve.transport import ShmFactory, ShmNamer, ShmRing, sweep_stale_segments
+from beton_serve.transport.shm import StaleSweeper
 from beton_wire.slots import ALIGN, slot_layout
+from helpers.shm_markers import MarkerHolder, dead_pid
 
 SHM = Path("/dev/shm")
 
@@ -100,26 +103,6 @@ def test_sweep_removes_only_dead_pids(tmp_path: Path) -> None:
     assert not stale.exists() and live.exists() and other.exists()
 
 
-def _dead_pid() -> int:
-    done = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(done.stdout)
-
-
-_HOLD_MARKER = """
-import sys
-from pathlib import Path
-from beton_serve.transport.shm import ShmNamer
-namer = ShmNamer(int(sys.argv[2]), shm_dir=Path(sys.argv[1]), mark_live=True)
-print(namer.prefix, flush=True)
-sys.stdin.read()  # until the test closes stdin; then exit without namer.close(), as kill -9
-"""
-
-
 def test_names_are_unpredictable_so_no_one_can_take_them_first(tmp_path: Path) -> None:
     """Another user could create the names a daemon uses next; the daemon's O_EXCL would then
     refuse every ring (and the notice socket). Each namer draws a random instance."""
@@ -147,30 +130,18 @@ def test_sweep_goes_by_the_marker_not_the_pid(tmp_path: Path) -> None:
     Once nobody holds a marker (its daemon was killed), its group goes, whatever the pid,
     this process's own too (a daemon restarted as PID 1 in a container meets its
     predecessor's names)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    for pid in (_dead_pid(), os.getpid()):
-        holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLD_MARKER, str(tmp_path), str(pid)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+    for pid in (dead_pid(), os.getpid()):
+        holder = MarkerHolder(tmp_path, pid)
+        prefix, ring = holder.prefix, holder.ring
         try:
-            assert holder.stdout is not None
-            prefix = holder.stdout.readline().strip()
-            assert prefix.startswith(f"beton-{pid}-")
-            ring, sock = tmp_path / f"{prefix}ring-0", tmp_path / f"{prefix}notice-1"
-            ring.write_bytes(b"x")
+            sock = tmp_path / f"{prefix}notice-1"
             s = socket.socket(socket.AF_UNIX)
             s.bind(str(sock))
             s.close()
             assert sweep_stale_segments(tmp_path) == []  # its daemon lives
             assert ring.exists() and sock.exists()
         finally:
-            assert holder.stdin is not None
-            holder.stdin.close()
-            assert holder.wait(30) == 0
+            holder.release()
         removed = sweep_stale_segments(tmp_path)
         assert sorted(removed) == sorted([ring.name, sock.name, f"{prefix}live"])
         assert removed[-1] == f"{prefix}live"  # the marker last
@@ -180,7 +151,7 @@ def test_sweep_goes_by_the_marker_not_the_pid(tmp_path: Path) -> None:
 def test_sweep_of_unmarked_names_goes_by_the_pid(tmp_path: Path) -> None:
     """Names without a marker (an unmarked namer, a release before markers) are stale when
     no process of their pid runs here."""
-    dead, me = _dead_pid(), os.getpid()
+    dead, me = dead_pid(), os.getpid()
     files = {
         "dead_new": tmp_path / f"beton-{dead}-{'a' * 16}-ring-0",
         "dead_old": tmp_path / f"beton-{dead}-ring-0",
@@ -365,3 +336,85 @@ def test_a_batch_message_with_an_unknown_dtype_is_a_transport_error(code: int) -
     assert _Stream._from_message(message(13)).tensors[0].dtype == "complex64"
     with pytest.raises(TransportError, match=f"wire dtype {code}, which this client"):
         _Stream._from_message(message(code))
+
+
+def test_sweep_names_a_held_group_whose_pid_is_gone(tmp_path: Path) -> None:
+    """A group whose marker is locked while no process of its pid runs (a daemon killed a
+    moment ago, its last threads still exiting) is left, and named in ``departed``; a held
+    group of a live pid (this process's, or pid 1) is left and not named."""
+    holders = [MarkerHolder(tmp_path, pid) for pid in (dead_pid(), os.getpid(), 1)]
+    try:
+        departed: list[str] = []
+        assert sweep_stale_segments(tmp_path, departed=departed) == []
+        assert departed == [holders[0].prefix]
+        assert all(h.ring.exists() for h in holders)
+    finally:
+        for h in holders:
+            h.release()
+    departed = []
+    assert len(sweep_stale_segments(tmp_path, departed=departed)) == 6
+    assert departed == [] and os.listdir(tmp_path) == []
+
+
+def _run_loop_until(loop: Any, done: Any, timeout: float) -> None:
+    async def wait() -> None:
+        deadline = loop.time() + timeout
+        while not done() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
+    loop.run_until_complete(wait())
+
+
+def test_the_sweeper_sweeps_a_killed_daemons_group_once_its_lock_is_free(tmp_path: Path) -> None:
+    """A daemon started right after ``kill -9`` of its predecessor found that daemon's marker
+    still locked and left its segments until the next start. The sweeper sweeps again after
+    its start, and stops once a sweep leaves no such group."""
+    holder = MarkerHolder(tmp_path, dead_pid())
+    loop = asyncio.new_event_loop()
+    sweeper = StaleSweeper(tmp_path, delays=(0.2, 0.4, 0.6))
+    sweeps = []
+    real = sweeper.sweep
+    sweeper.sweep = lambda: sweeps.append(loop.time()) or real()  # type: ignore[method-assign]
+    try:
+        assert sweeper.sweep() == [] and sweeper.pending == [holder.prefix]
+        sweeper.start(loop)
+        _run_loop_until(loop, lambda: len(sweeps) >= 2, 5.0)
+        assert len(sweeps) == 2 and holder.ring.exists()  # still held at the first re-sweep
+        holder.release()
+        _run_loop_until(loop, lambda: not holder.ring.exists(), 5.0)
+        assert os.listdir(tmp_path) == [] and sweeper.pending == []
+        _run_loop_until(loop, lambda: False, 0.8)  # nothing left to sweep for: no more sweeps
+        assert len(sweeps) == 3
+    finally:
+        sweeper.close()
+        holder.release()
+        loop.close()
+
+
+def test_the_sweeper_gives_up_after_its_delays_and_close_cancels(tmp_path: Path) -> None:
+    """A group held for good (a live daemon in another PID namespace) is looked at once per
+    delay, then left; ``close`` cancels a sweep still due."""
+    holder = MarkerHolder(tmp_path, dead_pid())
+    loop = asyncio.new_event_loop()
+    try:
+        sweeper = StaleSweeper(tmp_path, delays=(0.05, 0.1))
+        count = [0]
+        real = sweeper.sweep
+        sweeper.sweep = lambda: count.__setitem__(0, count[0] + 1) or real()  # type: ignore[method-assign]
+        sweeper.sweep()
+        sweeper.start(loop)
+        _run_loop_until(loop, lambda: False, 0.6)
+        assert count[0] == 3 and holder.ring.exists()  # the start's sweep and one per delay
+        closed = StaleSweeper(tmp_path, delays=(0.05,))
+        closed.sweep()
+        closed.start(loop)
+        closed.close()
+        closed.close()
+        closed.start(loop)  # a closed sweeper schedules nothing
+        before = os.listdir(tmp_path)
+        holder.release()
+        _run_loop_until(loop, lambda: False, 0.3)
+        assert sorted(os.listdir(tmp_path)) == sorted(before)  # no sweep ran after close
+    finally:
+        holder.release()
+        loop.close()

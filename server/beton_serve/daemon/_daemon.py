@@ -81,7 +81,7 @@ from beton_serve.transport.negotiate import (
     Negotiation,
     negotiate,
 )
-from beton_serve.transport.shm import SHM_DIR, ShmFactory, daemon_namer, sweep_stale_segments
+from beton_serve.transport.shm import SHM_DIR, ShmFactory, StaleSweeper, daemon_namer
 
 if TYPE_CHECKING:
     from beton_serve.engine.shared_source import Produced
@@ -177,6 +177,9 @@ class Daemon:
     notices: NoticeHub | None = None
     #: Zero-copy sharing arenas (``transport.arena``) not yet unlinked.
     arenas: ArenaBook = field(default_factory=ArenaBook)
+    #: Sweeps stale segments at creation, and again shortly after :meth:`start` while a killed
+    #: daemon's group is still locked (``transport.shm.StaleSweeper``); ``None``: no sweep.
+    sweeper: StaleSweeper | None = None
     _monitor: asyncio.Task[None] | None = None
     #: Resolved by :meth:`drain`: an ``open_stream`` waiting (for a compile, a file) ends at
     #: once (futures, not an Event: one bound to no event loop).
@@ -222,8 +225,9 @@ class Daemon:
                 sidecar is missing, stale or damaged.
             ConfigError: bad dataset arguments or shards with different schemas.
         """
-        if sweep:
-            sweep_stale_segments()
+        sweeper = StaleSweeper() if sweep else None
+        if sweeper is not None:
+            sweeper.sweep()
         backend = backend or EngineBackend()
         table = DatasetTable(datasets, backend)
         try:
@@ -245,6 +249,9 @@ class Daemon:
         fac: dict[str, TransportFactory] = {**default_factories(), **(factories or {})}
         if "shm" not in fac:
             fac["shm"] = ShmFactory(daemon_namer())
+        shm = fac["shm"]
+        if sweeper is not None and isinstance(shm, ShmFactory):
+            sweeper.keep = shm.namer.prefix
         plans = PlanRegistry(backend, OpImportPolicy(allow_any_peer=allow_op_imports))
         files = FilePolicy.build(
             enabled=open_on_demand, data_roots=data_roots, idle_close_s=idle_close_s
@@ -272,16 +279,20 @@ class Daemon:
             max_ring_bytes=ring_budget(max_ring_bytes),
             cuda_pending=cuda_pending,
             streams=streams,
+            sweeper=sweeper,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the liveness monitor (call on the event-loop thread)."""
+        """Start the liveness monitor, the notice channel and the sweeps still due (call on
+        the event-loop thread)."""
         loop = asyncio.get_running_loop()
         if self._monitor is None:
             self._monitor = loop.create_task(
                 self.streams.watch(self.liveness_interval, self.close_idle)
             )
+        if self.sweeper is not None:
+            self.sweeper.start(loop)
         shm = self.factories.get("shm")
         if self.notices is None and isinstance(shm, ShmFactory):
             from beton_serve.transport.notice import NoticeHub
@@ -313,6 +324,8 @@ class Daemon:
         if self._monitor is not None:
             self._monitor.cancel()
             self._monitor = None
+        if self.sweeper is not None:
+            self.sweeper.close()
         self.streams.close()
         if self.notices is not None:
             self.notices.close()

@@ -69,6 +69,7 @@ __all__ = [
     "pid_alive",
     "release_mapping",
     "truncation_error",
+    "StaleSweeper",
     "sweep_stale_segments",
 ]
 
@@ -203,7 +204,9 @@ def _marker_held(path: Path) -> bool | None:
     return False
 
 
-def sweep_stale_segments(shm_dir: Path = SHM_DIR, *, keep: str = "") -> list[str]:
+def sweep_stale_segments(
+    shm_dir: Path = SHM_DIR, *, keep: str = "", departed: list[str] | None = None
+) -> list[str]:
     """Unlink this user's segments of daemons that are gone.
 
     Called by the daemon at start. A name ``beton-<pid>-<instance>-...`` belongs to a daemon
@@ -220,6 +223,11 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR, *, keep: str = "") -> list[str
     Args:
         shm_dir: the directory to sweep.
         keep: a name prefix never removed (the calling daemon's own, :attr:`ShmNamer.prefix`).
+        departed: if given, receives the prefix of each group left because its marker is
+            still locked although no process of its pid runs here: a daemon killed a moment
+            ago whose last threads still hold the lock while its main thread is a zombie, or
+            a live daemon in another PID namespace. Worth sweeping again soon
+            (:class:`StaleSweeper`).
 
     Returns:
         The names removed.
@@ -253,6 +261,9 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR, *, keep: str = "") -> list[str
             alive = held[prefix]
             if alive is None:  # no marker: the pid decides, as for the older names
                 alive = pid == me or pid_alive(pid)
+            elif alive and departed is not None and prefix not in departed:
+                if pid != me and not pid_alive(pid):
+                    departed.append(prefix)
         else:
             alive = pid == me or pid_alive(pid)
         if alive:
@@ -266,6 +277,81 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR, *, keep: str = "") -> list[str
     if removed:
         log.info("swept %d stale shared-memory segment(s): %s", len(removed), ", ".join(removed))
     return removed
+
+
+#: When a daemon sweeps again, in seconds after its start, while its last sweep left a group
+#: whose marker was still locked although no process of its pid ran (:class:`StaleSweeper`).
+RESWEEP_DELAYS_S = (1.0, 4.0, 15.0)
+
+
+class StaleSweeper:
+    """A daemon's sweeps of stale segments (:func:`sweep_stale_segments`): one at its start,
+    then a few more shortly after, while a sweep leaves a group that is likely a killed
+    daemon's.
+
+    Why: a daemon started right after ``kill -9`` of its predecessor can find that daemon's
+    live marker still locked. The killed daemon's main thread is a zombie while its other
+    threads, still exiting, hold the lock for a moment, so one sweep at start left its
+    segments until the next daemon's start. Such a group is swept again at
+    :data:`RESWEEP_DELAYS_S` after :meth:`start`, and no more once a sweep leaves none (a
+    group held by a live daemon in another PID namespace is looked at those few times, then
+    left alone, as before).
+
+    Owner: the daemon, which calls :meth:`sweep` when it is created, :meth:`start` on its
+    event loop and :meth:`close` when it stops (it cancels the sweeps still due).
+
+    Args:
+        shm_dir: the directory swept.
+        delays: the seconds after :meth:`start` of each further sweep (each only while the
+            previous one left a departed daemon's group).
+    """
+
+    def __init__(
+        self, shm_dir: Path = SHM_DIR, delays: tuple[float, ...] = RESWEEP_DELAYS_S
+    ) -> None:
+        self.shm_dir = shm_dir
+        self.delays = tuple(delays)
+        #: A name prefix never removed (the daemon's own, set once its namer exists).
+        self.keep = ""
+        #: The groups the last sweep left although their pid is gone (``departed``).
+        self.pending: list[str] = []
+        self._handle: Any = None  # asyncio.TimerHandle of the next sweep
+        self._closed = False
+
+    def sweep(self) -> list[str]:
+        """Sweep now; returns the names removed. Never raises for a directory it cannot
+        read: a daemon starts whatever ``/dev/shm`` holds."""
+        departed: list[str] = []
+        try:
+            removed = sweep_stale_segments(self.shm_dir, keep=self.keep, departed=departed)
+        except OSError as exc:
+            log.warning("cannot sweep stale segments in %s: %s", self.shm_dir, exc)
+            removed = []
+        self.pending = departed
+        return removed
+
+    def start(self, loop: Any) -> None:
+        """Schedule the further sweeps on ``loop`` (an asyncio loop), if the last sweep left
+        a departed daemon's group."""
+        if self.pending and self.delays and not self._closed and self._handle is None:
+            self._handle = loop.call_later(self.delays[0], self._again, loop, 1)
+
+    def _again(self, loop: Any, i: int) -> None:
+        self._handle = None
+        if self._closed:
+            return
+        t0 = loop.time()
+        self.sweep()
+        if self.pending and i < len(self.delays):
+            wait = max(0.0, self.delays[i] - self.delays[i - 1] - (loop.time() - t0))
+            self._handle = loop.call_later(wait, self._again, loop, i + 1)
+
+    def close(self) -> None:
+        """Cancel the sweeps still due (idempotent)."""
+        self._closed = True
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 #: A hidden live marker (``_make_live_marker``'s creation name) older than this, and locked by
