@@ -9,6 +9,10 @@ as a whole and inside a few calls (each wrapper adds ~1 us): ``EngineEpochFeed.n
 next batch: submit the one ``batches_ahead`` later, wait, charge), ``EngineEpochFeed._submit_one``
 and ``BatchSource.submit`` within it, and ``BatchSource.charge``. What the
 thread spends outside ``EngineEpochFeed.next`` is the front end's (tensors, bookkeeping).
+The garbage collections of the timed epochs are counted too, with their wall time per
+generation (``gc.callbacks``): a collection runs on whichever thread allocates, and its cost
+lands in whatever call that thread was making (session 56: one generation-1 collection of
+~150 ms, the objects of the Loader's start, showed as 60-90 us a batch in ``submit``).
 
 Issue 15 §4: with 2 workers on 2 vCPUs this thread's CPU per batch, C, is taken from the
 workers, so going from 1 to 2 workers speeds CIFAR up by at most 2W / (W + C) (W: a worker's
@@ -63,6 +67,23 @@ def main() -> None:
     wrap(BatchSource, "submit", "BatchSource.submit")
     wrap(BatchSource, "charge", "BatchSource.charge")
 
+    import gc
+    import threading
+
+    gc_ms: dict[int, float] = collections.defaultdict(float)
+    gc_n: dict[int, int] = collections.defaultdict(int)
+    gc_t0: dict[int, int] = {}
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        key = threading.get_ident()
+        if phase == "start":
+            gc_t0[key] = time.perf_counter_ns()
+        elif key in gc_t0:
+            gen = info["generation"]
+            gc_ms[gen] += (time.perf_counter_ns() - gc_t0.pop(key)) / 1e6
+            gc_n[gen] += 1
+
+    gc.callbacks.append(on_gc)
     path = build("cifar", args.cifar_n)
     loader = Loader(
         str(path),
@@ -77,6 +98,8 @@ def main() -> None:
             pass
         cpu_ns.clear()
         calls.clear()
+        gc_ms.clear()
+        gc_n.clear()
         batches = 0
         t0, w0 = clock(), time.perf_counter()
         for _ in range(args.epochs):
@@ -85,6 +108,7 @@ def main() -> None:
         total, wall = clock() - t0, time.perf_counter() - w0
     finally:
         loader.close()
+        gc.callbacks.remove(on_gc)
     print(
         f"workers {args.workers}: {batches} batches, {512 * batches / wall:,.0f} img/s, "
         f"consuming thread {total / batches / 1e3:.1f} us CPU per batch"
@@ -93,6 +117,9 @@ def main() -> None:
         print(
             f"  {key:30s} {ns / batches / 1e3:6.1f} us per batch ({calls[key] / batches:.2f} calls)"
         )
+
+    for gen in sorted(gc_n):
+        print(f"  gc generation {gen}: {gc_n[gen]} collections, {gc_ms[gen]:.1f} ms in all")
 
 
 if __name__ == "__main__":
