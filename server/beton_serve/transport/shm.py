@@ -49,7 +49,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from beton_wire import notice
@@ -57,6 +57,9 @@ from beton_wire.slots import SlotLayout
 
 from beton_serve.errors import TransportError
 from beton_serve.transport.base import HostSlotRing, Published, TransportSetup
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = [
     "SHM_DIR",
@@ -315,7 +318,7 @@ class StaleSweeper:
         self.keep = ""
         #: The groups the last sweep left although their pid is gone (``departed``).
         self.pending: list[str] = []
-        self._handle: Any = None  # asyncio.TimerHandle of the next sweep
+        self._handle: asyncio.TimerHandle | None = None  # the next sweep
         self._closed = False
 
     def sweep(self) -> list[str]:
@@ -330,13 +333,13 @@ class StaleSweeper:
         self.pending = departed
         return removed
 
-    def start(self, loop: Any) -> None:
-        """Schedule the further sweeps on ``loop`` (an asyncio loop), if the last sweep left
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Schedule the further sweeps on ``loop``, if the last sweep left
         a departed daemon's group."""
         if self.pending and self.delays and not self._closed and self._handle is None:
             self._handle = loop.call_later(self.delays[0], self._again, loop, 1)
 
-    def _again(self, loop: Any, i: int) -> None:
+    def _again(self, loop: asyncio.AbstractEventLoop, i: int) -> None:
         self._handle = None
         if self._closed:
             return
