@@ -496,6 +496,8 @@ class _CropDecoder(SimpleRGBImageDecoder):
 
     with_seed = False
     _copies_raw = False
+    #: Decodes shared with the decode group (issue 16); set by the public subclasses.
+    share_decode: bool = False
 
     def __init__(
         self,
@@ -581,7 +583,7 @@ class _CropDecoder(SimpleRGBImageDecoder):
         tj3 = (
             resolve_backend(self.jpeg_backend) == "tj3"
             and self.resize == "area"
-            and not getattr(self, "share_decode", False)
+            and not self.share_decode
         )
         return _prewarm.lanes(self._sampler, tj3)
 

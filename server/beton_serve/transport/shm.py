@@ -261,12 +261,11 @@ def sweep_stale_segments(
         if m.group(2) is not None:
             if prefix not in held:
                 held[prefix] = _marker_held(shm_dir / (prefix + LIVE))
+                if held[prefix] and departed is not None and pid != me and not pid_alive(pid):
+                    departed.append(prefix)
             alive = held[prefix]
             if alive is None:  # no marker: the pid decides, as for the older names
                 alive = pid == me or pid_alive(pid)
-            elif alive and departed is not None and prefix not in departed:
-                if pid != me and not pid_alive(pid):
-                    departed.append(prefix)
         else:
             alive = pid == me or pid_alive(pid)
         if alive:
@@ -343,10 +342,9 @@ class StaleSweeper:
         self._handle = None
         if self._closed:
             return
-        t0 = loop.time()
         self.sweep()
         if self.pending and i < len(self.delays):
-            wait = max(0.0, self.delays[i] - self.delays[i - 1] - (loop.time() - t0))
+            wait = self.delays[i] - self.delays[i - 1]
             self._handle = loop.call_later(wait, self._again, loop, i + 1)
 
     def close(self) -> None:
