@@ -23,6 +23,7 @@ the Unix socket or its directory is not the expected user's.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 __all__ = [
@@ -129,7 +130,13 @@ def from_rpc_error(err: Any, *, target: str = "") -> BetonClientError:
 
     Returns:
         The matching :class:`BetonClientError` (raise it ``from None``).
+
+    ``err``'s traceback is dropped: a streaming call's ``RpcError`` is the call object itself,
+    which the traceback's frames hold, and the cycle would keep the call (and whatever its
+    caller's frame holds: a stream, its buffers) until a full garbage collection.
     """
+    with contextlib.suppress(AttributeError, TypeError):
+        err.__traceback__ = None
     try:
         code = err.code()
         name = getattr(code, "name", str(code))

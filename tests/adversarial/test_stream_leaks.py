@@ -9,7 +9,9 @@ it started stayed open for 30 s. The real-daemon test runs 1,000 open/close cycl
 short kind (one or two batches, a break mid-epoch, never started, dropped without ``close``, two
 identical streams sharing decoding) over shm and grpc, checks every batch's contents, and then
 wants the daemon's and this process's descriptors and ``beton-*`` mappings back at their
-baseline exactly, and the daemon's RSS within 40 MB of it.
+baseline exactly, the daemon's RSS within 40 MB of it, and no reference cycle of this process's
+streams left for the garbage collector (a grpc stream's batch buffers used to wait for a full
+collection: ``test_a_finished_stream_is_freed_without_the_garbage_collector``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import gc
 import os
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 from beton_client import Loader
 from beton_serve.fields import IntField, NDArrayField
+from beton_serve.fields.decoders import IntDecoder, NDArrayDecoder
 from beton_serve.transport.shm import ShmRing
 from beton_serve.writer import DatasetWriter
 from beton_wire.slots import slot_layout
@@ -168,6 +172,8 @@ def test_thousand_short_streams_leave_no_ring_fd_or_memory_behind(
             time.sleep(0.05)
         assert _beton_maps(me) == my_maps == []
         assert _fds(me) == my_fds, sorted(set(_fds(me)) ^ set(my_fds))
+        cyclic = _cyclic_garbage()
+        assert not cyclic, f"this process's streams left reference cycles: {cyclic}"
     finally:
         gc.enable()
     assert not d.stats().streams  # nothing left open on the daemon either
@@ -198,3 +204,80 @@ def test_ring_close_unmaps_now_or_with_its_last_view(tmp_path: Path) -> None:
         assert not mapped()
     finally:
         gc.enable()
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    """The array that owns ``a``'s memory (a grpc batch: a pool buffer; shm: the ring's view)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("ending", ["close", "break", "drop"])
+def test_a_finished_stream_is_freed_without_the_garbage_collector(
+    daemon_factory, short_tmp: Path, transport: str, ending: str
+) -> None:
+    """A served Loader's stream, closed, left mid-epoch or dropped, is freed by reference
+    counting: its batch buffers and its gRPC call do not wait for a collection.
+
+    A grpc stream used to be two reference cycles: the stream and its decoder (through the
+    decoder's ``allocate`` callback, a bound method of the stream), and the call's final
+    ``RpcError`` (the call object itself) whose traceback's frames held the call. Each kept the
+    stream's batch buffers (up to its credits + 1 whole batches) until the trainer's next full
+    collection, which in a large process comes rarely.
+    """
+    d = daemon_factory([_tiny(short_tmp / "tiny.beton")])
+    with _loader(d.address, transport) as warm:  # lazy imports, the daemon's plan
+        _read(warm, 2)
+    gc.collect()
+    gc.disable()
+    try:
+        loader = Loader(  # numpy outputs (no ToTensor): a batch's memory can be followed
+            "tiny",
+            BATCH,
+            server=d.address,
+            transport=transport,
+            batches_ahead=2,
+            spawn=False,
+            pipelines={"label": [IntDecoder()], "pix": [NDArrayDecoder()]},
+        )
+        it = iter(loader)
+        for index in range(3):
+            batch = next(it)
+            _check(batch, loader.last_sample_ids, index)
+        root = _root(batch[1])
+        assert root.nbytes >= batch[1].nbytes  # the batch's own memory, not a copy of it
+        buffer = weakref.ref(root)
+        del root
+        del batch
+        if ending == "break":
+            it = None  # the epoch is left mid-way (its iterator dropped), ...
+        if ending != "drop":
+            loader.close()  # ... then the Loader closed; "drop": neither, both dropped
+        del it, loader
+        time.sleep(0.3)  # the call's end reaches its reader thread
+        assert buffer() is None, f"a {transport} batch buffer outlived its stream"
+        ours = _cyclic_garbage()
+        assert not ours, f"freed only by the garbage collector: {ours}"
+    finally:
+        gc.enable()
+
+
+def _cyclic_garbage() -> list[str]:
+    """The types of beton-serve's and gRPC's objects that only a collection frees (reference
+    cycles), found by one collection with ``DEBUG_SAVEALL``; the garbage is cleared."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        return sorted(
+            {
+                f"{type(o).__module__}.{type(o).__qualname__}"
+                for o in gc.garbage
+                if type(o).__module__.startswith(("beton_", "grpc"))
+            }
+        )
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import grpc
 import pytest
 from beton_client import errors as ce
@@ -82,3 +85,40 @@ def test_the_client_knows_the_unknown_dataset_refusal_by_its_class_name() -> Non
 
     assert status_for(UnknownDataset("x"))[2] == UNKNOWN_DATASET
     assert issubclass(UnknownDataset, SpecError)
+
+
+class _StreamingCall(grpc.RpcError):
+    """Like gRPC's streaming call: iterating it raises the call object itself."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the daemon is gone"
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+    def __next__(self) -> bytes:
+        raise self  # this frame holds the call; the traceback will hold this frame
+
+
+def test_translating_a_streaming_call_error_breaks_its_traceback_cycle() -> None:
+    """The error's traceback holds frames that hold the call: a cycle that kept a stream (and
+    its buffers, or its mapped ring) until a full garbage collection. ``from_rpc_error`` drops
+    it, so the call is freed by reference counting."""
+    gc.disable()
+    try:
+        call = _StreamingCall()
+        ref = weakref.ref(call)
+        try:
+            next(call)
+        except grpc.RpcError as err:
+            assert err.__traceback__ is not None
+            got = ce.from_rpc_error(err)
+        assert isinstance(got, ce.ServerUnavailable) and "gone" in str(got)
+        assert call.__traceback__ is None
+        del call
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -148,16 +148,53 @@ class BufferPool:
         self._returned.append(buf)
 
 
+def _requests_of(requests: queue.SimpleQueue[Any]) -> Iterator[bytes]:
+    """A call's request iterator: the queued messages, until ``_SENTINEL``."""
+    while True:
+        item = requests.get()
+        if item is _SENTINEL:
+            return
+        yield item
+
+
 def _read_call(call: Any, inbox: queue.SimpleQueue[Any], received: threading.Event) -> None:
     """The ``beton-grpc-recv`` thread: move the call's messages into ``inbox``, then ``_END``
-    or the call's ``RpcError`` (a cancel, a lost daemon, the daemon's error status)."""
+    or the call's ``RpcError`` (a cancel, a lost daemon, the daemon's error status).
+
+    The ``RpcError`` a call raises is the call object itself, and its traceback's frames (gRPC's
+    ``__next__``, this function) hold the call: a reference cycle that kept the stream, and its
+    batch buffers, until a full garbage collection. The traceback is dropped (it shows only
+    gRPC's iteration; the error's code and details say what happened). A bug's traceback is
+    kept, and this frame lets go of the inbox that holds it.
+    """
     try:
         for msg in call:
             received.set()
             inbox.put(msg)
         inbox.put(_END)
     except BaseException as err:  # an RpcError, or a bug: the receiving thread raises it
+        if isinstance(err, grpc.RpcError):
+            err.with_traceback(None)
         inbox.put(err)
+        del inbox, call  # the traceback keeps this frame, and so whatever it still refers to
+
+
+class _Allocator:
+    """A stream decoder's ``allocate``: buffers from the pool, the last one remembered.
+
+    Not a bound method of the stream: the decoder would then hold the stream that holds it, a
+    reference cycle that kept the stream's buffers until a full garbage collection.
+    """
+
+    __slots__ = ("last", "pool")
+
+    def __init__(self, pool: BufferPool) -> None:
+        self.pool = pool
+        self.last: NDArray[np.uint8] | None = None
+
+    def __call__(self, nbytes: int) -> NDArray[np.uint8]:
+        buf = self.last = self.pool.acquire(nbytes)
+        return buf
 
 
 class BatchStream:
@@ -185,11 +222,11 @@ class BatchStream:
     ) -> None:
         self.open_request = open_request or OpenRequest()
         self._pool = pool or BufferPool(8)
-        self._last_buf: NDArray[np.uint8] | None = None
+        self._allocator = _Allocator(self._pool)
         self._decoder = BatchDecoder(
             max_batch_bytes=max_batch_bytes,
             allowed_codecs={self.open_request.compression.codec},
-            allocate=self._allocate,
+            allocate=self._allocator,
         )
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._requests.put(self.open_request.to_bytes())
@@ -203,7 +240,8 @@ class BatchStream:
         #: raise the same.
         self._end: Any = None
         stub = channel.stream_stream(method)  # no serializers: bytes in, bytes out
-        self._call = stub(self._request_iter(), metadata=tuple(metadata))
+        # A module function, not a method: the call holds its request iterator until it ends.
+        self._call = stub(_requests_of(self._requests), metadata=tuple(metadata))
         # A module function, not a method: the thread must not keep the stream alive.
         self._reader = threading.Thread(
             target=_read_call,
@@ -216,18 +254,6 @@ class BatchStream:
         except BaseException:
             self._call.cancel()
             raise
-
-    def _request_iter(self) -> Iterator[bytes]:
-        while True:
-            item = self._requests.get()
-            if item is _SENTINEL:
-                return
-            yield item
-
-    def _allocate(self, nbytes: int) -> NDArray[np.uint8]:
-        buf = self._pool.acquire(nbytes)
-        self._last_buf = buf
-        return buf
 
     @property
     def outstanding(self) -> int:
@@ -308,7 +334,7 @@ class BatchStream:
             if batch is not None:
                 break
         expected = self._pending.popleft()
-        buf = self._last_buf
+        buf = self._allocator.last
         if buf is not None:
             pool = self._pool
             batch.release = lambda: pool.give_back(buf)
