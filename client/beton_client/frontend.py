@@ -700,7 +700,13 @@ class FrontEnd:
     def _reconnected(self, err: BaseException, plans: Sequence[PipelinePlan]) -> Feed:
         """The backend's new feed after ``err``; re-raises ``err`` when it is final."""
         if not self._backend.retriable(err):
-            raise err
+            try:
+                raise err
+            finally:
+                # The traceback keeps this frame: were ``err`` still one of its locals, the
+                # error would hold itself, and through ``self`` the whole Loader (its stream,
+                # its buffers), until a full garbage collection.
+                del err
         old = self._feed
         want = None
         if old is not None:

@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import time
 import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
-from beton_client import Loader
+from beton_client import Loader, PipelineError
 from beton_serve.fields import IntField, NDArrayField
-from beton_serve.fields.decoders import IntDecoder, NDArrayDecoder
+from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder, NDArrayDecoder
 from beton_serve.transport.shm import ShmRing
 from beton_serve.writer import DatasetWriter
 from beton_wire.slots import slot_layout
+from helpers.bad_samples import zero_samples
 from helpers.daemon import daemon_factory, rss_mb, short_tmp  # noqa: F401
 
 N = 48
@@ -281,3 +283,43 @@ def _cyclic_garbage() -> list[str]:
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_a_failed_epoch_leaves_no_cycle_in_the_client(
+    daemon_factory, short_tmp: Path, fixtures_dir: Path, transport: str
+) -> None:
+    """An epoch that fails (a corrupt JPEG, the default budget of 0) and its closed Loader are
+    freed by reference counting. The front end used to re-raise the final error from a frame
+    that kept it as an argument: the error's traceback held that frame, the frame the error and
+    the whole Loader (its stream, its ring or buffers), until a full garbage collection."""
+    bad = short_tmp / "badjpg.beton"
+    shutil.copy(fixtures_dir / "images_jpg.beton", bad)
+    zero_samples(bad, [5])
+    d = daemon_factory([bad])
+    pipes = {"image": [CenterCropRGBImageDecoder((8, 8), 1.0)], "label": [IntDecoder()]}
+
+    def failed_epoch() -> Loader:
+        loader = Loader("badjpg", batch_size=8, pipelines=pipes, server=d.address,
+                        transport=transport, spawn=False)  # fmt: skip
+        with pytest.raises(PipelineError, match=r"sample 5\b"):
+            for _ in loader:
+                pass
+        return loader
+
+    # Warm-up: the first Loader of a process imports torch lazily, and frames of that import
+    # can stay referenced (seen once, not investigated), keeping that Loader.
+    failed_epoch().close()
+    gc.collect()
+    gc.disable()
+    try:
+        loader = failed_epoch()
+        ref = weakref.ref(loader)
+        loader.close()
+        del loader
+        assert ref() is None, "the Loader outlived its failed epoch"
+        cyclic = _cyclic_garbage()
+        assert not cyclic, f"freed only by the garbage collector: {cyclic}"
+    finally:
+        gc.enable()
