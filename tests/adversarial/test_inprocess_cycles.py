@@ -9,13 +9,20 @@ Run in a fresh process so that its RSS is this Loader's alone.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from beton_serve.errors import PipelineError
 from beton_serve.fields import IntField, RGBImageField
+from beton_serve.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
+from beton_serve.loader import Loader, OrderOption
 from beton_serve.writer import DatasetWriter
+from helpers.bad_samples import zero_samples
 from helpers.child import child_env, run_child
+from helpers.cycles import assert_freed_by_refcount
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -137,3 +144,54 @@ def test_a_dropped_loader_is_freed_without_the_garbage_collector(tmp_path: Path)
     proc = run_child(_DROPPED, str(data), env=child_env(), timeout=100)
     for state in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert state == {"alive": False, "mapped": 0, "opened": 0, "threads": 0, "cyclic": []}
+
+
+def _epoch_rows(loader: Any) -> dict[int, tuple[np.ndarray, int]]:
+    """Every row of one epoch, by the sample id the Loader says it holds."""
+    rows: dict[int, tuple[np.ndarray, int]] = {}
+    for images, labels in loader:
+        for sid, image, label in zip(loader.last_sample_ids, images, labels, strict=True):
+            rows[int(sid)] = (np.array(image), int(label[0]))
+    return rows
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("budget", [0, 1])
+def test_a_bad_sample_leaves_no_cycle_in_process(
+    tmp_path: Path, fixtures_dir: Path, budget: int
+) -> None:
+    """An in-process epoch with a corrupt JPEG, failed (no budget) or with the sample skipped
+    (a budget of 1), and its closed Loader are freed by reference counting.
+
+    Three cycles used to hold them until a collection: the worker's frame held the failed
+    task, whose future held the error, whose traceback held that frame; the consumer's frame
+    held the future it re-raised the error of; and each sample's failure, kept in the skip's
+    verdict table, held the frame of the closure that kept the table (skipped batches too).
+    """
+    bad = tmp_path / "badjpg.beton"
+    shutil.copy(fixtures_dir / "images_jpg.beton", bad)
+    zero_samples(bad, [5])
+    pipes = {
+        "image": [CenterCropRGBImageDecoder((8, 8), 1.0)],
+        "label": [IntDecoder()],
+        "weight": None,
+    }
+    with Loader(str(fixtures_dir / "images_jpg.beton"), batch_size=8, num_workers=2,
+                order=OrderOption.SEQUENTIAL, pipelines=pipes) as clean:  # fmt: skip
+        want = _epoch_rows(clean)
+
+    def epoch() -> Loader:
+        loader = Loader(str(bad), batch_size=8, num_workers=2, order=OrderOption.SEQUENTIAL,
+                        pipelines=pipes, bad_sample_budget=budget)  # fmt: skip
+        if budget == 0:
+            with pytest.raises(PipelineError, match=r"sample 5\b"):
+                _epoch_rows(loader)
+            return loader
+        got = _epoch_rows(loader)
+        assert 5 not in got and set(got) == set(want) - {5}
+        for sid, (image, label) in got.items():  # the replacement's pixels and label
+            assert label == want[sid][1] and np.array_equal(image, want[sid][0]), sid
+        return loader
+
+    epoch().close()  # warm-up: compiles and lazy imports (see test_stream_leaks)
+    assert_freed_by_refcount(epoch, "the Loader")

@@ -404,6 +404,10 @@ class Engine:
             del result
         finally:
             self._queue.finished(task, time.perf_counter() - t0, self)
+            # A failed task's error keeps this frame (its traceback's first), and the task's
+            # future keeps the error: without the task here, that is no reference cycle, and
+            # the future is freed as soon as its consumer lets go of it.
+            del task
         return True
 
     def _worker_died(self, task: Task, exc: BaseException) -> None:

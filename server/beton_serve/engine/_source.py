@@ -57,7 +57,7 @@ from beton_serve.engine.orders import (
     epoch_length,
     make_order,
 )
-from beton_serve.errors import PipelineError, SpecError
+from beton_serve.errors import PipelineError, SpecError, without_traceback
 from beton_serve.fields.decode_cache import decode_scope
 from beton_serve.pipeline import OpFailure, Plan
 
@@ -71,8 +71,10 @@ def delivered_ids(fut: Future[Any], order_ids: NDArray[np.uint64]) -> NDArray[np
 
 
 def _bare(exc: BaseException) -> BaseException:
-    """``exc`` without its traceback (``FoundBad.cause``)."""
-    return exc.with_traceback(None)
+    """``exc`` without its tracebacks, its causes' included (``FoundBad.cause``, kept with the
+    batch: their frames' callers include the call that skipped the sample, which holds the
+    batch's buffers)."""
+    return without_traceback(exc)
 
 
 def _forget_tasks(fut: Future[Any]) -> None:
@@ -526,43 +528,52 @@ class BatchSource:
             PipelineError: without a budget, naming the batch's first failing sample; or every
                 sample of the batch fails; or only this slice fails as a whole.
         """
-        verdict: dict[int, OpFailure | None] = {}
+        # Each sample's failure is kept in ``failed`` only, emptied at the end: its traceback
+        # reaches this call's frame (its frames' callers: ``check``, then this one), so a
+        # failure held by a local here would make a reference cycle that keeps the batch's
+        # buffers until a collection.
+        failed: dict[int, OpFailure] = {}
+        passed: set[int] = set()
 
-        def check(pos: int) -> OpFailure | None:
-            if pos not in verdict:
+        def check(pos: int) -> bool:
+            """Whether sample ``pos`` of the batch fails on its own (run once per sample)."""
+            if pos not in failed and pos not in passed:
                 try:
                     self.plan.run(ws, batch[pos : pos + 1], keys, None)
-                    verdict[pos] = None
+                    passed.add(pos)
                 except OpFailure as f:
-                    verdict[pos] = f
-            return verdict[pos]
+                    failed[pos] = f
+            return pos in failed
 
-        n = len(batch)
-        bad = [(i, f) for i in range(n) if (f := check(i)) is not None]
-        if not any(lo <= i < hi for i, _ in bad):  # only the slice fails: not a sample's fault
-            raise PipelineError(f"{failure.cause!r}", op=failure.node.name) from failure.cause
-        all_bad = len(bad) == n
-        if all_bad or not self.bad_sample_budget:
-            first_i, first = bad[0]
-            why = (
-                "every sample of the batch failed"
-                if all_bad
-                else "raise bad_sample_budget to skip failing samples"
-            )
-            raise PipelineError(
-                f"{type(first.cause).__name__}: {first.cause} ({why})",
-                sample_index=int(batch[first_i]),
-                op=first.node.name,
-            ) from first.cause
-        fixed = batch[lo:hi].copy()
-        for i, _ in bad:
-            if lo <= i < hi:
-                repl = next(j % n for j in range(i + 1, i + n) if check(j % n) is None)
-                fixed[i - lo] = batch[repl]
-        if found is not None:
-            with self._lock:
-                if not found:  # the first slice of a split batch to get here records them
-                    found.extend(
-                        FoundBad(int(batch[i]), f.node.name, _bare(f.cause)) for i, f in bad
-                    )
-        return fixed
+        try:
+            n = len(batch)
+            bad = [i for i in range(n) if check(i)]
+            if not any(lo <= i < hi for i in bad):  # only the slice fails: not a sample's fault
+                raise PipelineError(f"{failure.cause!r}", op=failure.node.name) from failure.cause
+            all_bad = len(bad) == n
+            if all_bad or not self.bad_sample_budget:
+                why = (
+                    "every sample of the batch failed"
+                    if all_bad
+                    else "raise bad_sample_budget to skip failing samples"
+                )
+                raise PipelineError(
+                    f"{type(failed[bad[0]].cause).__name__}: {failed[bad[0]].cause} ({why})",
+                    sample_index=int(batch[bad[0]]),
+                    op=failed[bad[0]].node.name,
+                ) from failed[bad[0]].cause
+            fixed = batch[lo:hi].copy()
+            for i in bad:
+                if lo <= i < hi:
+                    repl = next(j % n for j in range(i + 1, i + n) if not check(j % n))
+                    fixed[i - lo] = batch[repl]
+            if found is not None:
+                with self._lock:
+                    if not found:  # the first slice of a split batch to get here records them
+                        found.extend(
+                            FoundBad(int(batch[i]), failed[i].node.name, _bare(failed[i].cause))
+                            for i in bad
+                        )
+            return fixed
+        finally:
+            failed.clear()

@@ -490,6 +490,9 @@ class EngineEpochFeed:
         except BaseException:
             self._running.failed = True
             self.close()
+            # The error's traceback keeps this frame, and the future keeps the error: without
+            # the future here, the two are no reference cycle (freed without a collection).
+            del fut
             raise
         b = self.batch
         self.batch = b + 1
