@@ -440,8 +440,12 @@ class DaemonBackend:
         try:
             reply = self._stub.OpenStream(req, timeout=300.0)
         except grpc.RpcError as err:
-            refusal = explain_refusal(from_rpc_error(err, target=self.server), self.server)
-            raise self._plain_to_tls(self._no_such_file(refusal)) from None
+            # No local holds the error raised: its traceback keeps this frame (no cycle).
+            raise self._plain_to_tls(
+                self._no_such_file(
+                    explain_refusal(from_rpc_error(err, target=self.server), self.server)
+                )
+            ) from None
         self.transport_rejections = [(r.transport, r.code, r.reason) for r in reply.rejected]
         self.chosen_transport = reply.transport.kind
         key = pipelines_key(plans)

@@ -130,8 +130,11 @@ def retry(
             break
         log.info("%s: attempt %d failed (%s); retrying in %.2f s", what, tries, last, pause)
         sleep(pause)
-    raise ServerUnavailable(
+    message = (
         f"could not {what}: gave up after {tries} attempts in {clock() - start:.1f} s "
-        f"(RetryPolicy.budget_s={policy.budget_s}); last error: {last}",
-        code="UNAVAILABLE",
-    ) from None
+        f"(RetryPolicy.budget_s={policy.budget_s}); last error: {last}"
+    )
+    # The last error's traceback keeps this frame: holding it here would make a reference
+    # cycle that keeps both (and what the attempts' frames held) until a collection.
+    last = first_error = None
+    raise ServerUnavailable(message, code="UNAVAILABLE") from None
