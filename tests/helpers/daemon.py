@@ -28,11 +28,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from helpers.cycles import DAEMON_HOOK
+
 SHM = Path("/dev/shm")
 #: The daemon's command line. A test daemon also stops (SIGTERM, a clean drain) when the process
 #: that started it is gone: pytest-timeout ends a hung run with ``os._exit``, and fixtures then
 #: never stop their daemons, which used to linger (~400 MB each) until someone killed them.
-_LAUNCH = """
+_LAUNCH = (
+    """
 import os, signal, sys, threading, time
 parent = os.getppid()
 def watch_parent():
@@ -40,9 +43,13 @@ def watch_parent():
         time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=watch_parent, name="test-parent-watch", daemon=True).start()
+"""
+    + DAEMON_HOOK
+    + """
 from beton_serve.cli import main
 sys.exit(main())
 """
+)
 
 
 @dataclass
@@ -81,6 +88,18 @@ class DaemonProcess:
 
         with grpc.insecure_channel(address or self.address) as ch:
             return pb_grpc.BetonServeStub(ch).Stats(pb.StatsRequest(), timeout=5)
+
+    def cyclic_garbage(self, timeout: float = 10.0) -> dict[str, int]:
+        """How many objects of each of our types were in reference cycles in the daemon since
+        it started or since the last call (``helpers.cycles``); the daemon must have been
+        started with ``BETON_TEST_GC_REPORT`` set to a file path, which turns its collector
+        off."""
+        report = Path(os.environ["BETON_TEST_GC_REPORT"])
+        report.unlink(missing_ok=True)
+        self.proc.send_signal(signal.SIGUSR1)
+        wait_for(report.exists, timeout)
+        counts = (line.split(" ", 1) for line in report.read_text().splitlines() if line)
+        return {name: int(n) for n, name in counts}
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         """Send ``sig`` and wait; escalate to SIGKILL after ``timeout``. Returns the exit status."""

@@ -32,7 +32,7 @@ from beton_serve.daemon._events import (
 from beton_serve.daemon._publish import BatchOut, EpochEnd, NoticePublisher
 from beton_serve.daemon._pump import NoticePump
 from beton_serve.daemon._streams import StreamTable
-from beton_serve.errors import SpecError
+from beton_serve.errors import BetonError, SpecError, without_traceback
 
 __all__ = ["serve_call"]
 
@@ -111,6 +111,10 @@ async def serve_call(
         with contextlib.suppress(BaseException):
             await reader
         streams.remove(stream)
+        if isinstance(stream.abort_exc, BetonError):
+            # Raised above, its traceback keeps this frame, which keeps the stream, which
+            # keeps the error: an expected error's message is all anyone gets of it.
+            without_traceback(stream.abort_exc)
         log.info(
             "stream %s closed after %d batches", stream.stream_id, stream.counters.batches_sent
         )

@@ -174,6 +174,10 @@ class NoticePump:
             await self.done
         finally:
             self._stop()
+            # The settled future keeps the error that ended the epoch, whose traceback keeps
+            # this frame, and the frame keeps this pump: a fresh future breaks that cycle
+            # (nothing settles or awaits it: ``_settle`` does nothing once stopped).
+            self.done = self.loop.create_future()
 
     def fill(self) -> None:
         """Collect released slots and submit batches into them, up to the credits (event-loop

@@ -1,7 +1,7 @@
 """The ``beton_wire.v1.BetonServe`` servicer on grpc.aio, over a :class:`~beton_serve.daemon.Daemon`.
 
 Each handler converts the request (``_convert``), calls the daemon on the event-loop thread, and
-converts the answer back. Every exception is turned into a status in one place (``_abort``, via
+converts the answer back. Every exception is turned into a status in one place (``_fail``, via
 ``_errors.status_for``). A ``Batches`` call is one stream's life: when the call ends, for any
 reason (the client closes it, dies, or the daemon drains), the stream and its slots are freed.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from beton_wire.v1 import beton_pb2 as pb
@@ -36,11 +36,20 @@ __all__ = ["BetonServeServicer"]
 log = logging.getLogger("beton_serve.rpc")
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
+def _fail(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
+    """End the call with the status for ``exc``, once its handler returns (it must return
+    right after: a unary handler's result is then discarded).
+
+    Not ``context.abort()``: that raises gRPC's ``AbortError``, which the call's state keeps,
+    while the error's traceback keeps the handler's frame and the frame keeps the context.
+    The cycle held the error that ended a stream, its frames and, through them, the stream
+    (a closed ``Stream``, its counters and pump) until the daemon's next full collection,
+    which a daemon that allocates little per batch may not run for hours.
+    """
     code, message, name = status_for(exc)
     context.set_trailing_metadata(((ERROR_METADATA_KEY, name),))
-    await context.abort(code, message)
-    raise AssertionError("unreachable: abort raises")  # pragma: no cover
+    context.set_code(code)
+    context.set_details(message)
 
 
 class BetonServeServicer(pb_grpc.BetonServeServicer):
@@ -62,13 +71,13 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
                 datasets=[dataset_info(d) for d in self.daemon.all_datasets()]
             )
         except Exception as exc:
-            await _abort(context, exc)
+            _fail(context, exc)
 
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: Any) -> Any:
         try:
             return dataset_info(self.daemon.dataset(dataset_name(request)))
         except Exception as exc:
-            await _abort(context, exc)
+            _fail(context, exc)
 
     async def OpenStream(self, request: pb.OpenStreamRequest, context: Any) -> Any:
         try:
@@ -85,14 +94,14 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
                 reply.transport.grpc.compression = compression
             return reply
         except Exception as exc:
-            await _abort(context, exc)
+            _fail(context, exc)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> Any:
         try:
             peer = peer_credentials(context.peer(), unix_socket=self.unix_socket)
             return stats_message(self.daemon.stats(owner_peer=peer.source == UNIX_SOCKET))
         except Exception as exc:
-            await _abort(context, exc)
+            _fail(context, exc)
 
     async def Batches(
         self, request_iterator: AsyncIterator[pb.ClientMessage], context: Any
@@ -107,4 +116,4 @@ class BetonServeServicer(pb_grpc.BetonServeServicer):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await _abort(context, exc)
+            _fail(context, exc)
