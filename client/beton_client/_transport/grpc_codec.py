@@ -240,9 +240,10 @@ class BatchStream:
         #: raise the same.
         self._end: Any = None
         stub = channel.stream_stream(method)  # no serializers: bytes in, bytes out
-        # A module function, not a method: the call holds its request iterator until it ends.
+        # The request iterator and the reader thread's target are module functions, not
+        # methods: the call holds its iterator until it ends, and a running thread must not
+        # keep the stream alive either.
         self._call = stub(_requests_of(self._requests), metadata=tuple(metadata))
-        # A module function, not a method: the thread must not keep the stream alive.
         self._reader = threading.Thread(
             target=_read_call,
             args=(self._call, self._inbox, self._received),
