@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import queue
 import struct
 import threading
+import weakref
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from beton_client._transport.grpc_codec import BufferPool
+from beton_client._transport.grpc_codec import BufferPool, _read_call
 from beton_wire import framing
 from beton_wire.framing import (
     ALIGN,
@@ -441,3 +445,32 @@ def test_corrupted_headers_fail_cleanly_or_stay_consistent(
     hdr = parse_header(data, max_batch_bytes=limit)
     assert allocated == [hdr.payload_bytes] and hdr.payload_bytes <= limit
     assert payload_layout(hdr.arrays) == (hdr.offsets, hdr.payload_bytes)
+
+
+class _BuggyCall:
+    """A call whose iteration yields one message, then fails with a bug (not an RpcError)."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield b"m"
+        raise ZeroDivisionError("a bug while reading")
+
+
+def test_a_bug_while_reading_a_call_keeps_its_traceback_and_no_cycle() -> None:
+    """The reader thread hands a bug to the receiving thread with its traceback. That traceback
+    keeps the reader's frame, so the frame must not keep the inbox the error waits in: the
+    inbox, the error and the call are then freed by reference counting when dropped."""
+    inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+    call = _BuggyCall()
+    ref = weakref.ref(call)
+    gc.collect()
+    gc.disable()
+    try:
+        _read_call(call, inbox, threading.Event())
+        assert inbox.get_nowait() == b"m"
+        err = inbox.get_nowait()
+        assert isinstance(err, ZeroDivisionError) and err.__traceback__ is not None
+        inbox.put(err)  # as it waits for the receiving thread
+        del err, call, inbox
+        assert ref() is None, "the call outlived the inbox that held its error"
+    finally:
+        gc.enable()
