@@ -70,13 +70,6 @@ def delivered_ids(fut: Future[Any], order_ids: NDArray[np.uint64]) -> NDArray[np
     return ids_or(fut, order_ids)
 
 
-def _bare(exc: BaseException) -> BaseException:
-    """``exc`` without its tracebacks, its causes' included (``FoundBad.cause``, kept with the
-    batch: their frames' callers include the call that skipped the sample, which holds the
-    batch's buffers)."""
-    return without_traceback(exc)
-
-
 def _forget_tasks(fut: Future[Any]) -> None:
     """Empty a finished future's ``tasks`` (only :meth:`BatchSource.promote` reads them): a task
     refers to its future, so the pair would be a reference cycle that keeps the batch's
@@ -99,7 +92,8 @@ class FoundBad(NamedTuple):
 
     sample_id: int
     op: str
-    #: What the op raised, without its traceback (the worker's frames hold batch buffers).
+    #: What the op raised, without its tracebacks, its causes' included (the worker's frames
+    #: hold batch buffers).
     cause: BaseException
 
 
@@ -570,8 +564,14 @@ class BatchSource:
             if found is not None:
                 with self._lock:
                     if not found:  # the first slice of a split batch to get here records them
+                        # Causes kept with the batch lose their chains' tracebacks: those
+                        # frames' callers include this call, which holds the batch's buffers.
                         found.extend(
-                            FoundBad(int(batch[i]), failed[i].node.name, _bare(failed[i].cause))
+                            FoundBad(
+                                int(batch[i]),
+                                failed[i].node.name,
+                                without_traceback(failed[i].cause),
+                            )
                             for i in bad
                         )
             return fixed
