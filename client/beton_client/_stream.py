@@ -45,14 +45,30 @@ log = logging.getLogger("beton_client")
 #: Coalesced waits (see :meth:`_Stream.nap_for`): a stream whose batches come at most this many
 #: seconds apart naps before waiting for one that is not published yet ...
 NAP_MAX_PACE_S = 0.005
-#: ... for this many batch periods (so one wake-up finds about as many batches more), ...
-NAP_BATCHES = 2.5
+#: ... for a third of its ring's slots in batch periods (so one wake-up finds about as many
+#: batches more), at most this many, ...
+NAP_BATCHES = 5.0
 #: ... when its ring has at least this many slots (room for what is decoded meanwhile).
 NAP_MIN_SLOTS = 8
 #: Weight of the newest period in the stream's average period.
 NAP_EWMA = 0.125
 #: ``0`` turns coalesced waits off (read when a stream opens).
 ENV_COALESCE = "BETON_CLIENT_COALESCE_WAITS"
+
+
+def nap_batches(slots: int) -> float:
+    """Batch periods a stream whose ring has ``slots`` slots naps (:meth:`_Stream.nap_for`): a
+    third of its slots, at most :data:`NAP_BATCHES`. The daemon fills the ring meanwhile, and
+    the slots the client holds or the daemon is decoding into stay out of that third.
+
+    Why a third and not a fixed 2.5: each nap is a sleep and a wake-up, which costs the client
+    ~80-100 us of CPU per wake-up on the 2-core VM measured (its calls that napped took 91-125 us
+    of thread CPU, the others 16-31 us), while the batches a wake-up collects cost ~20 us each.
+    On CIFAR-sized batches (16 slots) 5 periods instead of 2.5 cut the client's wake-ups from
+    0.33 to 0.17 per batch and its CPU per batch by ~5-15 us (benchmarks/RESULTS.md, session
+    59). A ring of 8 slots naps ~2.7 periods, as all rings did before.
+    """
+    return min(NAP_BATCHES, slots / 3.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +140,7 @@ class _Stream:
             and self.shm.slot_count >= NAP_MIN_SLOTS
             and os.environ.get(ENV_COALESCE, "1").strip() != "0"
         )
+        self._nap_batches = nap_batches(self.shm.slot_count if self.shm is not None else 0)
         self._pace = 0.0
         self._last_ask = 0.0
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -220,12 +237,13 @@ class _Stream:
         ready almost every time, and each wait is a sleep and a wake-up of this process, which
         on the machines measured (virtual machines) costs ~30 us of CPU here and more in the
         daemon's send, on cores the decoding needs. On CIFAR-sized batches (~0.4 ms each, or
-        ~1.6 ms each for four clients of one daemon) that is a tenth of the work. Napping ~2.5
-        batch periods instead makes one wake-up collect ~3 batches: it changes when this
-        process looks, not how fast batches come, since the ring keeps being filled meanwhile
-        (2.5 periods are less than the ring's depth). Measured on CIFAR, 2 cores: one client's
-        CPU per batch 66-82 us -> 53-65 us; four clients' 82-84 us -> 66-68 us, and the
-        daemon's 613-616 us -> 591-599 us (benchmarks/RESULTS.md, session 16). Only streams
+        ~1.6 ms each for four clients of one daemon) that is a tenth of the work. Napping
+        :func:`nap_batches` periods instead (5 on a 16-slot ring) makes one wake-up collect
+        ~6 batches: it changes when this process looks, not how fast batches come, since the
+        ring keeps being filled meanwhile (a third of its slots). Measured on CIFAR, 2 cores:
+        one client's CPU per batch 66-82 us -> 53-65 us; four clients' 82-84 us -> 66-68 us,
+        and the daemon's 613-616 us -> 591-599 us with naps of 2.5 periods (benchmarks/RESULTS.md,
+        session 16); 5 periods took one client from ~50-57 us to ~40-50 us (session 59). Only streams
         with batches under :data:`NAP_MAX_PACE_S` apart and rings of :data:`NAP_MIN_SLOTS`
         slots or more nap, never for an epoch's first batch (its latency is the start-up
         time), and never when a batch is already there.
@@ -239,7 +257,7 @@ class _Stream:
         )
         if pace > NAP_MAX_PACE_S or pace <= 0.0:
             return 0.0
-        return NAP_BATCHES * pace
+        return self._nap_batches * pace
 
     def next_ready(self, nap_s: float = 0.0) -> Ready | End:
         """The next published batch or end of epoch, from the notice channel if there is one

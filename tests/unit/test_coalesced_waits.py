@@ -1,8 +1,9 @@
 # ruff: noqa: F811  (pytest fixtures imported from helpers.daemon are used as parameters)
 """Coalesced waits of a served shm stream (``beton_client._stream._Stream.nap_for`` and
 ``NoticeChannel.recv(nap_s)``): when a batch is not published yet and batches come less than a
-few milliseconds apart (under ``NAP_MAX_PACE_S``), the client naps ~2.5 batch periods before waiting on its notice socket, so
-that one wake-up collects several batches.
+few milliseconds apart (under ``NAP_MAX_PACE_S``), the client naps a third of its ring's slots in
+batch periods (at most ``NAP_BATCHES``) before waiting on its notice socket, so that one wake-up
+collects several batches.
 
 The unit tests pin when it naps and that a nap loses nothing (a record sent during the nap, the
 end of the channel during the nap); the served test checks, bit for bit against the in-process
@@ -101,9 +102,10 @@ def test_no_nap_asked_means_a_plain_wait(monkeypatch: pytest.MonkeyPatch) -> Non
         daemon.close()
 
 
-def _stream_stub(may_nap: bool = True) -> _stream._Stream:
+def _stream_stub(may_nap: bool = True, slots: int = 16) -> _stream._Stream:
     s = _stream._Stream.__new__(_stream._Stream)
     s._may_nap = may_nap
+    s._nap_batches = _stream.nap_batches(slots)
     s._pace = 0.0
     s._last_ask = 0.0
     return s
@@ -114,11 +116,22 @@ def _naps_at(s: _stream._Stream, period: float, n: int, start: float = 100.0) ->
     return [s.nap_for(start + i * period, i == 0) for i in range(n)]
 
 
-def test_batches_a_fraction_of_a_millisecond_apart_nap_two_and_a_half_periods() -> None:
+def test_batches_a_fraction_of_a_millisecond_apart_nap_five_periods_on_sixteen_slots() -> None:
     naps = _naps_at(_stream_stub(), 0.0004, 80)
     assert naps[0] == 0.0  # an epoch's first batch never naps (its latency is start-up time)
-    assert naps[-1] == pytest.approx(_stream.NAP_BATCHES * 0.0004, rel=0.02)
-    assert all(0.0 <= x <= _stream.NAP_BATCHES * 0.0004 * 1.001 for x in naps)
+    assert naps[-1] == pytest.approx(5 * 0.0004, rel=0.02)
+    assert all(0.0 <= x <= 5 * 0.0004 * 1.001 for x in naps)
+
+
+@pytest.mark.parametrize(("slots", "periods"), [(8, 8 / 3), (12, 4.0), (16, 5.0), (64, 5.0)])
+def test_the_nap_is_a_third_of_the_ring_in_batch_periods_at_most_five(
+    slots: int, periods: float
+) -> None:
+    # The daemon fills the ring while the client naps: a nap must leave room for the slot the
+    # client holds and those being decoded, and a ring of 8 slots naps as before (~2.5).
+    assert _stream.nap_batches(slots) == pytest.approx(periods)
+    naps = _naps_at(_stream_stub(slots=slots), 0.0004, 80)
+    assert naps[-1] == pytest.approx(periods * 0.0004, rel=0.02)
 
 
 def test_slow_batches_never_nap() -> None:
@@ -129,7 +142,7 @@ def test_slow_batches_never_nap() -> None:
 def test_four_clients_of_one_daemon_nap_too() -> None:
     # CIFAR batches shared by four clients come ~1.6 ms apart to each
     naps = _naps_at(_stream_stub(), 0.0016, 60)
-    assert naps[-1] == pytest.approx(_stream.NAP_BATCHES * 0.0016, rel=0.02)
+    assert naps[-1] == pytest.approx(5 * 0.0016, rel=0.02)
 
 
 def test_a_stream_that_may_not_nap_never_does() -> None:
