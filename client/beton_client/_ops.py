@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from beton_client._torch import import_torch
 from beton_client.errors import BetonClientError, SpecError
 
 __all__ = [
@@ -528,7 +529,7 @@ def build_tail(ops: Sequence[Any]) -> list[TailOp]:
     if not ops:
         return []
     try:
-        import torch
+        torch = import_torch()
     except ImportError:
         raise SpecError(
             "this pipeline has ops after the transport boundary (ToTensor, ToDevice, torch "

@@ -32,6 +32,7 @@ Threading: built and called from the thread that iterates the Loader.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,7 @@ from beton_client._ops import (
     SpecOp,
     build_tail,
 )
+from beton_client._torch import import_torch, torch_if_installed
 from beton_client.errors import PipelineError, SpecError, TransportError
 
 __all__ = [
@@ -140,8 +142,7 @@ def _queries(alloc: Any, where: str) -> list[Any] | Any:
 def _empty(q: Any, batch: int | None) -> Any:
     shape = tuple(q.shape) if batch is None else (batch, *q.shape)
     if _is_torch_dtype(q.dtype):
-        import torch
-
+        torch = import_torch()
         return torch.empty(shape, dtype=q.dtype, device=q.device or "cpu")
     return np.empty(shape, dtype=q.dtype)
 
@@ -196,13 +197,19 @@ def _spec_state(op: Any, state: State) -> State:
     """The state after a built-in op known only by name (a :class:`SpecOp` from the daemon)."""
     if op.spec_name == "ToTensor" and state.jit_mode:
         try:
-            import torch
-
+            torch = import_torch()
             dtype = torch.from_numpy(np.empty(0, dtype=state.dtype)).dtype
         except (ImportError, TypeError):
             dtype = state.dtype
         return State(jit_mode=False, device=state.device, shape=state.shape, dtype=dtype)
     return dataclasses.replace(state, jit_mode=False)
+
+
+def _on_torch(op: Any) -> bool:
+    """Whether ``op`` runs on torch tensors here: a conversion op (built in, or named by the
+    daemon), a torch module or another callable (FFCV's non-jit stage)."""
+    name = getattr(op, "spec_name", None) or type(op).__name__
+    return isinstance(op, SpecOp) or name in CLIENT_IMPLEMENTED or not _has_ffcv_api(op)
 
 
 class OutputTail:
@@ -240,6 +247,10 @@ class OutputTail:
         self._keys: tuple[int, int, list[Any]] | None = None  # (seed, epoch, keys by step)
         state = State(jit_mode=True, device="cpu", shape=tuple(shape), dtype=np.dtype(dtype))
         local: list[str] = []
+        if any(_on_torch(op) for op in ops):
+            # Before any op's own code imports it: off this stack (beton_client._torch).
+            with contextlib.suppress(ImportError):  # the op that needs it says so below
+                torch_if_installed()
         for op, pos in zip(ops, positions, strict=True):
             name = getattr(op, "spec_name", None) or type(op).__name__
             where = f"{type(op).__name__} (pipeline {output!r})"

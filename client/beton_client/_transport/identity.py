@@ -21,8 +21,9 @@ import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
+
+from beton_client._torch import torch_if_installed
 
 __all__ = ["ClientFacts", "CudaDevice", "HostIdentity", "gather_facts", "host_identity"]
 
@@ -154,14 +155,6 @@ def _torch_cuda(torch: Any) -> tuple[bool, bool, tuple[CudaDevice, ...]]:
         return True, False, ()
 
 
-def _import_torch() -> ModuleType | None:
-    if importlib.util.find_spec("torch") is None:
-        return None
-    import torch
-
-    return torch
-
-
 def _cupy_works() -> bool:
     if importlib.util.find_spec("cupy") is None:
         return False
@@ -194,7 +187,7 @@ def gather_facts(
     Returns:
         The facts; gathering never raises for a missing library or driver.
     """
-    torch: Any = _import_torch() if torch_module is True else torch_module
+    torch: Any = torch_if_installed() if torch_module is True else torch_module
     has_torch, has_cuda, devices = _torch_cuda(torch or None)
     wants_cuda = device.startswith("cuda")
     if cupy_available is None:
