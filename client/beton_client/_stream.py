@@ -235,8 +235,9 @@ class _Stream:
 
         Why: when the daemon cannot keep up (every core busy), the iterator finds no batch
         ready almost every time, and each wait is a sleep and a wake-up of this process, which
-        on the machines measured (virtual machines) costs ~30 us of CPU here and more in the
-        daemon's send, on cores the decoding needs. On CIFAR-sized batches (~0.4 ms each, or
+        on the machines measured (virtual machines) costs ~80-100 us of this thread's CPU
+        (session 59; the batches read after it run on cold caches), on cores the decoding
+        needs. On CIFAR-sized batches (~0.4 ms each, or
         ~1.6 ms each for four clients of one daemon) that is a tenth of the work. Napping
         :func:`nap_batches` periods instead (5 on a 16-slot ring) makes one wake-up collect
         ~6 batches: it changes when this process looks, not how fast batches come, since the

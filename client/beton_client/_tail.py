@@ -46,6 +46,7 @@ from beton_client._ops import (
     LOCAL_MARKER,
     PipelinePlan,
     SpecOp,
+    _op_name,
     build_tail,
 )
 from beton_client._torch import import_torch, torch_if_installed
@@ -208,8 +209,7 @@ def _spec_state(op: Any, state: State) -> State:
 def _on_torch(op: Any) -> bool:
     """Whether ``op`` runs on torch tensors here: a conversion op (built in, or named by the
     daemon), a torch module or another callable (FFCV's non-jit stage)."""
-    name = getattr(op, "spec_name", None) or type(op).__name__
-    return isinstance(op, SpecOp) or name in CLIENT_IMPLEMENTED or not _has_ffcv_api(op)
+    return isinstance(op, SpecOp) or _op_name(op) in CLIENT_IMPLEMENTED or not _has_ffcv_api(op)
 
 
 class OutputTail:
@@ -252,7 +252,7 @@ class OutputTail:
             with contextlib.suppress(ImportError):  # the op that needs it says so below
                 torch_if_installed()
         for op, pos in zip(ops, positions, strict=True):
-            name = getattr(op, "spec_name", None) or type(op).__name__
+            name = _op_name(op)
             where = f"{type(op).__name__} (pipeline {output!r})"
             # NormalizeImage runs its own code (as in process: a contiguous NCHW output into a
             # reused buffer), unless the daemon named it (a SpecOp has no code here).
