@@ -3,7 +3,7 @@ fallback), FFCV 1.0.2 and a whole-image decode of the same files, side by side i
 
     python benchmarks/bench_decode_limit.py [--imagenet-n 2000] [--cifar-n 50000] [--subset N]
         [--epochs 2] [--cifar-epochs 20] [--rounds 2] [--workers 1,2] [--only rrc,center,cifar]
-        [--smoke] [--json]
+        [--smoke] [--json] [--systems tj3,simplejpeg,ffcv,full] [--baseline-src DIR]
         [--ffcv-python ../peers/ffcv-venv/bin/python] [--skip-ffcv]
     python benchmarks/bench_decode_limit.py --scale-table     # the cost table of beton_serve._tj3
 
@@ -21,7 +21,13 @@ turn for ``--rounds`` rounds (round-robin evens out the other load on a shared m
 Loader, its own venv), and ``full`` (simplejpeg decoding every JPEG whole, on as many threads as
 the Loaders have workers: the rate of "decode the whole file", the bar a crop decoder must beat).
 Every child warms up one epoch (compilation), then times ``--epochs`` epochs; a system's figure is
-the median over all its timed epochs, with the best one alongside.
+the median over all its timed epochs, with the best one alongside. ``--systems`` runs only the
+ones named.
+
+``--baseline-src DIR`` adds ``tj3-base``: the ``tj3`` child run on another checkout of this project
+(``git worktree add DIR <commit>``; its ``proto/``, ``server/`` and ``client/`` first on
+``PYTHONPATH``), in the same rounds, so that a change is measured against the code before it in
+one run and not against a figure from another day (`tj3 / base` is printed per case).
 """
 
 from __future__ import annotations
@@ -105,9 +111,17 @@ os._exit(0)  # the figures are taken; do not time (or hang in) worker shutdown
 
 
 def _child(
-    python: str, mode: str, case: str, path: Path, batch: int, workers: int, epochs: int, args
+    python: str,
+    mode: str,
+    case: str,
+    path: Path,
+    batch: int,
+    workers: int,
+    epochs: int,
+    args,
+    pythonpath: str = "",
 ) -> list:
-    env = {**os.environ, "PYTHONPATH": ""}
+    env = {**os.environ, "PYTHONPATH": pythonpath}
     proc = subprocess.run(
         [
             python,
@@ -205,6 +219,15 @@ def main() -> int:
         "--ffcv-python", default=str(ROOT.parent / "peers" / "ffcv-venv" / "bin" / "python")
     )
     ap.add_argument("--skip-ffcv", action="store_true")
+    ap.add_argument(
+        "--systems", default="", help="run only these (comma-separated; default: every one)"
+    )
+    ap.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="another checkout of this project, run as the system tj3-base",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny data, one epoch, one round")
     ap.add_argument("--json", action="store_true", help="print one JSON line only")
     ap.add_argument("--scale-table", action="store_true")
@@ -219,6 +242,15 @@ def main() -> int:
         args.cifar_epochs = 1
         args.subset = 0
     workers = [int(w) for w in args.workers.split(",")]
+    base_path = ""
+    if args.baseline_src is not None:
+        src = args.baseline_src.resolve()
+        if not (src / "server" / "beton_serve").is_dir():
+            ap.error(f"--baseline-src {src}: no server/beton_serve there")
+        base_path = os.pathsep.join(
+            str(src / d) for d in ("proto", "server", "client") if (src / d).is_dir()
+        )
+    only = {s for s in args.systems.split(",") if s}
     cases = [c for c in args.only.split(",") if c]
     ffcv = None if args.skip_ffcv or not Path(args.ffcv_python).exists() else args.ffcv_python
     paths = {}
@@ -231,6 +263,8 @@ def main() -> int:
         systems = ["tj3", "simplejpeg"] if case != "cifar" else ["tj3"]
         systems += ["ffcv"] if ffcv else []
         systems += ["full"] if case != "cifar" else []
+        systems += ["tj3-base"] if base_path else []
+        systems = [s for s in systems if not only or s in only]
         for w in workers:
             for s in systems:
                 jobs.append((case, w, s, ffcv if s == "ffcv" else sys.executable))
@@ -242,7 +276,10 @@ def main() -> int:
             if args.smoke:
                 batch = 16 if case != "cifar" else 256
             epochs = args.cifar_epochs if case == "cifar" else args.epochs
-            got = _child(python, system, case, path, batch, w, epochs, args)
+            if system == "tj3-base":
+                got = _child(python, "tj3", case, path, batch, w, epochs, args, base_path)
+            else:
+                got = _child(python, system, case, path, batch, w, epochs, args)
             rates.setdefault((case, w, system), []).extend(got)
     out: dict = {
         "machine_cpus": os.cpu_count(),
@@ -260,11 +297,13 @@ def main() -> int:
     for c in out["cases"].values():
         for r in c.values():
             med = {s: v["median_img_s"] for s, v in r.items()}
-            for s in ("tj3", "simplejpeg"):
+            for s in ("tj3", "simplejpeg", "tj3-base"):
                 if s in med and "ffcv" in med:
                     r[s]["x_ffcv"] = round(med[s] / med["ffcv"], 2)
                 if s in med and "full" in med:
                     r[s]["x_full_decode"] = round(med[s] / med["full"], 2)
+            if "tj3" in med and "tj3-base" in med:
+                r["tj3"]["x_base"] = round(med["tj3"] / med["tj3-base"], 3)
         if "1w" in c and "2w" in c:
             c["scaling_1_to_2"] = {
                 s: round(c["2w"][s]["median_img_s"] / c["1w"][s]["median_img_s"], 2)
@@ -284,8 +323,9 @@ def main() -> int:
             for s, v in r.items():
                 xf = v.get("x_ffcv", "")
                 xd = v.get("x_full_decode", "")
+                xb = f"  tj3 / base {v['x_base']}" if "x_base" in v else ""
                 print(
-                    f"{case:8} {wk:7} {s:11} {v['median_img_s']:8} {v['best_img_s']:8} {xf!s:>7} {xd!s:>7}"
+                    f"{case:8} {wk:7} {s:11} {v['median_img_s']:8} {v['best_img_s']:8} {xf!s:>7} {xd!s:>7}{xb}"
                 )
         if "scaling_1_to_2" in c:
             print(f"{case:8} scaling 1 -> 2 workers: {c['scaling_1_to_2']}")
