@@ -72,19 +72,25 @@ class _Sleepy(AddOne):
         return sleepy
 
 
-def _epoch(workers: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """One epoch's batches, and the most ops that ran at once after the first batch came (the
-    first, waited for, is split over every worker anyway)."""
-    ld = Loader(
+def _loader(workers: int, op: AddOne, seed: int, slices: int | None = None) -> Loader:
+    """8 batches of 32 samples, 3 ahead, ``op`` on the images."""
+    return Loader(
         FakeReader(n=256),
         batch_size=32,
         num_workers=workers,
         batches_ahead=3,
         order=OrderOption.RANDOM,
-        seed=5,
-        pipelines={"image": [_Sleepy()], "label": [AddIndex()]},
+        seed=seed,
+        slices=slices,
+        pipelines={"image": [op], "label": [AddIndex()]},
         plan_cache=_CACHE,
     )
+
+
+def _epoch(workers: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """One epoch's batches, and the most ops that ran at once after the first batch came (the
+    first, waited for, is split over every worker anyway)."""
+    ld = _loader(workers, _Sleepy(), seed=5)
     out = []
     with ld:
         for img, lab in ld:
@@ -219,3 +225,82 @@ def test_the_batch_a_consumer_still_holds_is_never_overwritten(ahead: int) -> No
                 for i, sid in enumerate(p_want.tolist()):
                     np.testing.assert_array_equal(p_img[i], fake_image(sid) + 1)
             prev = (img, lab, want)
+
+
+def test_tail_slices_split_the_last_batches_of_a_lone_consumer_of_long_tasks() -> None:
+    """The end of an epoch: ``ceil(4 * workers / left)`` parts, at most ``4 * workers``, only
+    where a worker would otherwise idle and a task is long enough to be worth splitting."""
+    with Engine(2) as eng:
+        d = eng.hold_demand(3)
+        assert eng.tail_slices(1) == 1  # no task has run: nothing to judge their length by
+        eng.tasks_done, eng.busy_s = 10, 1.0  # 100 ms a task (a RandomResizedCrop batch)
+        got = [eng.tail_slices(k) for k in (1, 2, 3, 4, 7, 8, 9, 100)]
+        assert got == [8, 4, 3, 2, 2, 1, 1, 1]
+        assert eng.tail_slices(0) == 1
+        eng.busy_s = 0.01  # 1 ms a task (a CIFAR batch): a part's fixed cost would dominate
+        assert eng.tail_slices(1) == 1
+        eng.busy_s = 1.0
+        other = eng.hold_demand(3)  # another consumer's batches keep the workers busy
+        assert eng.tail_slices(1) == 1
+        other.release()
+        assert eng.tail_slices(1) == 8
+        d.release()
+    with Engine(1) as eng:
+        d = eng.hold_demand(3)
+        eng.tasks_done, eng.busy_s = 10, 1.0
+        assert eng.tail_slices(1) == 1  # one worker never idles while another works
+        d.release()
+
+
+class _PartSizes(AddOne):
+    """A Python op that sleeps 1 ms per sample (tasks long enough for the tail split) and
+    records how many samples each call got."""
+
+    sizes: list[int] = []
+
+    def generate_code(self):
+        op = type(self)
+
+        def parts(inp, dst):
+            op.sizes.append(inp.shape[0])
+            time.sleep(0.001 * inp.shape[0])
+            for i in range(inp.shape[0]):
+                dst[i] = inp[i] + 1
+            return dst
+
+        parts.python = True
+        return parts
+
+
+def _tail_run(workers: int, slices: int | None) -> tuple[list[tuple[np.ndarray, np.ndarray]], list]:
+    """Two epochs of 8 batches of 32; the batches and each epoch's part sizes."""
+    ld = _loader(workers, _PartSizes(), seed=11, slices=slices)
+    out, sizes = [], []
+    with ld:
+        for _ in range(2):
+            _PartSizes.sizes = []
+            for img, lab in ld:
+                out.append((np.array(img), np.array(lab)))
+            sizes.append(list(_PartSizes.sizes))
+    return out, sizes
+
+
+def test_the_last_batches_of_an_epoch_run_in_parts_and_change_no_output() -> None:
+    ref, ref_sizes = _tail_run(1, None)
+    assert all(set(s) == {32} for s in ref_sizes)  # one worker: whole batches throughout
+    got, sizes = _tail_run(2, None)
+    whole, _ = _tail_run(2, 1)
+    # The second epoch knows the tasks' length: its last batch runs in 8 parts of 4 samples.
+    assert sizes[1].count(4) == 8, sizes[1]
+    assert sum(sizes[1]) == 256
+    assert len(got) == len(ref) == len(whole) == 16
+    for (img, lab), (img_w, lab_w), (img_r, lab_r) in zip(got, whole, ref, strict=True):
+        np.testing.assert_array_equal(img, img_r)
+        np.testing.assert_array_equal(lab, lab_r)
+        np.testing.assert_array_equal(img_w, img_r)
+        np.testing.assert_array_equal(lab_w, lab_r)
+
+
+def test_slices_1_keeps_whole_batches_at_the_end_of_an_epoch() -> None:
+    _, sizes = _tail_run(2, 1)
+    assert all(set(s) == {32} for s in sizes), sizes

@@ -54,6 +54,9 @@ in flight (``batches_ahead=3``) on 16 workers splits each prefetched batch into 
 workers keep whole batches (cheaper per image). The registry is a ``deque`` of ints: ``append``, ``remove`` and ``sum``
 over it run in C without releasing the GIL, so it needs no lock, and a consumer's finalizer may
 drop its demand while another thread is inside :meth:`Engine.submit` holding ``_lock``.
+The end of an epoch: the in-process Loader starts nothing of the next epoch before its
+consumer does, so the last batches run in more parts (:meth:`Engine.tail_slices`) and the
+workers finish the epoch together instead of one ending it alone.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ from beton_serve.errors import (
 __all__ = ["Demand", "Engine", "Task"]
 
 _log = logging.getLogger(__name__)
+
+#: The mean task time below which :meth:`Engine.tail_slices` keeps whole batches (seconds).
+TAIL_MIN_TASK_S = 0.002
 
 #: Sorts after every real priority; tells a worker to exit.
 _STOP_PRIORITY = float("inf")
@@ -510,6 +516,28 @@ class Engine:
         least 1 (1 when no consumer registered its demand)."""
         total = sum(self._demand)
         return max(1, -(-self.num_workers // total)) if total > 0 else 1
+
+    def tail_slices(self, left: int) -> int:
+        """Units of work for a prefetched batch near the end of its consumer's epoch, where
+        ``left`` is how many batches that epoch has left from this one on (this one included).
+
+        With whole batches, the last ones of an epoch run on some workers while the others
+        idle, because the in-process Loader starts nothing of the next epoch before its
+        consumer does: half a batch per epoch on average, 2-7 % of a 7-batch RandomResizedCrop
+        epoch at 2 workers (``benchmarks/RESULTS.md``, session 61). So the last batches run in
+        ``ceil(4 * num_workers / left)`` parts, at most ``4 * num_workers``, and the workers
+        finish within a small part of a batch of each other.
+
+        Returns 1 (whole batches, as before) on one worker, while other consumers have work for
+        the workers, or while the engine's tasks are short (a mean under
+        :data:`TAIL_MIN_TASK_S`), where a part's fixed cost outweighs the idle it saves.
+        """
+        if self.num_workers < 2 or left < 1 or len(self._demand) > 1 or self.tasks_done == 0:
+            return 1
+        if self.busy_s < TAIL_MIN_TASK_S * self.tasks_done:
+            return 1
+        most = 4 * self.num_workers
+        return max(1, min(most, -(-most // left)))
 
     @property
     def queue_depth(self) -> int:

@@ -456,10 +456,17 @@ class EngineEpochFeed:
             return
         slot = self._slots[b % len(self._slots)]
         # The batch the consumer needs next is split across the workers; a prefetched one runs
-        # in as many parts as keep every worker busy (whole when the batches ahead do).
+        # in as many parts as keep every worker busy (whole when the batches ahead do), and the
+        # last ones of the epoch in more, so that no worker idles while one ends the epoch.
         waited = b == self.batch
         source = self._source
-        slices = None if waited else min(source.slices, self._running.engine.prefetch_slices())
+        if waited:
+            slices = None
+        else:
+            engine = self._running.engine
+            slices = min(source.slices, engine.prefetch_slices())
+            if source.slices > 1:  # slices=1: the user asked for whole batches
+                slices = max(slices, engine.tail_slices(self._end - b))
         fut = source.submit(self.epoch, b, slot, priority=0 if waited else 1, slices=slices)
         self._running.futures.append(fut)
         self._next_submit += 1
