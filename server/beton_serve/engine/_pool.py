@@ -532,12 +532,13 @@ class Engine:
         the workers, or while the engine's tasks are short (a mean under
         :data:`TAIL_MIN_TASK_S`), where a part's fixed cost outweighs the idle it saves.
         """
-        if self.num_workers < 2 or left < 1 or len(self._demand) > 1 or self.tasks_done == 0:
-            return 1
-        if self.busy_s < TAIL_MIN_TASK_S * self.tasks_done:
-            return 1
         most = 4 * self.num_workers
-        return max(1, min(most, -(-most // left)))
+        # left >= most first: it is every batch but an epoch's last few, and it gives 1 anyway
+        if left >= most or left < 1 or self.num_workers < 2 or len(self._demand) > 1:
+            return 1
+        if self.tasks_done == 0 or self.busy_s < TAIL_MIN_TASK_S * self.tasks_done:
+            return 1
+        return min(most, -(-most // left))
 
     @property
     def queue_depth(self) -> int:
